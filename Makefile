@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine (see README):
+#   make demo   installs into .venv and runs the main job
+#   make test   installs into .venv and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch==2.13.0 is the CPU wheel on this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m training.demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_generation.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,150 @@
+"""FastWeightCache: a constant-size recurrent state in place of a growing KV cache.
+
+Each layer keeps a dict of named state tensors (batch first), e.g. the fast weight matrix
+``fast_weight [B, H, Dv, Dk]`` and the normaliser ``normalizer [B, H, 1, Dk]``; recurrent FWPs add their
+own entries (second fast weight, previous output, cell state). The cache counts the tokens it has seen,
+reorders / selects / repeats rows for beam search and batched generation, and cannot be cropped: a
+fast weight update cannot be undone by dropping positions.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class FastWeightCacheLayer(CacheLayerMixin):
+    """One layer's recurrent state: a dict of batch-first tensors and a count of seen tokens."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.states: Dict[str, torch.Tensor] = {}
+        self.seen_tokens = 0
+
+    def __repr__(self) -> str:
+        shapes = {name: tuple(t.shape) for name, t in self.states.items()}
+        return f"{self.__class__.__name__}(seen_tokens={self.seen_tokens}, states={shapes})"
+
+    # The key/value interface of attention caches does not apply to fast weights.
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise NotImplementedError("FastWeightCache holds recurrent states, not keys and values: use `set_state`")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        for tensor in self.states.values():
+            return tensor.shape[0]
+        return -1
+
+    def _map(self, fn) -> None:
+        self.states = {name: fn(t) for name, t in self.states.items()}
+
+    def offload(self) -> None:
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.states = {}
+        self.seen_tokens = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices.to(t.device)])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "FastWeightCache cannot be cropped: fast weights are a running sum of updates, so earlier states "
+            "cannot be recovered by dropping positions (assisted decoding and cache rollback are unsupported)"
+        )
+
+
+class FastWeightCache(Cache):
+    """Per-layer recurrent state of a fast-weight model (transformers ``Cache``), constant in sequence length.
+
+    ``get_state(layer_idx) -> dict | None`` returns the state to continue from; ``set_state(layer_idx, state,
+    num_new_tokens)`` stores a layer's final state. ``token_counts`` (``[B]``, long) counts the non-padding
+    tokens of each row (used for absolute positions under left padding).
+    """
+
+    def __init__(self, num_hidden_layers: int) -> None:
+        super().__init__(layers=[FastWeightCacheLayer() for _ in range(num_hidden_layers)])
+        self.token_counts: Optional[torch.Tensor] = None
+
+    def get_state(self, layer_idx: int) -> Optional[Dict[str, torch.Tensor]]:
+        states = self.layers[layer_idx].states
+        return dict(states) if states else None
+
+    def set_state(self, layer_idx: int, state: Dict[str, torch.Tensor], num_new_tokens: int) -> None:
+        layer = self.layers[layer_idx]
+        layer.states = dict(state)
+        layer.seen_tokens += num_new_tokens
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].get_seq_length()
+
+    @property
+    def batch_size(self) -> int:
+        if self.token_counts is not None:
+            return self.token_counts.shape[0]
+        return super().batch_size
+
+    def nbytes(self) -> int:
+        """Bytes held by all state tensors (constant in the number of tokens seen)."""
+        total = sum(t.numel() * t.element_size() for layer in self.layers for t in layer.states.values())
+        if self.token_counts is not None:
+            total += self.token_counts.numel() * self.token_counts.element_size()
+        return total
+
+    def detach_(self) -> "FastWeightCache":
+        """Stops gradients at the segment boundary (truncated backpropagation through time)."""
+        for layer in self.layers:
+            layer._map(lambda t: t.detach())
+        return self
+
+    def _map_counts(self, fn) -> None:
+        if self.token_counts is not None:
+            self.token_counts = fn(self.token_counts)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_counts(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_counts(lambda t: t[indices.to(t.device)])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_counts(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.layers[0].crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.token_counts = None

@@ -1,0 +1,103 @@
+"""Fast-weight layers: what distinguishes one model of the family from another.
+
+Every layer has the same interface, called by the shared backbone (``modeling_fwp.FastWeightBlock``)::
+
+    forward(hidden_states [B, T, D], state: dict | None, token_mask [B, T] | None) -> (output [B, T, D], state)
+
+``state`` is the layer's recurrent state (a dict of batch-first tensors, see ``FastWeightCache``);
+``token_mask`` is 1.0 for real tokens and 0.0 for padding: padded positions must never write the state.
+New layers register themselves in ``FAST_WEIGHT_LAYERS`` under the name a config's ``fast_weight_layer``
+attribute selects.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fwp_kernels import delta_rule, linear_attention
+
+from .feature_maps import FeatureMap
+
+FAST_WEIGHT_LAYERS: Dict[str, type] = {}
+State = Optional[Dict[str, torch.Tensor]]
+
+
+def register_fast_weight_layer(name: str):
+    """Class decorator: makes a fast-weight layer selectable with ``config.fast_weight_layer = name``."""
+
+    def wrap(cls):
+        FAST_WEIGHT_LAYERS[name] = cls
+        return cls
+
+    return wrap
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[B, T, H * d] -> [B, H, T, d]``."""
+    B, T, _ = x.shape
+    return x.view(B, T, num_heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, d] -> [B, T, H * d]``."""
+    B, H, T, d = x.shape
+    return x.transpose(1, 2).reshape(B, T, H * d)
+
+
+@register_fast_weight_layer("linear")
+class FastWeightLinearAttention(nn.Module):
+    """Linear Transformer / Delta Net layer: slow net feedforward, fast net linear (Schlag et al. 2021).
+
+    Slow projections (eq. 1): ``k_t, v_t, q_t = W_k x_t, W_v x_t, W_q x_t`` per head; for the delta rule also
+    ``beta_t = sigmoid(W_beta x_t)`` (eq. 18). The fast weight W [Dv, Dk] is written with the sum rule
+    (eq. 5) or the delta rule (eq. 19) and read with ``y_t = W_t phi(q_t)``; optional attention
+    normalisation divides by ``z_t . phi(q_t)``, ``z_t = z_{t-1} + phi(k_t)`` (eqs. 26-28).
+
+    State: ``fast_weight [B, H, Dv, Dk]`` and, with attention normalisation, ``normalizer [B, H, 1, Dk]``.
+    """
+
+    def __init__(self, config, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.update_rule = config.update_rule
+        self.attention_normalization = config.attention_normalization
+        self.kernel_mode = config.kernel_mode
+        self.chunk_size = config.chunk_size
+        inner = self.num_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * inner, bias=False)
+        self.beta_proj = nn.Linear(config.hidden_size, self.num_heads, bias=True) if self.update_rule == "delta" else None
+        self.o_proj = nn.Linear(inner, config.hidden_size, bias=False)
+        self.feature_map = FeatureMap(config)
+
+    def forward(
+        self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        q, k, v = (split_heads(x, self.num_heads) for x in self.qkv_proj(hidden_states).chunk(3, dim=-1))
+        if self.training and state is None:
+            self.feature_map.redraw()  # FAVOR+: new random features per training batch (no-op otherwise)
+        q, k = self.feature_map(q), self.feature_map(k)
+        beta = torch.sigmoid(self.beta_proj(hidden_states)).transpose(1, 2) if self.beta_proj is not None else None
+        if token_mask is not None:
+            # Padded positions write nothing: phi(k) = 0 (and beta = 0) makes the update vanish.
+            mask = token_mask.to(k.dtype)[:, None, :]
+            k = k * mask[..., None]
+            if beta is not None:
+                beta = beta * mask
+        state = state or {}
+        kernel_kwargs = dict(output_final_state=True, mode=self.kernel_mode, chunk_size=self.chunk_size)
+        if self.update_rule == "delta":
+            out, fast_weight = delta_rule(q, k, v, beta, initial_state=state.get("fast_weight"), **kernel_kwargs)
+        else:
+            out, fast_weight = linear_attention(q, k, v, initial_state=state.get("fast_weight"), **kernel_kwargs)
+        new_state = {"fast_weight": fast_weight}
+        if self.attention_normalization:
+            # z_t . phi(q_t) is linear attention with a constant value 1 (eqs. 27-28).
+            ones = v.new_ones(v.shape[:-1] + (1,))
+            denominator, normalizer = linear_attention(q, k, ones, initial_state=state.get("normalizer"), **kernel_kwargs)
+            out = out / (denominator + 1e-6)
+            new_state["normalizer"] = normalizer
+        return self.o_proj(merge_heads(out)), new_state

@@ -1,0 +1,322 @@
+"""The shared LM backbone of every fast-weight model, and the per-family Auto-registered classes.
+
+All models are pre-LN stacks of ``FastWeightBlock``s (fast-weight layer + feed-forward, Schlag et al. 2021
+sec. 6.2 / Irie et al. 2021 sec. 4.1); a family differs only in the fast-weight layer its config selects.
+The recurrent state lives in a ``FastWeightCache``: it is what generation continues from and what the papers'
+"full context" training carries across segments (gradients stopped at segment boundaries).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .cache_fwp import FastWeightCache
+from .configuration_fwp import DeltaNetConfig, FastWeightConfig, LinearTransformerConfig
+from .fast_weight_layers import FAST_WEIGHT_LAYERS
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward: ``W_2 act(W_1 x + b_1) + b_2``."""
+
+    def __init__(self, config: FastWeightConfig) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.dropout(self.act(self.up_proj(hidden_states))))
+
+
+class FastWeightBlock(GradientCheckpointingLayer):
+    """Pre-LN block: ``h = x + FWL(LN(x))``, ``out = h + FF(LN(h))``.
+
+    ``forward(hidden_states [B, T, D], state=None, token_mask=None) -> (hidden_states, new_state)``. The state
+    is passed in and out explicitly (not through the cache), so gradient checkpointing can replay the block.
+    """
+
+    def __init__(self, config: FastWeightConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.fast_weight_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        layer_name = getattr(config, "fast_weight_layer", "linear")
+        if layer_name not in FAST_WEIGHT_LAYERS:
+            raise ValueError(f"`fast_weight_layer` must be one of {sorted(FAST_WEIGHT_LAYERS)}, got {layer_name!r}")
+        self.fast_weight = FAST_WEIGHT_LAYERS[layer_name](config, layer_idx)
+        self.ff_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.feed_forward = FeedForward(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden_states, state=None, token_mask=None):
+        update, new_state = self.fast_weight(self.fast_weight_norm(hidden_states), state=state, token_mask=token_mask)
+        hidden_states = hidden_states + self.dropout(update)
+        hidden_states = hidden_states + self.dropout(self.feed_forward(self.ff_norm(hidden_states)))
+        return hidden_states, new_state
+
+
+def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """Vaswani et al. 2017 absolute encoding: ``positions [B, T] -> [B, T, dim]``."""
+    inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, device=positions.device).float() / dim)
+    angles = positions.float()[..., None] * inv_freq
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)[..., :dim]
+
+
+class FastWeightPreTrainedModel(PreTrainedModel):
+    config_class = FastWeightConfig
+    config: FastWeightConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FastWeightBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _is_stateful = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # The model builds its own FastWeightCache; generate must not create a DynamicCache.
+        return False
+
+
+class FastWeightModel(FastWeightPreTrainedModel):
+    """Embeddings, a stack of ``FastWeightBlock``s and a final LayerNorm; returns hidden states and the cache."""
+
+    def __init__(self, config: FastWeightConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList(FastWeightBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def _token_mask(self, attention_mask, batch_size, seq_len, past_len) -> Optional[torch.Tensor]:
+        """Validates a 2-D padding mask ``[B, T]`` or ``[B, past + T]``; returns ``[B, T]`` floats or None."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
+            seq_len,
+            past_len + seq_len,
+        ):
+            raise ValueError(
+                f"`attention_mask` must be a 2-D padding mask of shape [batch, {seq_len}] or "
+                f"[batch, past + new tokens = {past_len + seq_len}] with batch = {batch_size}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask[:, -seq_len:]
+        if bool(mask.all()):
+            return None
+        return mask.to(torch.float32)
+
+    def _positions(self, token_mask, cache, batch_size, seq_len, device) -> torch.Tensor:
+        mask = token_mask if token_mask is not None else torch.ones(batch_size, seq_len, device=device)
+        offsets = cache.token_counts if cache is not None and cache.token_counts is not None else 0
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        return positions + (offsets[:, None] if torch.is_tensor(offsets) else offsets)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[FastWeightCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> Union[BaseModelOutputWithPast, Tuple]:
+        """
+        Args:
+            input_ids: ``[B, T]`` token ids in ``[0, vocab_size)`` (or ``inputs_embeds [B, T, D]``).
+            attention_mask: ``[B, T]`` or ``[B, past + T]`` padding mask (1 = token, 0 = padding).
+            past_key_values: a ``FastWeightCache`` to continue from; it is updated in place and returned.
+                Its state is detached: gradients stop at segment boundaries.
+            use_cache: return a cache (a new one when ``past_key_values`` is None).
+        Returns:
+            ``BaseModelOutputWithPast(last_hidden_state [B, T, D], past_key_values, hidden_states)``.
+        """
+        config = self.config
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        use_cache = use_cache if use_cache is not None else config.use_cache
+        return_dict = return_dict if return_dict is not None else config.return_dict
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Specify exactly one of `input_ids` and `inputs_embeds`")
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"`input_ids` must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+                raise ValueError(
+                    f"`input_ids` must lie in [0, vocab_size={config.vocab_size}), got values in "
+                    f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+                )
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_len = inputs_embeds.shape[:2]
+
+        if past_key_values is not None and not isinstance(past_key_values, FastWeightCache):
+            raise ValueError(
+                f"`past_key_values` must be a FastWeightCache (or None), got {type(past_key_values).__name__}"
+            )
+        if past_key_values is not None and past_key_values.batch_size not in (-1, batch_size):
+            raise ValueError(
+                f"`past_key_values` holds a state for batch size {past_key_values.batch_size}, but the input has "
+                f"batch size {batch_size}"
+            )
+        if past_key_values is None and use_cache:
+            past_key_values = FastWeightCache(config.num_hidden_layers)
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        token_mask = self._token_mask(attention_mask, batch_size, seq_len, past_len)
+
+        hidden_states = inputs_embeds
+        if config.position_embedding_type != "none":
+            if position_ids is None:
+                position_ids = self._positions(token_mask, past_key_values, batch_size, seq_len, hidden_states.device)
+            if config.position_embedding_type == "learned":
+                if int(position_ids.max()) >= config.max_position_embeddings:
+                    raise ValueError(
+                        f"`position_ids` reach {int(position_ids.max())}, beyond max_position_embeddings="
+                        f"{config.max_position_embeddings}"
+                    )
+                hidden_states = hidden_states + self.embed_positions(position_ids)
+            else:
+                hidden_states = hidden_states + sinusoidal_position_embedding(position_ids, config.hidden_size).to(
+                    hidden_states.dtype
+                )
+        hidden_states = self.dropout(hidden_states)
+
+        all_hidden_states = () if output_hidden_states else None
+        for layer_idx, block in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            state = past_key_values.get_state(layer_idx) if past_key_values is not None else None
+            if state is not None:
+                state = {name: t.detach() for name, t in state.items()}
+            hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
+            if past_key_values is not None:
+                past_key_values.set_state(layer_idx, new_state, seq_len)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+
+        if past_key_values is not None:
+            new_tokens = token_mask.sum(-1).long() if token_mask is not None else torch.full(
+                (batch_size,), seq_len, dtype=torch.long, device=hidden_states.device
+            )
+            counts = past_key_values.token_counts
+            past_key_values.token_counts = new_tokens if counts is None else counts + new_tokens
+
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
+    """A fast-weight model with a language modelling head (tied to the input embedding by default)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    base_model_class = FastWeightModel
+
+    def __init__(self, config: FastWeightConfig) -> None:
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[FastWeightCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        **kwargs,
+    ) -> Union[CausalLMOutputWithPast, Tuple]:
+        """
+        Args:
+            labels: ``[B, T]`` ids (shifted inside; -100 ignored). With ``num_items_in_batch`` (passed by Trainer)
+                the loss is the token sum divided by that count, so gradient accumulation is exact.
+            logits_to_keep: an int n keeps the last n positions' logits (0 keeps all), a tensor selects positions.
+            Other arguments as in ``FastWeightModel.forward``.
+        Returns:
+            ``CausalLMOutputWithPast(loss, logits [B, T', V], past_key_values, hidden_states)``.
+        """
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep > 0 else hidden_states
+        else:
+            hidden_states = hidden_states[:, logits_to_keep]
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        output = CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+        return output if return_dict else output.to_tuple()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model families: the same backbone, a different config (and so a different fast-weight layer).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LinearTransformerModel(FastWeightModel):
+    config_class = LinearTransformerConfig
+
+
+class LinearTransformerForCausalLM(FastWeightForCausalLM):
+    config_class = LinearTransformerConfig
+    base_model_class = LinearTransformerModel
+
+
+class DeltaNetModel(FastWeightModel):
+    config_class = DeltaNetConfig
+
+
+class DeltaNetForCausalLM(FastWeightForCausalLM):
+    config_class = DeltaNetConfig
+    base_model_class = DeltaNetModel

@@ -1,0 +1,43 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+def tiny_config(cls=None, **overrides):
+    """A small config of any fast-weight family (DeltaNetConfig by default)."""
+    from modeling_fwp import DeltaNetConfig
+
+    cls = cls or DeltaNetConfig
+    kwargs = dict(
+        vocab_size=61, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=48,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def tiny_model(cls=None, seed=0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(cls, **overrides)).eval()
+
+
+@pytest.fixture
+def word_tokenizer():
+    """A word-level tokenizer over a small vocabulary, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + "the a cat dog sat on mat fast weights are programmed by slow nets and read with queries".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )

@@ -1,0 +1,389 @@
+"""Behaviour of the Linear Transformer / Delta Net causal LMs: cache, generation, padding, training."""
+import copy
+import itertools
+import logging
+
+import pytest
+import torch
+
+import modeling_fwp
+from modeling_fwp import DeltaNetConfig, DeltaNetForCausalLM, FastWeightCache, LinearTransformerConfig
+from modeling_fwp.feature_maps import dpfp_feature_map
+
+from conftest import tiny_config, tiny_model
+
+FEATURE_MAPS = ["elu", "dpfp", "favor", "relu", "identity"]
+RULES = [LinearTransformerConfig, DeltaNetConfig]
+
+
+def stepwise_logits(model, ids, **kwargs):
+    cache, logits = None, []
+    for t in range(ids.shape[1]):
+        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **kwargs)
+        cache = out.past_key_values
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1), cache
+
+
+@pytest.mark.parametrize("config_cls,feature_map", list(itertools.product(RULES, FEATURE_MAPS)))
+def test_cached_steps_equal_full_forward(config_cls, feature_map):
+    model = tiny_model(config_cls, feature_map=feature_map, dpfp_nu=2)
+    ids = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    full = model(ids).logits
+    steps, _ = stepwise_logits(model, ids)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-5)
+    # prefill a prefix, then continue one token at a time
+    out = model(ids[:, :7], use_cache=True)
+    cont = model(ids[:, 7:], past_key_values=out.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(torch.cat([out.logits, cont], 1), full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(attention_normalization=True, sum_normalization=True),
+        dict(position_embedding_type="sinusoidal"),
+        dict(position_embedding_type="learned", max_position_embeddings=64),
+        dict(tie_word_embeddings=False),
+    ],
+)
+def test_cached_steps_equal_full_forward_options(overrides):
+    model = tiny_model(DeltaNetConfig, **overrides)
+    ids = torch.randint(3, 61, (2, 9))
+    steps, _ = stepwise_logits(model, ids)
+    torch.testing.assert_close(steps, model(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("config_cls", RULES)
+def test_generate_with_and_without_cache(config_cls):
+    model = tiny_model(config_cls)
+    ids = torch.randint(3, 61, (2, 5))
+    with_cache = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True)
+    without = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
+    assert with_cache.shape == (2, 13)
+    assert torch.equal(with_cache, without)
+
+
+def test_beam_search_with_and_without_cache():
+    model = tiny_model(DeltaNetConfig, feature_map="dpfp")
+    ids = torch.randint(3, 61, (2, 5))
+    kwargs = dict(max_new_tokens=8, num_beams=4, num_return_sequences=2, do_sample=False)
+    with_cache = model.generate(ids, use_cache=True, **kwargs)
+    without = model.generate(ids, use_cache=False, **kwargs)
+    assert with_cache.shape[0] == 4
+    assert torch.equal(with_cache, without)
+
+
+def test_sampling_num_return_sequences_is_seeded():
+    model = tiny_model(LinearTransformerConfig)
+    ids = torch.randint(3, 61, (1, 4))
+    torch.manual_seed(3)
+    a = model.generate(ids, max_new_tokens=6, do_sample=True, num_return_sequences=3, top_k=20)
+    torch.manual_seed(3)
+    b = model.generate(ids, max_new_tokens=6, do_sample=True, num_return_sequences=3, top_k=20)
+    assert a.shape == (3, 10) and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("position_embedding_type", ["none", "sinusoidal"])
+def test_left_padded_batch_equals_each_prompt_alone(position_embedding_type):
+    model = tiny_model(DeltaNetConfig, position_embedding_type=position_embedding_type)
+    prompts = [torch.randint(3, 61, (n,)) for n in (7, 4, 2)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    logits = model(ids, attention_mask=mask).logits[:, -1]
+    for i, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        new_tokens = alone[0, len(p) :]  # may stop early at EOS; the batch then pads that row
+        assert torch.equal(batched[i, width : width + len(new_tokens)], new_tokens)
+        torch.testing.assert_close(logits[i], model(p[None]).logits[0, -1], rtol=1e-4, atol=1e-5)
+
+
+def test_padded_positions_do_not_write_state():
+    model = tiny_model(DeltaNetConfig)
+    ids = torch.randint(3, 61, (1, 6))
+    padded = torch.cat([torch.randint(3, 61, (1, 3)), ids], 1)  # garbage where the mask is 0
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
+    a = model(ids, use_cache=True).past_key_values
+    b = model(padded, attention_mask=mask, use_cache=True).past_key_values
+    for la, lb in zip(a.layers, b.layers):
+        torch.testing.assert_close(la.states["fast_weight"], lb.states["fast_weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_continue_generation_from_returned_cache():
+    model = tiny_model(DeltaNetConfig)
+    ids = torch.randint(3, 61, (1, 5))
+    first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = first.past_key_values
+    assert isinstance(cache, FastWeightCache)
+    extra = torch.randint(3, 61, (1, 2))
+    prompt2 = torch.cat([first.sequences, extra], 1)
+    continued = model.generate(prompt2, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    fresh = model.generate(prompt2, max_new_tokens=4, do_sample=False)
+    assert torch.equal(continued, fresh)
+
+
+def test_cache_size_is_constant_in_tokens():
+    model = tiny_model(LinearTransformerConfig)
+    out = model(torch.randint(3, 61, (1, 8)), use_cache=True)
+    cache = out.past_key_values
+    size = cache.nbytes()
+    for _ in range(30):
+        cache = model(torch.randint(3, 61, (1, 1)), past_key_values=cache, use_cache=True).past_key_values
+    assert cache.get_seq_length() == 38
+    assert cache.nbytes() == size > 0
+
+
+def test_cache_refuses_crop_and_reorders_for_beams():
+    model = tiny_model(DeltaNetConfig)
+    cache = model(torch.randint(3, 61, (3, 4)), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(1)
+    before = cache.layers[0].states["fast_weight"].clone()
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert torch.equal(cache.layers[0].states["fast_weight"], before[[2, 2, 0]])
+    cache.batch_select_indices(torch.tensor([1, 2]))
+    cache.batch_repeat_interleave(2)
+    assert cache.batch_size == 4 and cache.layers[1].states["fast_weight"].shape[0] == 4
+
+
+def test_segment_carry_over_equals_full_sequence_and_stops_gradients():
+    model = tiny_model(DeltaNetConfig, tie_word_embeddings=False).train()  # untied: only inputs touch embeddings
+    ids = torch.randint(3, 61, (2, 16))
+    full = model(ids).logits
+    seg1 = model(ids[:, :8], use_cache=True)
+    seg2 = model(ids[:, 8:], past_key_values=seg1.past_key_values, use_cache=True)
+    torch.testing.assert_close(seg2.logits, full[:, 8:], rtol=1e-4, atol=1e-5)
+    # gradients stop at the boundary: tokens that occur only in segment 1 get no embedding gradient
+    only_first = sorted(set(ids[:, :8].flatten().tolist()) - set(ids[:, 8:].flatten().tolist()))
+    model.zero_grad()
+    seg2.logits.sum().backward()
+    grad = model.get_input_embeddings().weight.grad
+    assert only_first and grad[only_first].abs().max() == 0
+    assert grad[ids[:, 8:].flatten()].abs().sum() > 0
+
+
+def test_favor_features_redrawn_in_training_fixed_in_eval_and_saved(tmp_path):
+    model = tiny_model(LinearTransformerConfig, feature_map="favor", favor_features=12)
+    proj = model.model.layers[0].fast_weight.feature_map.projection
+    ids = torch.randint(3, 61, (1, 5))
+    before = proj.clone()
+    model(ids)
+    assert torch.equal(proj, before)  # eval: fixed
+    model.train()
+    model(ids)
+    assert not torch.equal(proj, before)  # training: a new draw per batch
+    model.eval()
+    model.save_pretrained(tmp_path)
+    loaded = DeltaNetForCausalLM  # noqa: F841 (name check only)
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(reloaded.model.layers[0].fast_weight.feature_map.projection, proj)
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("config_cls", RULES)
+def test_save_load_round_trip_with_auto_classes(tmp_path, config_cls):
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    model = tiny_model(config_cls, feature_map="dpfp", dpfp_nu=3)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert type(AutoConfig.from_pretrained(tmp_path)) is config_cls
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is type(model)
+    ids = torch.randint(3, 61, (2, 7))
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+    base = AutoModel.from_pretrained(tmp_path)
+    assert base.config.model_type.startswith("fwp_")
+    # tied embeddings stay tied after loading
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_logits_to_keep_and_hidden_states():
+    model = tiny_model(DeltaNetConfig)
+    ids = torch.randint(3, 61, (2, 6))
+    full = model(ids, output_hidden_states=True)
+    assert len(full.hidden_states) == model.config.num_hidden_layers + 1
+    last = model(ids, logits_to_keep=1).logits
+    assert last.shape == (2, 1, 61)
+    torch.testing.assert_close(last, full.logits[:, -1:])
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(3, 61, (2, 10))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(DeltaNetConfig).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_loss_is_token_sum_over_num_items_in_batch():
+    model = tiny_model(DeltaNetConfig)
+    ids = torch.randint(3, 61, (2, 6))
+    labels = ids.clone()
+    labels[1, 3:] = -100
+    mean_loss = model(ids, labels=labels).loss
+    n = int((labels[:, 1:] != -100).sum())
+    summed = model(ids, labels=labels, num_items_in_batch=torch.tensor(2 * n)).loss
+    torch.testing.assert_close(summed, mean_loss / 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# feature maps
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nu", [1, 2, 3])
+def test_dpfp_matches_its_definition(nu):
+    x = torch.randn(3, 5)
+    d = x.shape[-1]
+    phi = dpfp_feature_map(x, nu)
+    assert phi.shape == (3, 2 * d * nu)
+    r = torch.cat([x.clamp_min(0), (-x).clamp_min(0)], -1)
+    expected = torch.empty(3, 2 * d * nu)
+    for i in range(1, nu + 1):  # Schlag et al. 2021 eq. 37: phi_{i,j} = r_j r_{j+i mod 2d}
+        for j in range(2 * d):
+            expected[:, (i - 1) * 2 * d + j] = r[:, j] * r[:, (j + i) % (2 * d)]
+    torch.testing.assert_close(phi, expected)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "dpfp", "favor", "relu"])
+def test_sum_normalised_features_sum_to_one(feature_map):
+    config = tiny_config(DeltaNetConfig, feature_map=feature_map, sum_normalization=True)
+    fmap = modeling_fwp.feature_maps.FeatureMap(config)
+    phi = fmap(torch.randn(2, 4, 5, config.head_dim))
+    assert phi.shape[-1] == config.feature_dim
+    assert (phi >= 0).all()
+    nonzero = phi.amax(-1) > 0  # an all-negative input has an all-zero ReLU vector, left at zero
+    assert nonzero.float().mean() > 0.9
+    torch.testing.assert_close(phi.sum(-1)[nonzero], torch.ones(2, 4, 5)[nonzero])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stability over a long stream
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_rule_layer_is_stable_over_100k_tokens(dtype):
+    from modeling_fwp.fast_weight_layers import FastWeightLinearAttention
+
+    config = tiny_config(DeltaNetConfig, hidden_size=64, num_attention_heads=4, feature_map="dpfp", dpfp_nu=1)
+    torch.manual_seed(0)
+    layer = FastWeightLinearAttention(config).to(dtype).eval()
+    state, norms, segment = None, [], 2000
+    with torch.no_grad():
+        for i in range(100_000 // segment):
+            x = torch.randn(1, segment, 64, generator=torch.Generator().manual_seed(i)).to(dtype) * 3
+            out, state = layer(x, state=state)
+            assert torch.isfinite(out).all()
+            norms.append(state["fast_weight"].norm(dim=(-2, -1)).max().item())
+            # the bound that sum normalisation and beta in (0, 1) give: every row w of W moves towards
+            # v / |k| along k only, and |k|_2 >= 1 / sqrt(Dk) for a sum-normalised non-negative k
+            v = layer.qkv_proj(x.float() if dtype == torch.float32 else x)[..., 2 * 64 :].float()
+            v_max = v.abs().max().item()
+    Dk, Dv = config.feature_dim, config.head_dim
+    assert all(n == n and n < float("inf") for n in norms)
+    bound = (Dk * Dv) ** 0.5 * v_max
+    assert max(norms) <= bound, (max(norms), bound)
+    # no drift: the second half of the stream stays at the level of the first
+    half = len(norms) // 2
+    assert max(norms[half:]) <= 1.5 * max(norms[:half])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,argument",
+    [
+        (dict(feature_map="softmax"), "feature_map"),
+        (dict(feature_map="dpfp", dpfp_nu=0), "dpfp_nu"),
+        (dict(feature_map="dpfp", dpfp_nu=4), "dpfp_nu"),  # head_dim 8 -> nu <= 3
+        (dict(hidden_size=30), "hidden_size"),
+        (dict(update_rule="hebb"), "update_rule"),
+        (dict(feature_map="identity", sum_normalization=True), "sum_normalization"),
+    ],
+)
+def test_bad_config_raises_naming_the_argument(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        tiny_config(DeltaNetConfig, **kwargs)
+
+
+def test_bad_forward_inputs_raise_naming_the_argument():
+    model = tiny_model(DeltaNetConfig)
+    ids = torch.randint(3, 61, (2, 5))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.tensor([[3, 61]]))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.tensor([[-1, 4]]))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=torch.ones(3, 5, dtype=torch.long))
+    cache = model(torch.randint(3, 61, (3, 4)), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="past_key_values"):
+        model(ids, past_key_values=cache)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers integration: pipeline and Trainer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_text_generation_pipeline_without_warnings(word_tokenizer, caplog):
+    from transformers import pipeline
+
+    model = tiny_model(DeltaNetConfig, vocab_size=len(word_tokenizer))
+    with caplog.at_level(logging.WARNING):
+        pipe = pipeline("text-generation", model=model, tokenizer=word_tokenizer)
+        outs = pipe(["the cat sat on", "fast weights"], max_new_tokens=5, do_sample=False)
+    assert not [r for r in caplog.records if "not supported" in r.getMessage()]
+    assert outs[0][0]["generated_text"].startswith("the cat sat on")
+    # batched (left-padded by the pipeline) generation equals running each prompt alone
+    alone = pipe("fast weights", max_new_tokens=5, do_sample=False)
+    assert outs[1][0]["generated_text"] == alone[0]["generated_text"]
+
+
+def test_trainer_gradient_accumulation_uses_the_token_mean_of_the_whole_batch(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 61, (4, 8))
+    labels = ids.clone()
+    labels[0, 2:] = -100  # unequal token counts: a per-micro-batch mean would weight them differently
+    labels[3, 5:] = -100
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+    model = tiny_model(DeltaNetConfig).train()
+    reference = copy.deepcopy(model)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+        learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, dataloader_drop_last=False,
+    )
+    Trainer(model=model, args=args, train_dataset=data).train()
+
+    reference.zero_grad()
+    logits = reference(ids).logits[:, :-1]
+    target = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 61), target.reshape(-1), ignore_index=-100)
+    loss.backward()  # mean over every label token of the 4 sequences
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+        if p_ref.grad is None:
+            continue
+        torch.testing.assert_close(p.detach(), p_ref.detach() - p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
