@@ -77,8 +77,6 @@ class FastWeightLinearAttention(nn.Module):
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         q, k, v = (split_heads(x, self.num_heads) for x in self.qkv_proj(hidden_states).chunk(3, dim=-1))
-        if self.training and state is None:
-            self.feature_map.redraw()  # FAVOR+: new random features per training batch (no-op otherwise)
         q, k = self.feature_map(q), self.feature_map(k)
         beta = torch.sigmoid(self.beta_proj(hidden_states)).transpose(1, 2) if self.beta_proj is not None else None
         if token_mask is not None:

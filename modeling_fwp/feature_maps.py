@@ -67,7 +67,8 @@ class FeatureMap(nn.Module):
     """phi applied to keys and queries, followed by the optional sum normalisation (eq. 29).
 
     ``forward(x [B, H, T, head_dim]) -> [B, H, T, feature_dim]``. For FAVOR+ the random projection is a saved
-    buffer; ``redraw()`` draws a new one (the layer calls it once per training batch).
+    buffer; ``redraw()`` draws a new one (the model calls it once per training batch, outside any
+    gradient-checkpointed region so a replayed block sees the same features).
     """
 
     def __init__(self, config) -> None:

@@ -20,6 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .cache_fwp import FastWeightCache
 from .configuration_fwp import DeltaNetConfig, FastWeightConfig, LinearTransformerConfig
 from .fast_weight_layers import FAST_WEIGHT_LAYERS
+from .feature_maps import FeatureMap
 
 
 class FeedForward(nn.Module):
@@ -179,6 +180,13 @@ class FastWeightModel(FastWeightPreTrainedModel):
             past_key_values = FastWeightCache(config.num_hidden_layers)
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
         token_mask = self._token_mask(attention_mask, batch_size, seq_len, past_len)
+
+        if self.training and past_len == 0:
+            # FAVOR+ draws new random features for every training batch (not mid-stream: a carried state
+            # is only meaningful in the feature space it was written in); fixed in evaluation.
+            for module in self.modules():
+                if isinstance(module, FeatureMap):
+                    module.redraw()
 
         hidden_states = inputs_embeds
         if config.position_embedding_type != "none":

@@ -387,3 +387,16 @@ def test_trainer_gradient_accumulation_uses_the_token_mean_of_the_whole_batch(tm
         if p_ref.grad is None:
             continue
         torch.testing.assert_close(p.detach(), p_ref.detach() - p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_gradient_checkpointing_replays_the_same_favor_features():
+    ids = torch.randint(3, 61, (2, 10))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(LinearTransformerConfig, feature_map="favor", favor_features=16).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        torch.manual_seed(5)  # the same redraw in both runs
+        model(ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
