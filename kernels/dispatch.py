@@ -38,16 +38,37 @@ def _check_inputs(q, k, v, beta, initial_state, mode, chunk_size) -> None:
         raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
 
 
+# mode="auto": inputs up to this many positions run as a step loop, longer ones chunkwise.
+# CPU, measured (benchmarks/bench_kernels.py, fp32, D = 64, B*H = 1, 8, 32): the chunked kernel's
+# fixed cost (~40 tensor ops) equals about 3 steps of the loop; from T = 4 on it is faster.
+# CUDA, estimated (no GPU was available to measure): a step costs ~5 kernel launches, the Triton
+# forward two, so only single-token decode steps stay on the loop.
+_RECURRENT_MAX_T = {"cpu": 3, "cuda": 1}
+_RECURRENT_MAX_T_DEFAULT = 3
+
+
 def _resolve_mode(mode: str, T: int, device: torch.device) -> str:
     if mode == "chunk" and not _HAS_CHUNK:
         raise NotImplementedError("mode='chunk' is not available in this build of fwp_kernels")
     if mode != "auto":
         return mode
     # Decode steps (and very short inputs) are cheapest as a plain step; longer inputs use the
-    # chunkwise-parallel form when it is available.
-    if not _HAS_CHUNK or T <= 16:
+    # chunkwise-parallel form.
+    if not _HAS_CHUNK or T <= _RECURRENT_MAX_T.get(device.type, _RECURRENT_MAX_T_DEFAULT):
         return "recurrent"
     return "chunk"
+
+
+def _chunk_kernels(device: torch.device):
+    """(delta_rule_chunk, linear_attention_chunk) for the device: Triton on CUDA when importable."""
+    if device.type == "cuda":
+        try:
+            from . import triton_chunk
+        except ImportError:  # no triton: the PyTorch chunked kernels run on CUDA as well
+            pass
+        else:
+            return triton_chunk.delta_rule_chunk, triton_chunk.linear_attention_chunk
+    return delta_rule_chunk, linear_attention_chunk
 
 
 def delta_rule(
@@ -68,13 +89,13 @@ def delta_rule(
         initial_state: ``[B, H, Dv, Dk]`` or None (zeros).
         output_final_state: return the final ``[B, H, Dv, Dk]`` float32 state.
         mode: "recurrent" (step loop), "chunk" (chunkwise-parallel) or "auto".
-        chunk_size: chunk length for mode "chunk".
+        chunk_size: chunk length for mode "chunk" (any T works; the last chunk is padded internally).
     Returns:
         ``(o [B, H, T, Dv] in q's dtype, final_state or None)``.
     """
     _check_inputs(q, k, v, beta, initial_state, mode, chunk_size)
     if _resolve_mode(mode, q.shape[2], q.device) == "chunk":
-        return delta_rule_chunk(q, k, v, beta, initial_state, output_final_state, chunk_size)
+        return _chunk_kernels(q.device)[0](q, k, v, beta, initial_state, output_final_state, chunk_size)
     return delta_rule_recurrent(q, k, v, beta, initial_state, output_final_state)
 
 
@@ -98,5 +119,5 @@ def linear_attention(
     """
     _check_inputs(q, k, v, None, initial_state, mode, chunk_size)
     if _resolve_mode(mode, q.shape[2], q.device) == "chunk":
-        return linear_attention_chunk(q, k, v, initial_state, output_final_state, chunk_size)
+        return _chunk_kernels(q.device)[1](q, k, v, initial_state, output_final_state, chunk_size)
     return linear_attention_recurrent(q, k, v, initial_state, output_final_state)

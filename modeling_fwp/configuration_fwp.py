@@ -33,6 +33,8 @@ class FastWeightConfig(PreTrainedConfig):
 
     model_type = "fwp_fast_weight"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # The feature maps this family's fast-weight layer implements (a class attribute, not a config field).
+    supported_feature_maps = FEATURE_MAPS
 
     vocab_size: int = 32000
     hidden_size: int = 256
@@ -74,7 +76,7 @@ class FastWeightConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         for name, value, allowed in (
             ("update_rule", self.update_rule, UPDATE_RULES),
-            ("feature_map", self.feature_map, FEATURE_MAPS),
+            ("feature_map", self.feature_map, self.supported_feature_maps),
             ("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS),
             ("kernel_mode", self.kernel_mode, KERNEL_MODES),
         ):
@@ -121,3 +123,87 @@ class DeltaNetConfig(FastWeightConfig):
 
     model_type = "fwp_delta_net"
     update_rule: str = "delta"
+
+
+class RecurrentFastWeightConfig(FastWeightConfig):
+    r"""Shared base of the recurrent Fast Weight Programmers' configs (Irie, Schlag, Csordas, Schmidhuber 2021).
+
+    The paper's Table 1 names each model by its slow net (feedforward / recurrent), update rule (always the delta
+    rule here) and fast net (linear, MLP, RNN, LSTM, Delta Net). Feature map and sum normalisation apply to the
+    keys/queries of the feedforward fast weights (the paper: ELU+1 with sum normalisation); the activations inside
+    the recurrences are the paper's (softmax, tanh, sigmoid). Attention normalisation is not used by these models.
+
+    Subclasses declare ``versions`` (the allowed values of their ``version`` field) when they have versions.
+    """
+
+    model_type = "fwp_recurrent_fast_weight"
+    versions = ()  # class attribute, not a config field
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.update_rule != "delta":
+            raise ValueError(f"`update_rule` must be 'delta' for {type(self).__name__} (the paper's RFWPs), "
+                             f"got {self.update_rule!r}")
+        if self.attention_normalization:
+            raise ValueError(f"`attention_normalization` is not supported by {type(self).__name__}")
+        if self.head_dim < 2:
+            raise ValueError(
+                f"`head_dim` must be >= 2 for {type(self).__name__}: its recurrent keys are softmaxes over head_dim "
+                f"entries, got {self.head_dim} (hidden_size={self.hidden_size}, "
+                f"num_attention_heads={self.num_attention_heads})"
+            )
+        if self.versions and getattr(self, "version", None) not in self.versions:
+            raise ValueError(f"`version` must be one of {self.versions} for {type(self).__name__}, "
+                             f"got {getattr(self, 'version', None)!r}")
+
+
+class DeltaMLPConfig(RecurrentFastWeightConfig):
+    """Delta MLP (eqs. 13-14): feedforward slow net, delta rule, fast net a residual MLP of `fast_net_depth`
+    blocks, each two delta-rule fast weight matrices (head_dim -> 4 head_dim -> head_dim) with a slow LayerNorm."""
+
+    model_type = "fwp_delta_mlp"
+    fast_weight_layer = "delta_mlp"
+    fast_net_depth: int = 1
+
+    def __post_init__(self, **kwargs):
+        if not isinstance(self.fast_net_depth, int) or self.fast_net_depth < 1:
+            raise ValueError(f"`fast_net_depth` must be an int >= 1, got {self.fast_net_depth!r}")
+        super().__post_init__(**kwargs)
+
+
+class DeltaDeltaNetConfig(RecurrentFastWeightConfig):
+    """Delta-Delta Net (appendix A.3): a Delta Net whose slow net delta-programs a fast net that produces the
+    queries, keys, values and beta of a second Delta Net."""
+
+    model_type = "fwp_delta_delta_net"
+    fast_weight_layer = "delta_delta_net"
+
+
+class DeltaRNNConfig(RecurrentFastWeightConfig):
+    """Delta RNN (eq. 12, version B; eq. 19, version A): y_t = W_t q_t + R_t f(y_{t-1}), f = softmax, with a second
+    delta-rule fast weight R_t programmed by its own slow keys/values/betas."""
+
+    model_type = "fwp_delta_rnn"
+    fast_weight_layer = "delta_rnn"
+    versions = ("A", "B")
+    version: str = "B"
+
+
+class DeltaLSTMConfig(RecurrentFastWeightConfig):
+    """Delta LSTM (appendix A.2, eqs. 20-40, versions A-D; D is the paper's main model): six delta-rule fast
+    weight matrices (feedforward and recurrent, for the input gate, update and output gate), tied input/forget gate."""
+
+    model_type = "fwp_delta_lstm"
+    fast_weight_layer = "delta_lstm"
+    versions = ("A", "B", "C", "D")
+    version: str = "D"
+
+
+class RecurrentDeltaNetConfig(RecurrentFastWeightConfig):
+    """Recurrent Delta Net (eqs. 15-18): the slow net's keys, queries, values and betas also read tanh(y_{t-1})
+    through per-head slow recurrent matrices; keys and queries are softmaxes (the only feature map it takes)."""
+
+    model_type = "fwp_recurrent_delta_net"
+    fast_weight_layer = "recurrent_delta_net"
+    supported_feature_maps = ("softmax",)
+    feature_map: str = "softmax"

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from fwp_kernels import delta_rule, linear_attention
+from .kernel_api import delta_rule, linear_attention
 
 from .feature_maps import FeatureMap
 

@@ -18,9 +18,20 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .cache_fwp import FastWeightCache
-from .configuration_fwp import DeltaNetConfig, FastWeightConfig, LinearTransformerConfig
+from .configuration_fwp import (
+    DeltaDeltaNetConfig,
+    DeltaLSTMConfig,
+    DeltaMLPConfig,
+    DeltaNetConfig,
+    DeltaRNNConfig,
+    FastWeightConfig,
+    LinearTransformerConfig,
+    RecurrentDeltaNetConfig,
+)
 from .fast_weight_layers import FAST_WEIGHT_LAYERS
 from .feature_maps import FeatureMap
+from .remote_code import FastWeightHubMixin
+from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
 
 
 class FeedForward(nn.Module):
@@ -69,7 +80,7 @@ def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Te
     return torch.cat([angles.sin(), angles.cos()], dim=-1)[..., :dim]
 
 
-class FastWeightPreTrainedModel(PreTrainedModel):
+class FastWeightPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
     config_class = FastWeightConfig
     config: FastWeightConfig
     base_model_prefix = "model"
@@ -328,3 +339,51 @@ class DeltaNetModel(FastWeightModel):
 class DeltaNetForCausalLM(FastWeightForCausalLM):
     config_class = DeltaNetConfig
     base_model_class = DeltaNetModel
+
+
+# Recurrent Fast Weight Programmers (Irie et al. 2021, Table 1): the same backbone, a recurrent FWP layer.
+
+
+class DeltaMLPModel(FastWeightModel):
+    config_class = DeltaMLPConfig
+
+
+class DeltaMLPForCausalLM(FastWeightForCausalLM):
+    config_class = DeltaMLPConfig
+    base_model_class = DeltaMLPModel
+
+
+class DeltaDeltaNetModel(FastWeightModel):
+    config_class = DeltaDeltaNetConfig
+
+
+class DeltaDeltaNetForCausalLM(FastWeightForCausalLM):
+    config_class = DeltaDeltaNetConfig
+    base_model_class = DeltaDeltaNetModel
+
+
+class DeltaRNNModel(FastWeightModel):
+    config_class = DeltaRNNConfig
+
+
+class DeltaRNNForCausalLM(FastWeightForCausalLM):
+    config_class = DeltaRNNConfig
+    base_model_class = DeltaRNNModel
+
+
+class DeltaLSTMModel(FastWeightModel):
+    config_class = DeltaLSTMConfig
+
+
+class DeltaLSTMForCausalLM(FastWeightForCausalLM):
+    config_class = DeltaLSTMConfig
+    base_model_class = DeltaLSTMModel
+
+
+class RecurrentDeltaNetModel(FastWeightModel):
+    config_class = RecurrentDeltaNetConfig
+
+
+class RecurrentDeltaNetForCausalLM(FastWeightForCausalLM):
+    config_class = RecurrentDeltaNetConfig
+    base_model_class = RecurrentDeltaNetModel

@@ -32,6 +32,11 @@ def tiny_model(cls=None, seed=0, **overrides):
 @pytest.fixture
 def word_tokenizer():
     """A word-level tokenizer over a small vocabulary, built offline."""
+    return make_word_tokenizer()
+
+
+def make_word_tokenizer():
+    """The `word_tokenizer` fixture's tokenizer, for module-scoped fixtures."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

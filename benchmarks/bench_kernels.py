@@ -1,0 +1,322 @@
+"""Speed and memory of the fwp_kernels chunkwise kernels, measured side by side in one run.
+
+    python benchmarks/bench_kernels.py              # about 3-4 minutes on a 2-core CPU
+    python benchmarks/bench_kernels.py --quick      # smaller repeat counts, no T = 16384 memory runs
+
+Prints, and writes to benchmarks/results/bench_kernels.json:
+
+1. fp32 matmul peak (2048^3) of this machine, in this run.
+2. Forward time at B=1, H=8, T=4096, Dk=Dv=64, fp32: step loop vs chunked kernel vs transformers'
+   `torch_chunk_gated_delta_rule` (g = 0, q pre-scaled by Dk^0.5 to undo its Dk^-0.5, no l2norm:
+   the same delta rule), as ratios, and the chunked kernel's achieved GFLOP/s (`chunk_flops`).
+3. Forward + backward time at the same shape.
+4. Forward + backward peak memory at T = 1024, 4096, 16384 (see `_memory_worker` for the method).
+5. Step loop vs chunked kernel at short T: where mode="auto" switches (fwp_kernels.dispatch).
+
+Times are the minimum over repeats of wall-clock time (the least disturbed run); the machine's load
+average is recorded with them, since other processes share the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fwp_kernels import delta_rule, linear_attention
+from fwp_kernels.chunk import delta_rule_chunk, linear_attention_chunk
+from fwp_kernels.recurrent import delta_rule_recurrent, linear_attention_recurrent
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_kernels.json"
+
+
+def hf_delta_rule():
+    """transformers' torch fallback for the (gated) delta rule, or None if unavailable."""
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()  # it warns once that flash-linear-attention is missing
+    except ImportError:
+        return None
+
+    def run(q, k, v, beta, output_final_state=True):
+        # Its layout is [B, T, H, D] and it multiplies q by Dk^-0.5: undo that so both compute
+        # W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T, o_t = W_t q_t.
+        Dk = q.shape[-1]
+        g = q.new_zeros(q.shape[0], q.shape[2], q.shape[1])  # log-decay 0: no gating
+        o, state = torch_chunk_gated_delta_rule(
+            (q * Dk**0.5).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g, beta.transpose(1, 2),
+            chunk_size=64, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+        )
+        return o.transpose(1, 2), state
+
+    return run
+
+
+def make_inputs(B, H, T, D, dtype=torch.float32, requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k = F.normalize(torch.randn(B, H, T, D, generator=g), dim=-1)
+    v = torch.randn(B, H, T, D, generator=g)
+    beta = torch.sigmoid(torch.randn(B, H, T, generator=g))
+    return [x.to(dtype).requires_grad_(requires_grad) for x in (q, k, v, beta)]
+
+
+def chunk_flops(rule: str, B: int, H: int, T: int, Dk: int, Dv: int, C: int) -> int:
+    """Multiply-add FLOPs (2 per MAC) of the chunked algorithm's matmuls, forward; N = ceil(T / C).
+
+    delta rule, per chunk:  P = Q K^T (2 C^2 Dk), A = diag(beta) K K^T (2 C^2 Dk),
+        T = (I + A)^-1 (~C^3 / 3), W = T diag(beta) K (2 C^2 Dk), U = T diag(beta) V (2 C^2 Dv),
+        U' = U - W S^T (2 C Dk Dv), S' = S + U'^T K (2 C Dk Dv), O = Q S^T + P U' (2 C Dk Dv + 2 C^2 Dv)
+        -> C^2 (6 Dk + 4 Dv) + 6 C Dk Dv + C^3 / 3
+    sum rule, per chunk:    P (2 C^2 Dk), G = V^T K (2 C Dk Dv), O (2 C Dk Dv + 2 C^2 Dv)
+        -> C^2 (2 Dk + 2 Dv) + 4 C Dk Dv
+    Elementwise work (masks, beta scaling, the cumulative sum) is not counted.
+    """
+    N = -(-T // C)
+    if rule == "delta":
+        per_chunk = C * C * (6 * Dk + 4 * Dv) + 6 * C * Dk * Dv + C**3 // 3
+    else:
+        per_chunk = C * C * (2 * Dk + 2 * Dv) + 4 * C * Dk * Dv
+    return B * H * N * per_chunk
+
+
+def best_time(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def best_times(fns: dict, repeats: int, slow: tuple = ()) -> dict:
+    """Minimum wall time of each function, measured round-robin so that changes in the machine's
+    load hit every kernel alike. Functions named in `slow` (the step loops) run in one round only."""
+    for name, fn in fns.items():
+        if name not in slow:
+            fn()  # warm-up
+    best = {name: float("inf") for name in fns}
+    for r in range(repeats):
+        for name, fn in fns.items():
+            if name in slow and r > 0:
+                continue
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def matmul_peak(repeats: int) -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3 / best_time(lambda: a @ b, repeats) / 1e9
+
+
+def forward_times(args, hf) -> dict:
+    B, H, T, D = 1, 8, 4096, 64
+    q, k, v, beta = make_inputs(B, H, T, D)
+    fns = {
+        "delta_step_loop": lambda: delta_rule_recurrent(q, k, v, beta, None, True),
+        "delta_chunk32": lambda: delta_rule_chunk(q, k, v, beta, None, True, 32),
+        "delta_chunk64": lambda: delta_rule_chunk(q, k, v, beta, None, True, 64),
+        "sum_step_loop": lambda: linear_attention_recurrent(q, k, v, None, True),
+        "sum_chunk32": lambda: linear_attention_chunk(q, k, v, None, True, 32),
+        "sum_chunk64": lambda: linear_attention_chunk(q, k, v, None, True, 64),
+    }
+    if hf is not None:
+        fns["delta_hf"] = lambda: hf(q, k, v, beta)
+    with torch.no_grad():
+        times = best_times(fns, args.repeats, slow=("delta_step_loop", "sum_step_loop"))
+    out = {"shape": {"B": B, "H": H, "T": T, "Dk": D, "Dv": D, "dtype": "float32"}}
+    out.update({f"{name}_s": t for name, t in times.items()})
+    for rule in ("delta", "sum"):
+        for C in (32, 64):
+            out[f"{rule}_chunk{C}_gflops"] = chunk_flops(rule, B, H, T, D, D, C) / out[f"{rule}_chunk{C}_s"] / 1e9
+    return out
+
+
+def backward_times(args, hf) -> dict:
+    q, k, v, beta = make_inputs(1, 8, 4096, 64, requires_grad=True)
+
+    def fwd_bwd(fn):
+        def run():
+            o, s = fn()
+            (o.sum() + s.sum()).backward()
+
+        return run
+
+    fns = {
+        "delta_chunk32": fwd_bwd(lambda: delta_rule_chunk(q, k, v, beta, None, True, 32)),
+        "delta_chunk64": fwd_bwd(lambda: delta_rule_chunk(q, k, v, beta, None, True, 64)),
+        "sum_chunk64": fwd_bwd(lambda: linear_attention_chunk(q, k, v, None, True, 64)),
+    }
+    if hf is not None:
+        fns["delta_hf"] = fwd_bwd(lambda: hf(q, k, v, beta))
+    return {f"{name}_fwd_bwd_s": t for name, t in best_times(fns, max(2, args.repeats // 2)).items()}
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _memory_worker(kind: str, T: int) -> dict:
+    """Runs one forward + backward in this (fresh) process and reports its memory.
+
+    * ``peak_mb``: the rise of the process's resident-set high-water mark over the forward and
+      backward, inputs already allocated: the mark (VmHWM) is reset through /proc/self/clear_refs
+      just before. Torch has no CPU allocator statistics; large CPU tensors are mmap-ed and given
+      back on free, so the resident peak follows the peak of live tensors, temporaries included
+      (plus a few MB of one-off library buffers on the first call).
+    * ``saved_for_backward_mb``: bytes autograd keeps between forward and backward, counted with
+      ``torch.autograd.graph.saved_tensors_hooks`` (what a long sequence costs during training).
+    """
+    q, k, v, beta = make_inputs(1, 8, T, 64, requires_grad=True)
+    hf = hf_delta_rule() if kind == "delta_hf" else None
+    fn = {
+        "delta_chunk32": lambda: delta_rule_chunk(q, k, v, beta, None, True, 32),
+        "delta_chunk64": lambda: delta_rule_chunk(q, k, v, beta, None, True, 64),
+        "sum_chunk64": lambda: linear_attention_chunk(q, k, v, None, True, 64),
+        "delta_step_loop": lambda: delta_rule_recurrent(q, k, v, beta, None, True),
+        "delta_hf": lambda: hf(q, k, v, beta),
+    }[kind]
+    saved = [0]
+
+    def pack(x):
+        saved[0] += x.numel() * x.element_size()
+        return x
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    rss_before = _status_kb("VmRSS")
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        o, s = fn()
+    (o.sum() + s.sum()).backward()
+    seconds = time.perf_counter() - t0
+    return {
+        "peak_mb": (_status_kb("VmHWM") - rss_before) / 1024,
+        "saved_for_backward_mb": saved[0] / 2**20,
+        "fwd_bwd_s": seconds,
+    }
+
+
+def memory(args) -> dict:
+    runs = {1024: ["delta_chunk32", "delta_chunk64", "sum_chunk64", "delta_hf", "delta_step_loop"],
+            4096: ["delta_chunk32", "delta_chunk64", "sum_chunk64", "delta_hf", "delta_step_loop"],
+            16384: ["delta_chunk32", "delta_chunk64", "sum_chunk64", "delta_hf"]}
+    if args.quick:
+        runs.pop(16384)
+    out = {}
+    for T, kinds in runs.items():
+        for kind in kinds:
+            if kind == "delta_hf" and hf_delta_rule() is None:
+                continue
+            proc = subprocess.run(
+                [sys.executable, __file__, "--memory-worker", kind, str(T), "--threads", str(torch.get_num_threads())],
+                capture_output=True, text=True, check=True,
+            )
+            out[f"{kind}_T{T}"] = json.loads(proc.stdout.splitlines()[-1])
+    return out
+
+
+def auto_crossover(args) -> dict:
+    """Step loop vs chunked forward (public API, default chunk_size) at short T, B*H = 8 and 32."""
+    out = {}
+    with torch.no_grad():
+        for BH in (8, 32):
+            for T in (1, 2, 3, 4, 8, 16):
+                q, k, v, beta = make_inputs(1, BH, T, 64)
+                times = best_times({
+                    "delta_step_loop": lambda: delta_rule(q, k, v, beta, mode="recurrent"),
+                    "delta_chunk": lambda: delta_rule(q, k, v, beta, mode="chunk"),
+                    "sum_step_loop": lambda: linear_attention(q, k, v, mode="recurrent"),
+                    "sum_chunk": lambda: linear_attention(q, k, v, mode="chunk"),
+                }, 5 * args.repeats)
+                out[f"BH{BH}_T{T}"] = {name + "_ms": t * 1e3 for name, t in times.items()}
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, no T=16384 memory runs")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--memory-worker", nargs=2, metavar=("KIND", "T"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_worker:
+        print(json.dumps(_memory_worker(args.memory_worker[0], int(args.memory_worker[1]))))
+        return
+    args.repeats = args.repeats or (3 if args.quick else 7)
+    hf = hf_delta_rule()
+
+    results = {
+        "machine": {
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+        }
+    }
+    t_start = time.perf_counter()
+    results["matmul_2048_gflops"] = peak = matmul_peak(args.repeats)
+    print(f"fp32 matmul 2048^3: {peak:.1f} GFLOP/s  (torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
+
+    fw = results["forward"] = forward_times(args, hf)
+    print("\nforward, B=1 H=8 T=4096 Dk=Dv=64 fp32 (best of repeats)")
+    print(f"  {'kernel':<38}{'time ms':>9}{'vs step loop':>14}{'vs HF':>8}{'GFLOP/s':>9}{'of peak':>9}")
+    for rule in ("delta", "sum"):
+        loop = fw[f"{rule}_step_loop_s"]
+        print(f"  {rule + ' rule, step loop':<38}{loop * 1e3:>9.1f}{1.0:>13.1f}x")
+        if rule == "delta" and "delta_hf_s" in fw:
+            print(f"  {'delta rule, torch_chunk_gated_delta_rule':<38}{fw['delta_hf_s'] * 1e3:>9.1f}"
+                  f"{loop / fw['delta_hf_s']:>13.1f}x{1.0:>7.1f}x")
+        for C in (32, 64):
+            t = fw[f"{rule}_chunk{C}_s"]
+            vs_hf = f"{fw['delta_hf_s'] / t:>7.1f}x" if rule == "delta" and "delta_hf_s" in fw else f"{'':>8}"
+            gf = fw[f"{rule}_chunk{C}_gflops"]
+            print(f"  {f'{rule} rule, chunk C={C}':<38}{t * 1e3:>9.1f}{loop / t:>13.1f}x{vs_hf}"
+                  f"{gf:>9.1f}{100 * gf / peak:>8.1f}%")
+
+    bw = results["forward_backward"] = backward_times(args, hf)
+    print("\nforward + backward, same shape")
+    for name, t in bw.items():
+        extra = ""
+        if name.startswith("delta_chunk") and "delta_hf_fwd_bwd_s" in bw:
+            extra = f"   {bw['delta_hf_fwd_bwd_s'] / t:.1f}x vs HF"
+        print(f"  {name[:-len('_fwd_bwd_s')]:<38}{t * 1e3:>9.1f} ms{extra}")
+
+    mem = results["memory"] = memory(args)
+    print("\nforward + backward memory, B=1 H=8 Dk=Dv=64 fp32 (fresh process each)")
+    print(f"  {'kernel':<20}{'T':>7}{'peak MB':>10}{'saved for bwd MB':>18}")
+    for name, m in mem.items():
+        kind, T = name.rsplit("_T", 1)
+        print(f"  {kind:<20}{T:>7}{m['peak_mb']:>10.1f}{m['saved_for_backward_mb']:>18.1f}")
+
+    cross = results["auto_crossover"] = auto_crossover(args)
+    print("\nstep loop vs chunk forward at short T, ms (mode='auto' thresholds: fwp_kernels/dispatch.py)")
+    print(f"  {'':<12}{'delta loop':>11}{'delta chunk':>12}{'sum loop':>10}{'sum chunk':>10}")
+    for name, m in cross.items():
+        print(f"  {name:<12}{m['delta_step_loop_ms']:>11.3f}{m['delta_chunk_ms']:>12.3f}"
+              f"{m['sum_step_loop_ms']:>10.3f}{m['sum_chunk_ms']:>10.3f}")
+
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    results["wall_s"] = time.perf_counter() - t_start
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS} "
+          f"in {results['wall_s']:.0f} s (load average {os.getloadavg()[0]:.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Triton forward of the chunkwise-parallel fast weight kernels (same math as chunk.py).
+
+Imported lazily by the dispatcher for CUDA tensors; importing this module needs `triton`. On CPU the
+kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before this module is
+imported), which the tests use at small shapes.
+
+Two kernels, per (batch * head):
+
+* ``_wy_kernel`` (delta rule only), one program per chunk: ``A = strictly_lower(diag(beta) K K^T)``,
+  ``T = (I + A)^-1`` by forward substitution in registers, ``W = T diag(beta) K``,
+  ``U = T diag(beta) V``; W and U go to global memory (fp32).
+* ``_scan_kernel``, one program per block of value columns, looping over the chunks with the
+  transposed state ``S^T [Dk, BV]`` in fp32 registers:
+  ``U' = U - W S^T``, ``O = Q S^T + tril(Q K^T) U'``, ``S^T += K^T U'`` (sum rule: ``U' = V``).
+
+The backward is the PyTorch one of chunk.py (it recomputes per-chunk quantities from the saved
+inputs with batched matmuls, which run on the GPU as well).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import chunk
+from .chunk import ChunkFastWeightFunction
+
+# The [C, C] tiles live in registers: longer chunks are capped at this length (the chunk length
+# changes only the rounding of the results, not their value).
+_MAX_CHUNK = 64
+
+
+@triton.jit
+def _wy_kernel(
+    k_ptr, v_ptr, beta_ptr, w_ptr, u_ptr,
+    T, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    c, bh = tl.program_id(0), tl.program_id(1)
+    r = tl.arange(0, BC)
+    t = c * C + r
+    row_ok = (r < C) & (t < T)
+    ck = tl.arange(0, BK)
+    kmask = row_ok[:, None] & (ck[None, :] < K)
+    k = tl.load(k_ptr + bh * T * K + t[:, None] * K + ck[None, :], mask=kmask, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + bh * T + t, mask=row_ok, other=0.0).to(tl.float32)
+    kb = k * beta[:, None]
+    # A = strictly_lower(diag(beta) K K^T)
+    A = tl.dot(kb, tl.trans(k), input_precision="ieee")
+    A = tl.where(r[:, None] > r[None, :], A, 0.0)
+    # T = (I + A)^-1 by forward substitution: row i of T is e_i - A[i, :i] T[:i, :]
+    Tm = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, BC):
+        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)  # A[i, :], indexed by column
+        row = -tl.sum(a_i[:, None] * Tm, axis=0)  # -sum_m A[i, m] T[m, :]
+        Tm = tl.where(r[:, None] == i, row[None, :] + tl.where(r[None, :] == i, 1.0, 0.0), Tm)
+    # W = T diag(beta) K
+    w = tl.dot(Tm, kb, input_precision="ieee")
+    tl.store(w_ptr + bh * T * K + t[:, None] * K + ck[None, :], w, mask=kmask)
+    # U = T diag(beta) V, in blocks of BV value columns
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        vmask = row_ok[:, None] & (cv[None, :] < V)
+        v = tl.load(v_ptr + bh * T * V + t[:, None] * V + cv[None, :], mask=vmask, other=0.0).to(tl.float32)
+        u = tl.dot(Tm, v * beta[:, None], input_precision="ieee")
+        tl.store(u_ptr + bh * T * V + t[:, None] * V + cv[None, :], u, mask=vmask)
+
+
+@triton.jit
+def _scan_kernel(
+    q_ptr, k_ptr, u_ptr, w_ptr, o_ptr, s0_ptr, sN_ptr,
+    T, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_DELTA: tl.constexpr, HAS_S0: tl.constexpr,
+):
+    vb, bh = tl.program_id(0), tl.program_id(1)
+    r = tl.arange(0, BC)
+    ck = tl.arange(0, BK)
+    cv = vb * BV + tl.arange(0, BV)
+    # The transposed state S^T [Dk, BV] (state layout [Dv, Dk], y = S q).
+    state_off = bh * V * K + cv[None, :] * K + ck[:, None]
+    state_mask = (ck[:, None] < K) & (cv[None, :] < V)
+    if HAS_S0:
+        h = tl.load(s0_ptr + state_off, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    causal = r[:, None] >= r[None, :]
+    for c in range(0, tl.cdiv(T, C)):
+        t = c * C + r
+        row_ok = (r < C) & (t < T)
+        kmask = row_ok[:, None] & (ck[None, :] < K)
+        vmask = row_ok[:, None] & (cv[None, :] < V)
+        q = tl.load(q_ptr + bh * T * K + t[:, None] * K + ck[None, :], mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + bh * T * K + t[:, None] * K + ck[None, :], mask=kmask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + bh * T * V + t[:, None] * V + cv[None, :], mask=vmask, other=0.0).to(tl.float32)
+        if IS_DELTA:  # U' = U - W S^T
+            w = tl.load(w_ptr + bh * T * K + t[:, None] * K + ck[None, :], mask=kmask, other=0.0)
+            u = u - tl.dot(w, h, input_precision="ieee")
+        # O = Q S^T + tril(Q K^T) U'
+        p = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)
+        o = tl.dot(q, h, input_precision="ieee") + tl.dot(p, u, input_precision="ieee")
+        tl.store(o_ptr + bh * T * V + t[:, None] * V + cv[None, :], o.to(o_ptr.dtype.element_ty), mask=vmask)
+        # S^T += K^T U'
+        h += tl.dot(tl.trans(k), u, input_precision="ieee")
+    tl.store(sN_ptr + state_off, h, mask=state_mask)
+
+
+def _block(n: int, cap: int) -> int:
+    """A power-of-two tile >= 16 (tl.dot's minimum) covering n, at most `cap`."""
+    return min(max(16, triton.next_power_of_2(n)), max(cap, 16))
+
+
+def _triton_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor], chunk_size: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Runs the two kernels; returns o ``[B, H, T, Dv]`` in q's dtype and the fp32 final state."""
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    acc = torch.float32
+    C = min(chunk_size, _MAX_CHUNK)
+    BC, BK, BV = _block(C, _MAX_CHUNK), _block(K, 256), _block(V, 64)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty(B, H, T, V, dtype=q.dtype, device=q.device)
+    if T == 0:
+        final = torch.zeros(B, H, V, K, dtype=acc, device=q.device) if initial_state is None else initial_state
+        return o, final.to(acc).clone()
+    final = torch.empty(B, H, V, K, dtype=acc, device=q.device)
+    s0 = final if initial_state is None else initial_state.contiguous()
+    n_chunks = triton.cdiv(T, C)
+    if beta is not None:
+        w = torch.empty(B, H, T, K, dtype=acc, device=q.device)
+        u = torch.empty(B, H, T, V, dtype=acc, device=q.device)
+        _wy_kernel[(n_chunks, B * H)](k, v, beta.contiguous(), w, u, T, K, V, C, BC, BK, BV)
+    else:
+        w, u = k, v  # w is unused by the sum rule
+    _scan_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, u, w, o, s0, final, T, K, V, C, BC, BK, BV,
+        IS_DELTA=beta is not None, HAS_S0=initial_state is not None,
+    )
+    return o, final
+
+
+class TritonChunkFastWeightFunction(ChunkFastWeightFunction):
+    """Forward in Triton; backward inherited from the PyTorch chunked kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, initial_state, chunk_size):
+        o, final = _triton_forward(q, k, v, beta, initial_state, chunk_size)
+        ctx.save_for_backward(q, k, v, beta, initial_state)
+        ctx.chunk_size = max(1, min(chunk_size, q.shape[2]))  # for the PyTorch backward
+        ctx.set_materialize_grads(False)
+        return o, final
+
+
+def delta_rule_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Delta rule, chunkwise, Triton forward. Arguments and returns as :func:`fwp_kernels.chunk.delta_rule_chunk`.
+
+    float64 inputs take the PyTorch kernel (the Triton kernels accumulate in float32).
+    """
+    if q.dtype == torch.float64:
+        return chunk.delta_rule_chunk(q, k, v, beta, initial_state, output_final_state, chunk_size)
+    o, final = TritonChunkFastWeightFunction.apply(q, k, v, beta, initial_state, chunk_size)
+    return o, (final if output_final_state else None)
+
+
+def linear_attention_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Sum rule, chunkwise, Triton forward. Arguments and returns as :func:`fwp_kernels.chunk.linear_attention_chunk`.
+
+    float64 inputs take the PyTorch kernel (the Triton kernels accumulate in float32).
+    """
+    if q.dtype == torch.float64:
+        return chunk.linear_attention_chunk(q, k, v, initial_state, output_final_state, chunk_size)
+    o, final = TritonChunkFastWeightFunction.apply(q, k, v, None, initial_state, chunk_size)
+    return o, (final if output_final_state else None)

@@ -1,0 +1,36 @@
+"""Model cards for fast-weight checkpoints: a template per model family, filled from measured results.
+
+- :func:`build_card` / :func:`card_for_folder`: a ``huggingface_hub.ModelCard`` from ``config.json`` and a results
+  JSON (what the training and evaluation scripts write; see :mod:`model_cards.generator` for the keys).
+- :func:`validate_card`: parses a card back and checks its metadata and model-index.
+- :func:`read_results`: the results files of ``training/`` scripts (demo, finetune_fwl, eval_lm, train_transfo_xl)
+  in the card's layout (:mod:`model_cards.readers`).
+- ``python -m model_cards {card,export,push,validate} ...``: the command line (``--help``).
+"""
+from .generator import (
+    FAMILIES,
+    NO_RESULTS_NOTE,
+    Evaluation,
+    Family,
+    build_card,
+    card_for_folder,
+    count_parameters,
+    evaluations,
+    family_key,
+    validate_card,
+)
+from .readers import read_results
+
+__all__ = [
+    "FAMILIES",
+    "NO_RESULTS_NOTE",
+    "Evaluation",
+    "Family",
+    "build_card",
+    "card_for_folder",
+    "count_parameters",
+    "evaluations",
+    "family_key",
+    "read_results",
+    "validate_card",
+]

@@ -1,0 +1,533 @@
+"""Fast Weight Layers (Clark, Guu, Chang, Pasupat, Hinton, Norouzi, "Meta-Learning Fast Weight Language Models",
+EMNLP 2022, sec. 2): the head, its slow net, and its cache.
+
+The FWL is a small head on a language model's last hidden states ``h_t``. With slow parameters theta:
+
+    f(h) = LayerNorm(ReLU(h U + a)^2 W + b),         logits = f(h) E^T + c                               (eq. 1)
+
+At every position t the head runs with fast parameters, one gradient step on the losses of all earlier positions:
+
+    theta_t = theta - alpha * sum_{j<t} grad_theta CE(logits_j(theta), x_{j+1})                          (eq. 2)
+
+gradients taken at the slow theta, one learned step size alpha > 0 per parameter tensor. The head is position-wise,
+so the gradient of a weight matrix M used as ``y = M x`` is the outer product ``dy_j x_j^T`` of its upstream
+gradient and its input, and
+
+    M_t x_t = M x_t - alpha * sum_{j<t} (x_t . x_j) dy_j
+
+is causal linear attention with query x_t (fast pass input), key x_j (slow pass input) and value dy_j, strictly
+over earlier positions. Bias, LayerNorm and output-bias vectors become cumulative sums. The parallel forward is one
+slow pass, one analytic backward of all per-token losses at once, and one fast pass: linear in T. Nothing is
+detached, so training backpropagates through the gradient computation (second order), as in the paper.
+
+Generation uses the same code on one token at a time: the cache keeps the running gradient sums (the fast weight
+state of every linear attention) and the slow pass of the last position, whose loss becomes known only when the
+next token arrives.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache
+
+from .cache_fwp import FastWeightCacheLayer
+from .configuration_fwl import DEFAULT_FAST_PARAMETERS
+from .kernel_api import linear_attention
+
+# For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
+# its upstream gradient = the value). Names are those of `FWLSlowHead.named_parameters()`.
+GRADIENT_TERMS: Dict[str, Tuple[Optional[str], str]] = {
+    "up_proj.weight": ("h", "z1"),  # U: dCE_j/dU = dz1_j h_j^T
+    "up_proj.bias": (None, "z1"),  # a
+    "down_proj.weight": ("s", "z2"),  # W: dCE_j/dW = dz2_j s_j^T, s = ReLU(z1)^2
+    "down_proj.bias": (None, "z2"),  # b
+    "norm.weight": (None, "gain"),  # LayerNorm gain: df_j * n_j
+    "norm.bias": (None, "f"),  # LayerNorm bias: df_j
+    "output_embedding.weight": ("o", "logits"),  # E: dlogits_j o_j^T
+    "output_embedding.bias": (None, "logits"),
+    "output_bias": (None, "logits"),  # c
+}
+# How deep the analytic backward must go for each upstream gradient.
+_GRADIENT_DEPTH = {"logits": 0, "f": 1, "gain": 1, "z2": 2, "z1": 3}
+# Parameters whose fast values change the hidden layer (everything before the output embedding).
+_HIDDEN_PARAMETERS = ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias", "norm.weight", "norm.bias")
+
+Intermediates = Dict[str, torch.Tensor]
+State = Optional[Dict[str, torch.Tensor]]
+
+
+def _inverse_softplus(x: float) -> float:
+    """raw with softplus(raw) = x (plain Python: also works while models are built on the meta device)."""
+    return x + math.log(-math.expm1(-x))
+
+
+class FWLSlowHead(nn.Module):
+    """The FWL with slow weights: ``forward(h [B, T, D]) -> logits [B, T, V]`` (eq. 1), using only its own parameters.
+
+    ``up_proj`` holds U and a, ``down_proj`` W and b, ``norm`` the LayerNorm, ``output_embedding`` is the base
+    model's output embedding E (the same module, shared), ``output_bias`` the head's own c.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        output_embedding: nn.Linear,
+        output_bias: bool = True,
+        residual: bool = False,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        if not isinstance(output_embedding, nn.Linear):
+            raise ValueError(
+                "The FWL head needs the base model's output embedding as an `nn.Linear` [vocab_size, hidden_size] "
+                f"(from `get_output_embeddings()`), got {type(output_embedding).__name__}"
+            )
+        if output_embedding.in_features != hidden_size:
+            raise ValueError(
+                f"The output embedding takes inputs of size {output_embedding.in_features}, but the hidden states have "
+                f"size {hidden_size}"
+            )
+        self.hidden_size = hidden_size
+        self.vocab_size = output_embedding.out_features
+        self.up_proj = nn.Linear(hidden_size, intermediate_size)  # h U + a
+        self.down_proj = nn.Linear(intermediate_size, hidden_size)  # s W + b
+        self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.output_embedding = output_embedding  # E, shared with the base model
+        self.output_bias = nn.Parameter(torch.zeros(self.vocab_size)) if output_bias else None  # c
+        self.residual = residual
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_intermediates(hidden_states)["logits"]
+
+    def forward_with_intermediates(self, hidden_states: torch.Tensor) -> Intermediates:
+        """Slow pass: ``hidden_intermediates`` plus the logits ``[B, T, V]``."""
+        inter = self.hidden_intermediates(hidden_states)
+        inter["logits"] = self.output_logits(inter["o"])
+        return inter
+
+    def hidden_intermediates(self, hidden_states: torch.Tensor) -> Intermediates:
+        """Slow pass up to the input of E; returns what the analytic backward and the fast pass need, ``[B, T, *]``:
+        h (input), r = ReLU(z1), s = r^2, n (normalised z2), rstd (1 / std of z2, ``[B, T, 1]``), o (input of E).
+        """
+        h = hidden_states
+        r = F.relu(self.up_proj(h))  # z1 = h U + a
+        s = r * r
+        n, rstd = layer_normalize(self.down_proj(s), self.norm.eps)  # z2 = s W + b
+        o = n * self.norm.weight + self.norm.bias  # f(h)
+        if self.residual:
+            o = o + h
+        return {"h": h, "r": r, "s": s, "n": n, "rstd": rstd, "o": o}
+
+    def output_logits(self, o: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``o E^T + c`` (plus E's own bias if the base model's output embedding has one), one fused matmul;
+        written into `out` (a contiguous ``[B, T, V]`` tensor, outside autograd) when given."""
+        weight, bias = self.output_embedding.weight, self.output_embedding.bias
+        if self.output_bias is not None:
+            bias = self.output_bias if bias is None else bias + self.output_bias
+        if out is None:
+            return F.linear(o, weight, bias)
+        o2d, out2d = o.reshape(-1, o.shape[-1]), out.view(-1, out.shape[-1])
+        if bias is None:
+            torch.mm(o2d, weight.t(), out=out2d)
+        else:
+            torch.addmm(bias, o2d, weight.t(), out=out2d)
+        return out
+
+    def per_token_gradients(
+        self,
+        inter: Intermediates,
+        labels: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        depth: int,
+        overwrite_logits: bool = False,
+    ) -> Dict[str, torch.Tensor]:
+        """Upstream gradients of every per-token loss ``w_j CE(logits_j, labels_j)`` at once (one analytic backward).
+
+        Args:
+            inter: slow-pass intermediates of T positions (``hidden_intermediates``, with or without the logits).
+            labels: ``[B, T]`` ids (any value where the weight is 0).
+            weights: ``[B, T]`` 0/1 loss weights, or None for all ones.
+            depth: how far back to go (0: logits only ... 3: down to z1, see ``_GRADIENT_DEPTH``).
+            overwrite_logits: outside autograd, turn the logits (``inter["logits"]`` or the ones computed here) into
+                their gradient in place: no second ``[B, T, V]`` tensor.
+        Returns:
+            a dict of ``[B, T, *]`` tensors: logits (dCE/dlogits), f (dCE/df), gain (df * n), z2, z1. Each row only
+            depends on its own position, so the per-token gradient of a parameter is read off without any sum.
+        """
+        logits = inter["logits"] if "logits" in inter else self.output_logits(inter["o"])
+        # dCE/dlogits = softmax(logits) - onehot(label)
+        if overwrite_logits:
+            grad = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+            grad = grad.div_(grad.sum(-1, keepdim=True))
+            if weights is not None:
+                grad = grad.mul_(weights[..., None].to(grad.dtype))
+            minus_one = -weights[..., None].to(grad.dtype) if weights is not None else grad.new_full((*labels.shape, 1), -1.0)
+        elif weights is not None:
+            grad = torch.softmax(logits, dim=-1)
+            grad = grad * weights[..., None].to(grad.dtype)
+            minus_one = -weights[..., None].to(grad.dtype)
+        else:
+            grad = torch.softmax(logits, dim=-1)
+            minus_one = grad.new_full((*labels.shape, 1), -1.0)
+            if torch.is_grad_enabled() and grad.requires_grad:
+                grad = grad.clone()  # softmax's backward needs its own output unmodified
+        index = labels.clamp(0, logits.shape[-1] - 1)[..., None]
+        grad = grad.scatter_add_(-1, index, minus_one)
+        grads = {"logits": grad}
+        if depth >= 1:
+            # dCE/do = dlogits E ; o = f (+ h): dCE/df = dCE/do
+            df = grad @ self.output_embedding.weight.to(grad.dtype)
+            grads["f"] = df
+            grads["gain"] = df * inter["n"]
+        if depth >= 2:
+            # LayerNorm backward: dz2 = rstd (dn - mean(dn) - n mean(dn n)), dn = df * gain
+            dn = grads["f"] * self.norm.weight
+            n = inter["n"]
+            grads["z2"] = inter["rstd"] * (dn - dn.mean(-1, keepdim=True) - n * (dn * n).mean(-1, keepdim=True))
+        if depth >= 3:
+            # s = ReLU(z1)^2: dz1 = (dz2 W) * 2 ReLU(z1)
+            grads["z1"] = (grads["z2"] @ self.down_proj.weight) * (2 * inter["r"])
+        return grads
+
+
+def layer_normalize(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(x - mean) / sqrt(var + eps)`` over the last dim (biased variance, as ``nn.LayerNorm``); returns (n, rstd)."""
+    centered = x - x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    return centered * rstd, rstd
+
+
+class _FastUpdates:
+    """The fast weight corrections ``alpha * sum_{j<t} grad_j`` of one forward call, for every fast parameter.
+
+    Built from the per-token gradients of the positions ``[previous, new_0, ..., new_{T-2}]`` (the shift that makes
+    the sums exclusive: position t sees the gradients of positions < t only) and the sums carried in from the cache.
+    """
+
+    def __init__(self, head: "FWLHead", keys: Dict[str, torch.Tensor], values: Dict[str, torch.Tensor], state: State, output_final_state: bool):
+        self.head = head
+        self.keys, self.values, self.state = keys, values, state or {}
+        self.output_final_state = output_final_state
+        self.final_state: Dict[str, torch.Tensor] = {}
+
+    def subtract(
+        self, x: torch.Tensor, name: str, query: Optional[torch.Tensor] = None, keep: Union[slice, torch.Tensor] = slice(None)
+    ) -> torch.Tensor:
+        """Turns a slow output into the fast one, at the positions `keep`: for a fast matrix (``y = M q``, query
+        ``[B, T, Dk]``) ``x - alpha * sum_{j<t} (q_t . k_j) v_j``, for a fast vector ``x - alpha * sum_{j<t} g_j``;
+        x itself for a slow parameter."""
+        if name not in self.head.fast_parameter_names:
+            return x
+        return x - self._correction(name, query)[:, keep]
+
+    def _correction(self, name: str, query: Optional[torch.Tensor]) -> torch.Tensor:
+        key_name, value_name = GRADIENT_TERMS[name]
+        value = self.values[value_name]
+        initial = self.state.get(f"sum.{name}")
+        if key_name is None:
+            # a_t = a - alpha * sum_{j<t} g_j : a cumulative sum
+            total = value.cumsum(1, dtype=torch.promote_types(value.dtype, torch.float32))
+            if initial is not None:
+                total = total + initial[:, None]
+            if self.output_final_state:
+                self.final_state[f"sum.{name}"] = total[:, -1].detach()
+            correction = total.to(value.dtype)
+        else:
+            # M_t q_t = M q_t - alpha * sum_{j<t} (q_t . k_j) v_j : causal linear attention
+            out, final = linear_attention(
+                query[:, None],
+                self.keys[key_name][:, None],
+                value[:, None],
+                initial_state=initial[:, None] if initial is not None else None,
+                output_final_state=self.output_final_state,
+                mode=self.head.kernel_mode,
+                chunk_size=self.head.chunk_size,
+            )
+            if self.output_final_state:
+                self.final_state[f"sum.{name}"] = final[:, 0].detach()
+            correction = out[:, 0]
+        return self.head.step_size(name).to(correction.dtype) * correction
+
+
+class FWLHead(nn.Module):
+    r"""Fast Weight Layer head (Clark et al. 2022): the FWL contract of DESIGN.md.
+
+    - ``head(hidden_states [B, T, D], input_ids [B, T]) -> logits [B, T, V]``: the parallel fast forward; the label of
+      position j is ``input_ids[:, j + 1]``, and position t only uses the labels of positions j < t.
+    - ``head.slow``: the head with slow weights (``FWLSlowHead``), a plain module ``forward(h) -> logits``.
+    - ``head.fast_parameter_names``: names (as in ``head.slow.named_parameters()``) that get fast weights.
+    - ``head.step_size(name)``: the learned step size alpha of that parameter, ``softplus(raw) > 0``.
+
+    Args:
+        hidden_size: D, the size of the hidden states (and of E's input).
+        output_embedding: the base model's output embedding E (``nn.Linear [V, D]``), shared, not copied.
+        intermediate_size: width of the hidden layer (default: D).
+        fast_parameters: names of the fast parameters (see ``GRADIENT_TERMS``).
+        output_bias: give the head its own output bias c.
+        residual: ``logits = (h + f(h)) E^T + c``.
+        step_size_init: initial alpha of every fast parameter.
+        layer_norm_eps, kernel_mode, chunk_size: LayerNorm epsilon; ``fwp_kernels.linear_attention`` options.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        output_embedding: nn.Linear,
+        *,
+        intermediate_size: Optional[int] = None,
+        fast_parameters: Iterable[str] = DEFAULT_FAST_PARAMETERS,
+        output_bias: bool = True,
+        residual: bool = False,
+        step_size_init: float = 1e-3,
+        layer_norm_eps: float = 1e-5,
+        kernel_mode: str = "auto",
+        chunk_size: int = 256,
+    ) -> None:
+        super().__init__()
+        self.slow = FWLSlowHead(
+            hidden_size, intermediate_size or hidden_size, output_embedding, output_bias, residual, layer_norm_eps
+        )
+        available = [name for name, _ in self.slow.named_parameters(remove_duplicate=False)]
+        fast_parameters = list(fast_parameters)
+        for name in fast_parameters:
+            if name not in available:
+                raise ValueError(
+                    f"`fast_parameters` contains {name!r}, which is not a parameter of the FWL head; available: {available}"
+                )
+        if len(set(fast_parameters)) != len(fast_parameters):
+            raise ValueError(f"`fast_parameters` lists a name twice: {fast_parameters}")
+        if not step_size_init > 0:
+            raise ValueError(f"`step_size_init` must be > 0, got {step_size_init}")
+        self.fast_parameter_names: Tuple[str, ...] = tuple(fast_parameters)
+        self.step_size_init = step_size_init
+        self.kernel_mode = kernel_mode
+        self.chunk_size = chunk_size
+        # alpha = softplus(raw), one per fast parameter tensor
+        self.raw_step_size = nn.Parameter(torch.full((len(fast_parameters),), _inverse_softplus(step_size_init)))
+        self._value_names = {GRADIENT_TERMS[name][1] for name in self.fast_parameter_names}
+        self._gradient_depth = max((_GRADIENT_DEPTH[v] for v in self._value_names), default=-1)
+        self._fast_hidden = any(name in _HIDDEN_PARAMETERS for name in self.fast_parameter_names)
+
+    def step_size(self, name: str) -> torch.Tensor:
+        """The learned step size alpha (a positive scalar tensor) of fast parameter `name`."""
+        if name not in self.fast_parameter_names:
+            raise ValueError(f"{name!r} is not a fast parameter of this head; fast parameters: {list(self.fast_parameter_names)}")
+        return F.softplus(self.raw_step_size[self.fast_parameter_names.index(name)])
+
+    def forward(
+        self, hidden_states: torch.Tensor, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Parallel fast forward: ``hidden_states [B, T, D]``, ``input_ids [B, T]`` (``attention_mask [B, T]``, 0 =
+        padding: padded positions neither learn nor teach) -> ``logits [B, T, V]``."""
+        return self.forward_with_state(hidden_states, input_ids, attention_mask)[0]
+
+    def forward_with_state(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.LongTensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        state: State = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        output_state: bool = False,
+    ) -> Tuple[torch.Tensor, State]:
+        """The fast forward continuing from `state` (a previous call's output state, or None at the start).
+
+        Args:
+            hidden_states: ``[B, T, D]``; input_ids: ``[B, T]``, the tokens at those positions.
+            attention_mask: ``[B, T]`` (or ``[B, past + T]``) padding mask, or None.
+            state: running gradient sums ``sum.<name>`` and the previous position's slow pass ``prev.<key>``.
+            logits_to_keep: an int n keeps the last n positions' logits (0 keeps all), a tensor selects positions.
+            output_state: return the state to continue from (kept constant in size: sums + one position).
+        Returns:
+            ``(logits [B, T', V], state or None)``.
+        """
+        B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
+        mask = None if attention_mask is None else attention_mask[:, -T:].to(hidden_states.dtype)
+        slow = self.slow
+        inter = slow.hidden_intermediates(hidden_states)  # slow pass (eq. 1)
+        fast_output = self._fast_hidden or "output_embedding.weight" in self.fast_parameter_names
+        keep = _keep_index(logits_to_keep, T)
+        # Outside autograd the slow logits become their gradient in place, and when every position's fast logits are
+        # wanted (scoring) they are written into the same [B, T, V] buffer: no more such tensors than the base model.
+        in_place = fast_output and not torch.is_grad_enabled()
+        every_position = isinstance(keep, slice) and keep == slice(None)
+        reuse_buffer = in_place and not output_state and every_position and "logits" not in self._value_names
+        if not fast_output or reuse_buffer:
+            inter["logits"] = slow.output_logits(inter["o"])  # every position's slow logits
+
+        # Per-token gradients (eq. 2) of the positions whose label is known: the previous call's last position
+        # (label input_ids[:, 0]) and the new ones but the last (label input_ids[:, j + 1]).
+        depth = self._gradient_depth
+        prev = None
+        if state is not None and "prev.h" in state:
+            prev = {key[len("prev.") :]: t for key, t in state.items() if key.startswith("prev.") and key != "prev.mask"}
+        keys: Dict[str, torch.Tensor] = {}
+        values: Dict[str, torch.Tensor] = {}
+        if depth >= 0:
+            weights = None if mask is None else mask[:, :-1] * mask[:, 1:]
+            grads = slow.per_token_gradients(
+                _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, overwrite_logits=in_place
+            )
+            prev_grads = None
+            if prev is not None:
+                prev_weights = state["prev.mask"].to(hidden_states.dtype)
+                if mask is not None:
+                    prev_weights = prev_weights * mask[:, :1]
+                prev_grads = slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, depth)
+            for name in self.fast_parameter_names:
+                key_name, value_name = GRADIENT_TERMS[name]
+                if value_name not in values:
+                    values[value_name] = _shift_in(grads[value_name], prev_grads and prev_grads[value_name])
+                if key_name is not None and key_name not in keys:
+                    keys[key_name] = _shift_in(inter[key_name][:, :-1], prev and prev[key_name])
+        updates = _FastUpdates(self, keys, values, state, output_state)
+
+        # Fast pass: every parameter replaced by its fast value.
+        if self._fast_hidden:
+            h = hidden_states
+            z1 = updates.subtract(updates.subtract(slow.up_proj(h), "up_proj.weight", h), "up_proj.bias")
+            r = F.relu(z1)
+            s = r * r
+            z2 = updates.subtract(updates.subtract(slow.down_proj(s), "down_proj.weight", s), "down_proj.bias")
+            n, _ = layer_normalize(z2, slow.norm.eps)
+            o = n * updates.subtract(slow.norm.weight, "norm.weight") + updates.subtract(slow.norm.bias, "norm.bias")
+            if slow.residual:
+                o = o + h
+        else:  # only output parameters are fast: the hidden layer is the slow one
+            o = inter["o"]
+        last_slow_logits = None
+        if reuse_buffer:
+            logits = slow.output_logits(o, out=inter["logits"])
+        elif fast_output:
+            rows = o[:, keep]
+            if output_state:  # the last position's slow logits (for its gradient next call), in the same matmul
+                rows = torch.cat([rows, inter["o"][:, -1:]], dim=1)
+            logits = slow.output_logits(rows)
+            if output_state:
+                logits, last_slow_logits = logits[:, :-1], logits[:, -1:]
+            logits = updates.subtract(logits, "output_embedding.weight", o, keep)
+        else:
+            logits = inter["logits"][:, keep]
+            last_slow_logits = inter["logits"][:, -1:]
+        logits = updates.subtract(updates.subtract(logits, "output_embedding.bias", keep=keep), "output_bias", keep=keep)
+
+        new_state = None
+        if output_state:
+            new_state = dict(updates.final_state)  # every fast parameter's running sum, through position T - 2
+            for key, t in inter.items():
+                new_state[f"prev.{key}"] = t[:, -1:].detach()
+            new_state["prev.logits"] = last_slow_logits.detach()
+            new_state["prev.mask"] = mask[:, -1:].detach() if mask is not None else hidden_states.new_ones(B, 1)
+        return logits, new_state
+
+    def _check_inputs(self, hidden_states, input_ids, attention_mask) -> Tuple[int, int]:
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != self.slow.hidden_size:
+            raise ValueError(
+                f"`hidden_states` must be [batch, seq_len, {self.slow.hidden_size}], got {getattr(hidden_states, 'shape', type(hidden_states))}"
+            )
+        B, T = hidden_states.shape[:2]
+        if T == 0:
+            raise ValueError("`hidden_states` must hold at least one position")
+        if input_ids is None:
+            raise ValueError("The FWL head needs `input_ids`: the next token of each position is its training label")
+        if input_ids.dim() != 2 or tuple(input_ids.shape) != (B, T):
+            raise ValueError(f"`input_ids` must be [batch, seq_len] = {(B, T)}, got {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"`input_ids` must be an integer tensor, got {input_ids.dtype}")
+        if attention_mask is not None and (
+            attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T
+        ):
+            raise ValueError(
+                f"`attention_mask` must be a 2-D padding mask [batch, >= seq_len] with batch = {B}, seq_len = {T}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        return B, T
+
+
+def _shift_in(new: torch.Tensor, first: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[B, T - 1, *]`` rows of positions 0..T-2, preceded by the previous call's last position (zeros at the
+    start) -> ``[B, T, *]``: entry t holds position t - 1, so a sum over entries <= t is a sum over positions < t."""
+    if first is None:
+        first = new.new_zeros(new.shape[0], 1, *new.shape[2:])
+    return torch.cat([first.to(new.dtype), new], dim=1)
+
+
+def _slice(inter: Intermediates, index: slice) -> Intermediates:
+    return {key: t[:, index] for key, t in inter.items()}
+
+
+def _keep_index(logits_to_keep: Union[int, torch.Tensor], T: int) -> Union[slice, torch.Tensor]:
+    if isinstance(logits_to_keep, int):
+        return slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
+    return logits_to_keep
+
+
+class FWLCache(Cache):
+    """Cache of ``FWLForCausalLM``: the base model's cache plus the FWL state, both constant per token for the FWL.
+
+    ``base_cache`` is whatever the base model uses (a ``DynamicCache`` of keys and values, a ``FastWeightCache``...);
+    the FWL state lives in one ``FastWeightCacheLayer``: the running gradient sums ``sum.<parameter>``
+    (``[B, Dv, Dk]`` for matrices, ``[B, Dv]`` for vectors) and the last position's slow pass ``prev.<key>``
+    (``[B, 1, *]``), whose gradient is added once its label (the next token) arrives. Beam search reorders both.
+    """
+
+    def __init__(self, base_cache: Optional[Cache] = None) -> None:
+        super().__init__(layers=[FastWeightCacheLayer()])
+        self.base_cache = base_cache
+
+    @property
+    def fwl_layer(self) -> FastWeightCacheLayer:
+        return self.layers[0]
+
+    def get_state(self) -> State:
+        states = self.fwl_layer.states
+        return dict(states) if states else None
+
+    def set_state(self, state: Dict[str, torch.Tensor], num_new_tokens: int) -> None:
+        self.fwl_layer.states = dict(state)
+        self.fwl_layer.seen_tokens += num_new_tokens
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.base_cache is not None:
+            return self.base_cache.get_seq_length(layer_idx)
+        return self.fwl_layer.get_seq_length()
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        size = self.fwl_layer.batch_size
+        return size if size != -1 or self.base_cache is None else self.base_cache.batch_size
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.base_cache is not None:
+            self.base_cache.reorder_cache(beam_idx)
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.base_cache is not None:
+            self.base_cache.batch_select_indices(indices)
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.base_cache is not None:
+            self.base_cache.batch_repeat_interleave(repeats)
+        super().batch_repeat_interleave(repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "FWLCache cannot be cropped: the FWL's fast weights are running sums of gradients, which cannot be undone "
+            "by dropping positions (assisted decoding and cache rollback are unsupported)"
+        )
+
+    def reset(self) -> None:
+        if self.base_cache is not None:
+            self.base_cache.reset()
+        super().reset()

@@ -1,0 +1,224 @@
+"""``FWLForCausalLM``: a Fast Weight Layer head (Clark et al. 2022) on any causal LM.
+
+The base model (Llama / SmolLM2, GPT-2, our DeltaNetForCausalLM, ...) runs up to its last hidden states; the FWL head
+(``fwl.FWLHead``) turns them into logits with the base model's own output embedding E, updating its fast weights at
+every position from the losses of the earlier ones. The base model's LM head matmul is skipped: E is applied by the
+FWL head.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_fwl import FWLConfig
+from .fwl import FWLCache, FWLHead, FWLSlowHead, _inverse_softplus
+from .remote_code import FastWeightHubMixin
+
+# Keyword arguments that belong to the loss (Trainer passes them), not to the base model.
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+class FWLPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
+    config_class = FWLConfig
+    config: FWLConfig
+    base_model_prefix = "language_model"
+    supports_gradient_checkpointing = True
+    _skip_keys_device_placement = ["past_key_values"]
+    _is_stateful = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # FWLForCausalLM wraps the base model's cache in an FWLCache itself.
+        return False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # U, W ~ N(0, initializer_range); a, b = 0; LayerNorm gain 1, bias 0
+        if isinstance(module, FWLSlowHead):
+            if module.residual:
+                # f(h) = 0 at the start: h + f(h) reproduces the base model's logits exactly.
+                init.zeros_(module.norm.weight)
+            if module.output_bias is not None:
+                init.zeros_(module.output_bias)
+        elif isinstance(module, FWLHead):
+            init.constant_(module.raw_step_size, _inverse_softplus(module.step_size_init))
+
+
+class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
+    r"""A causal LM whose output head is a Fast Weight Layer (Clark et al. 2022) reusing the base's output embedding.
+
+    ``model.language_model`` is the wrapped causal LM, ``model.fwl_head`` the ``FWLHead`` (contract in DESIGN.md).
+    Build one around a pretrained checkpoint with :meth:`from_base_pretrained`.
+    """
+
+    def __init__(self, config: FWLConfig, language_model: Optional[PreTrainedModel] = None) -> None:
+        super().__init__(config)
+        if language_model is None:
+            language_model = AutoModelForCausalLM.from_config(config.text_config)
+        self.language_model = language_model
+        # One source of truth for the base model's settings (its attention implementation, special tokens...).
+        self.config.text_config = language_model.config
+        output_embedding = language_model.get_output_embeddings()
+        if not isinstance(output_embedding, nn.Linear):
+            raise ValueError(
+                f"The base model {type(language_model).__name__} has no output embedding (`get_output_embeddings()` "
+                f"returned {type(output_embedding).__name__}, expected an nn.Linear [vocab_size, hidden_size]): the FWL "
+                "head computes its logits with it"
+            )
+        if language_model.base_model is language_model:
+            raise ValueError(
+                f"{type(language_model).__name__} exposes no inner decoder (`base_model_prefix`): the FWL head needs its "
+                "last hidden states"
+            )
+        self.fwl_head = FWLHead(
+            config.text_config.hidden_size,
+            output_embedding,
+            intermediate_size=config.fwl_intermediate_size,
+            fast_parameters=config.fwl_fast_parameters,
+            output_bias=config.fwl_output_bias,
+            residual=config.fwl_residual,
+            step_size_init=config.fwl_step_size_init,
+            layer_norm_eps=config.fwl_layer_norm_eps,
+            kernel_mode=config.fwl_kernel_mode,
+            chunk_size=config.fwl_chunk_size,
+        )
+        # E is one module reached from two places: declare the FWL's path tied to the name under which the base
+        # model stores it (its input embedding's when the base model ties them).
+        embedding_name = next(name for name, m in language_model.named_modules() if m is output_embedding)
+        base_tied = getattr(language_model, "all_tied_weights_keys", None) or {}
+        self._tied_weights_keys = {
+            f"fwl_head.slow.output_embedding.{name}": "language_model."
+            + base_tied.get(f"{embedding_name}.{name}", f"{embedding_name}.{name}")
+            for name, _ in output_embedding.named_parameters()
+        }
+        self.post_init()
+
+    @classmethod
+    def from_base_pretrained(
+        cls,
+        pretrained_model_name_or_path: Union[str, PreTrainedModel],
+        *,
+        freeze_base: bool = False,
+        base_model_kwargs: Optional[Dict[str, Any]] = None,
+        **fwl_config,
+    ) -> "FWLForCausalLM":
+        """Puts a fresh FWL head on a pretrained causal LM.
+
+        Args:
+            pretrained_model_name_or_path: a hub name or folder for ``AutoModelForCausalLM.from_pretrained``, or an
+                already loaded causal LM.
+            freeze_base: train the FWL head only (the base model, E included, gets ``requires_grad = False``).
+            base_model_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``gguf_file``, ...).
+            **fwl_config: ``FWLConfig`` fields (``fwl_intermediate_size``, ``fwl_fast_parameters``, ...).
+        """
+        fields = set(FWLConfig.__dataclass_fields__) - {"text_config"}
+        unknown = sorted(set(fwl_config) - fields)
+        if unknown:
+            raise ValueError(f"Unknown FWLConfig fields {unknown}; FWL fields: {sorted(f for f in fields if f.startswith('fwl_'))}")
+        if isinstance(pretrained_model_name_or_path, PreTrainedModel):
+            base = pretrained_model_name_or_path
+        else:
+            base = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, **(base_model_kwargs or {}))
+        # A copy: building the composite config re-dispatches settings (the attention implementation) to its sub-config.
+        config = FWLConfig(text_config=copy.deepcopy(base.config), **fwl_config)
+        model = cls(config, language_model=base)
+        model.fwl_head.to(device=base.device, dtype=base.dtype)
+        if freeze_base:
+            model.language_model.requires_grad_(False)
+        return model
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.language_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.fwl_head.slow.output_embedding
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[FWLCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        **kwargs,
+    ) -> Union[CausalLMOutputWithPast, Tuple]:
+        """
+        Args:
+            input_ids: ``[B, T]`` token ids. Required: the FWL learns from each position's next token.
+            attention_mask: ``[B, T]`` or ``[B, past + T]`` padding mask; padded positions neither learn nor teach.
+            past_key_values: an ``FWLCache`` (base model cache + FWL state) to continue from; updated in place.
+            labels: ``[B, T]`` ids (shifted inside; -100 ignored); with ``num_items_in_batch`` (Trainer) the loss is
+                the token sum divided by that count.
+            logits_to_keep: an int n keeps the last n positions' logits (0 keeps all), a tensor selects positions.
+            Other arguments go to the base model.
+        Returns:
+            ``CausalLMOutputWithPast(loss, logits [B, T', V], past_key_values, hidden_states)``.
+        """
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if input_ids is None:
+            raise ValueError(
+                "FWLForCausalLM needs `input_ids` (not only `inputs_embeds`): the FWL head learns from each position's "
+                "next token"
+            )
+        if past_key_values is not None and not isinstance(past_key_values, FWLCache):
+            raise ValueError(
+                f"`past_key_values` must be an FWLCache (or None), got {type(past_key_values).__name__}"
+            )
+        loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
+        base_kwargs = dict(kwargs)
+        if output_hidden_states:
+            base_kwargs["output_hidden_states"] = True
+        outputs = self.language_model.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values.base_cache if past_key_values is not None else None,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **base_kwargs,
+        )
+        hidden_states = outputs[0]
+
+        cache = past_key_values
+        if use_cache and cache is None:
+            cache = FWLCache(getattr(outputs, "past_key_values", None))
+        state = cache.get_state() if cache is not None else None
+        if state is not None:
+            state = {name: t.detach() for name, t in state.items()}  # gradients stop at segment boundaries
+        logits, new_state = self.fwl_head.forward_with_state(
+            hidden_states,
+            input_ids,
+            attention_mask=attention_mask,
+            state=state,
+            logits_to_keep=logits_to_keep,
+            output_state=cache is not None,
+        )
+        if cache is not None:
+            cache.set_state(new_state, input_ids.shape[1])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.fwl_head.slow.vocab_size, **loss_kwargs
+            )
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=cache,
+            hidden_states=getattr(outputs, "hidden_states", None),
+        )
+        return output if return_dict else output.to_tuple()

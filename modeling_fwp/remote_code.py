@@ -1,0 +1,356 @@
+"""Self-contained checkpoints: the code a saved folder needs for ``trust_remote_code``, and safe weight loading.
+
+``FastWeightHubMixin`` goes first in the bases of every model family's ``PreTrainedModel`` subclass. It changes three
+things of ``transformers.PreTrainedModel``:
+
+- ``save_pretrained`` also writes the modeling code and an ``auto_map`` into ``config.json``. transformers' own
+  mechanism (``register_for_auto_class`` + ``custom_object_save``) copies a class's module and, recursively, every
+  sibling module named in a relative import, resolved next to the module. That cannot include the kernels: the
+  model code reaches ``fwp_kernels`` (a separate package) through ``kernel_api``, which falls back to a sibling
+  ``fwp_kernels.py`` that exists only in saved folders. So the mixin collects the same closure itself (with
+  transformers' ``get_relative_imports``, i.e. the way loading will see it), maps the name ``fwp_kernels`` to the
+  installed package's ``__init__`` (its own sibling imports are resolved inside ``kernels/``), checks that every
+  module imports only what a plain ``transformers`` install has, and writes the files flat into the folder. When
+  the package is installed it also writes a model card (``modeling_fwp.hub``) unless the folder has one.
+- ``from_pretrained`` never unpickles arbitrary objects (``weights_only=False`` is refused; transformers'
+  ``weights_only=True`` load errors are re-raised with the file and the remedy), checks safetensors files before
+  loading and names the file and the problem when one is truncated or corrupted, and re-enables the recurrent
+  state for generation in checkpoints saved by ``Trainer`` (``use_cache: false``).
+- ``push_to_hub`` uploads the folder ``save_pretrained`` writes with this project's card (``modeling_fwp.hub``),
+  not the generic card transformers puts in its place.
+
+This module is itself part of every export, so it imports only the standard library, torch's ecosystem and
+``transformers`` / ``huggingface_hub`` / ``safetensors``; the package-only helpers in ``modeling_fwp.hub`` are
+reached through an optional import.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import re
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import transformers
+from safetensors import SafetensorError
+from transformers.dynamic_module_utils import get_imports, get_relative_imports
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+KERNELS_MODULE = "fwp_kernels"
+# Top-level packages that exported modules may import outside a ``try`` block: what loading with
+# ``trust_remote_code`` can count on (transformers checks every module's imports when it downloads them).
+REMOTE_CODE_DEPENDENCIES = frozenset({"torch", "transformers", "huggingface_hub", "safetensors", "tokenizers", "numpy"})
+AUTO_MODEL_CLASSES = ("AutoModel", "AutoModelForCausalLM")
+WEIGHTS_PATTERN = "*.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Code export
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _module_file(cls: type) -> Path:
+    return Path(sys.modules[cls.__module__].__file__)
+
+
+def _class_reference(cls: type) -> str:
+    """``"<module file stem>.<class name>"``: how ``auto_map`` names a class of a flat code folder."""
+    return f"{_module_file(cls).stem}.{cls.__name__}"
+
+
+def remote_code_auto_map(model: transformers.PreTrainedModel) -> Dict[str, str]:
+    """The ``auto_map`` of a saved folder: the config class and the model classes registered for it.
+
+    ``AutoModel`` / ``AutoModelForCausalLM`` entries come from the Auto registries (filled by ``modeling_fwp``'s
+    import, or by transformers when it loads remote code), restricted to classes defined next to the model's own
+    module; the model's own class is always included.
+    """
+    config_cls = type(model.config)
+    code_dir = _module_file(type(model)).parent
+    auto_map = {"AutoConfig": _class_reference(config_cls)}
+    for auto_name in AUTO_MODEL_CLASSES:
+        mapping = getattr(transformers, auto_name)._model_mapping
+        if config_cls in mapping:
+            registered = mapping[config_cls]
+            if _module_file(registered).parent == code_dir:
+                auto_map[auto_name] = _class_reference(registered)
+    if _class_reference(type(model)) not in auto_map.values():
+        auto_map[getattr(model, "_auto_class", None) or "AutoModelForCausalLM"] = _class_reference(type(model))
+    return auto_map
+
+
+def _kernels_init_file() -> Path:
+    spec = importlib.util.find_spec(KERNELS_MODULE)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            f"Saving a fast-weight model needs the `{KERNELS_MODULE}` package (or a folder saved with it): the "
+            "kernels are copied into the saved folder",
+            name=KERNELS_MODULE,
+        )
+    return Path(spec.origin)
+
+
+def remote_code_sources(entry_files: List[Path]) -> Dict[str, Path]:
+    """Maps each file name of a code folder to its source, for ``entry_files`` and everything they import.
+
+    Follows sibling imports as transformers does when loading (``get_relative_imports``). A sibling that does not
+    exist next to the importing module and is named ``fwp_kernels`` is the kernels package: its ``__init__``
+    becomes ``fwp_kernels.py`` and its own siblings are resolved in its folder.
+    """
+    sources: Dict[str, Path] = {}
+    pending = [(path.name, path) for path in entry_files]
+    while pending:
+        name, path = pending.pop()
+        if name in sources:
+            if sources[name].resolve() != path.resolve():
+                raise ValueError(
+                    f"Two modules would be saved as {name}: {sources[name]} and {path}. Exported code is flat (one "
+                    "folder): rename one of them"
+                )
+            continue
+        sources[name] = path
+        for module in get_relative_imports(path):
+            candidate = path.parent / f"{module}.py"
+            if candidate.is_file():
+                pending.append((candidate.name, candidate))
+            elif module == KERNELS_MODULE:
+                pending.append((f"{KERNELS_MODULE}.py", _kernels_init_file()))
+            else:
+                raise FileNotFoundError(
+                    f"{path} imports `.{module}`, but {candidate} does not exist. Exported code can only use flat "
+                    "sibling imports (`from .module import name`)"
+                )
+    return sources
+
+
+def check_remote_code_imports(sources: Dict[str, Path]) -> None:
+    """Raises ``ImportError`` when a module imports, outside a ``try`` block, a package a plain transformers
+    install may lack (transformers refuses to load such remote code)."""
+    allowed = REMOTE_CODE_DEPENDENCIES | set(sys.stdlib_module_names)
+    problems = {
+        name: sorted(set(get_imports(path)) - allowed) for name, path in sorted(sources.items())
+    }
+    problems = {name: bad for name, bad in problems.items() if bad}
+    if problems:
+        listing = "; ".join(f"{name} ({sources[name]}) imports {', '.join(bad)}" for name, bad in problems.items())
+        raise ImportError(
+            f"The model code cannot be exported for trust_remote_code: {listing}. Exported modules may import only "
+            f"{sorted(REMOTE_CODE_DEPENDENCIES)} and the standard library outside a `try` block; import kernels "
+            f"through the sibling shim (`from .kernel_api import ...`) and optional accelerators inside `try`"
+        )
+
+
+def save_remote_code(model: transformers.PreTrainedModel, save_directory: Union[str, os.PathLike]) -> List[Path]:
+    """Writes the modeling code of ``model`` (its config, model classes, their sibling modules and the kernels)
+    flat into ``save_directory``; returns the written paths. Sets ``model.config.auto_map``."""
+    auto_map = remote_code_auto_map(model)
+    code_dir = _module_file(type(model)).parent
+    entry_files = sorted({code_dir / f"{reference.split('.')[0]}.py" for reference in auto_map.values()})
+    sources = remote_code_sources(entry_files)
+    check_remote_code_imports(sources)
+    folder = Path(save_directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, source in sorted(sources.items()):
+        target = folder / name
+        if not (target.exists() and target.samefile(source)):
+            shutil.copyfile(source, target)
+        written.append(target)
+    model.config.auto_map = {**(getattr(model.config, "auto_map", None) or {}), **auto_map}
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_safetensors_file(path: Union[str, os.PathLike]) -> None:
+    """Reads a safetensors file's header (not its tensors) and raises ``OSError`` naming the file and the problem
+    when the file is truncated or corrupted.
+
+    Layout: an 8-byte little-endian header length n, n bytes of JSON ``{name: {dtype, shape, data_offsets}}``,
+    then the tensor data, which the offsets must cover exactly.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    advice = "re-download or re-save the checkpoint"
+    with path.open("rb") as f:
+        if size < 8:
+            raise OSError(f"{path} is truncated: {size} bytes, shorter than a safetensors header length; {advice}")
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8:
+            raise OSError(
+                f"{path} is truncated or corrupted: its header claims {header_len} bytes but only {size - 8} follow "
+                f"the length prefix; {advice}"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise OSError(f"{path} is corrupted: its header is not valid JSON ({error}); {advice}") from None
+    if not isinstance(header, dict):
+        raise OSError(f"{path} is corrupted: its header is not a JSON object; {advice}")
+    data_size = size - 8 - header_len
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise OSError(f"{path} is corrupted: tensor {name!r} has no valid data_offsets in the header; {advice}")
+        data_end = max(data_end, offsets[1])
+    if data_end > data_size:
+        raise OSError(
+            f"{path} is truncated: its header describes {data_end} bytes of tensor data but the file holds "
+            f"{data_size}; {advice}"
+        )
+    if data_end < data_size:
+        raise OSError(
+            f"{path} is corrupted: {data_size - data_end} bytes follow the tensor data its header describes; {advice}"
+        )
+
+
+def check_weight_files(folder: Union[str, os.PathLike]) -> None:
+    """Checks every ``*.safetensors`` file of a local checkpoint folder (see :func:`check_safetensors_file`)."""
+    for path in sorted(Path(folder).glob(WEIGHTS_PATTERN)):
+        check_safetensors_file(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mixin
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _package_hub():
+    """``modeling_fwp.hub`` when the package is installed (model cards, checked uploads), else None.
+
+    An absolute import on purpose: a sibling import would make every export carry ``hub.py`` and its dependencies.
+    """
+    try:
+        from modeling_fwp import hub
+    except ModuleNotFoundError:
+        return None
+    return hub
+
+
+class FastWeightHubMixin:
+    """Self-contained ``save_pretrained``, safe ``from_pretrained`` and card-preserving ``push_to_hub``.
+
+    Put it first in the bases of a family's ``PreTrainedModel`` subclass:
+    ``class MyPreTrainedModel(FastWeightHubMixin, PreTrainedModel)``.
+    """
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], *args: Any, **kwargs: Any) -> None:
+        """``PreTrainedModel.save_pretrained`` plus the modeling code and ``auto_map`` (loadable with
+        ``trust_remote_code=True`` without this package) and, with the package installed, a model card
+        (``README.md``, kept if the folder already has one). ``push_to_hub=True`` uploads the folder afterwards
+        (with ``repo_id``, ``token``, ``private``, ``commit_message``)."""
+        push = kwargs.pop("push_to_hub", False)
+        push_kwargs = {key: kwargs.pop(key) for key in ("repo_id", "private", "commit_message") if key in kwargs}
+        main_process = kwargs.get("is_main_process", True)
+        if main_process:
+            save_remote_code(self, save_directory)  # first: it sets config.auto_map, which the config file records
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if not main_process:
+            return
+        hub = _package_hub()
+        if hub is not None:
+            try:
+                hub.write_model_card(save_directory, overwrite=False)
+            except (ValueError, KeyError, OSError) as error:  # a card is a courtesy here; the checkpoint is saved
+                logger.warning(f"No model card written to {save_directory}: {error}")
+        if push:
+            repo_id = push_kwargs.pop("repo_id", None) or Path(save_directory).resolve().name
+            if hub is None:
+                raise ImportError("save_pretrained(push_to_hub=True) of a fast-weight model needs the modeling_fwp package")
+            hub.push_folder(save_directory, repo_id, token=kwargs.get("token"), **push_kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Union[str, os.PathLike, None], *args: Any, **kwargs: Any):
+        """``PreTrainedModel.from_pretrained`` that never unpickles arbitrary objects and explains bad weight files.
+
+        Raises:
+            ValueError: ``weights_only=False`` was passed.
+            OSError: a safetensors file is truncated or corrupted (the message names it).
+            pickle.UnpicklingError: a pickled checkpoint holds objects other than tensors.
+        """
+        if kwargs.get("weights_only", True) is not True:
+            raise ValueError(
+                "`weights_only` must be True: fast-weight models never unpickle arbitrary objects. Convert trusted "
+                "pickled checkpoints to safetensors (torch.load(..., weights_only=True) + save_pretrained)"
+            )
+        if pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path):
+            check_weight_files(Path(pretrained_model_name_or_path, kwargs.get("subfolder") or ""))
+        try:
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except pickle.UnpicklingError as error:
+            found = re.search(r"unsupported GLOBAL \S+", str(error), flags=re.IGNORECASE)
+            raise pickle.UnpicklingError(
+                f"Refusing to load the pickled checkpoint of {pretrained_model_name_or_path}: it holds objects other "
+                f"than tensors ({found.group(0) if found else str(error).strip().splitlines()[0]}), and unpickling "
+                "them could run arbitrary code. Load only safetensors, or weights-only pickles, from sources you trust"
+            ) from None
+        except SafetensorError as error:
+            raise OSError(
+                f"A safetensors weight file of {pretrained_model_name_or_path} is truncated or corrupted ({error}); "
+                "re-download or re-save the checkpoint"
+            ) from error
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) with output_loading_info
+        model._enable_generation_cache()
+        return loaded
+
+    def _enable_generation_cache(self) -> None:
+        """Generation continues from the recurrent state unless a generation config asks otherwise explicitly.
+
+        ``Trainer`` saves ``use_cache: false`` in ``config.json``; a generation config derived from such a config
+        (``_from_model_config``) inherits it, and ``generate`` would then re-read the whole prefix at every step.
+        """
+        generation_config = getattr(self, "generation_config", None)
+        if (
+            generation_config is not None
+            and generation_config.use_cache is False
+            and getattr(generation_config, "_from_model_config", False)
+        ):
+            generation_config.use_cache = True
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        tokenizer: Any = None,
+        results: Optional[Union[str, os.PathLike, Dict[str, Any]]] = None,
+        commit_message: Optional[str] = None,
+        private: Optional[bool] = None,
+        token: Optional[Union[bool, str]] = None,
+        revision: Optional[str] = None,
+        create_pr: bool = False,
+        max_shard_size: Union[int, str] = "50GB",
+        tags: Optional[List[str]] = None,
+        dry_run: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Uploads weights, config, code, ``tokenizer`` (when given) and this project's model card (filled from
+        ``results``, a results JSON path or dict) with ``huggingface_hub`` (``modeling_fwp.hub.push_to_hub``).
+
+        Without the ``modeling_fwp`` package (a model loaded with ``trust_remote_code``) it falls back to
+        transformers' ``push_to_hub``, whose card is generic.
+        """
+        hub = _package_hub()
+        if hub is None:
+            logger.warning("modeling_fwp is not installed: pushing with transformers' generic model card")
+            return super().push_to_hub(
+                repo_id, commit_message=commit_message, private=private, token=token, revision=revision,
+                create_pr=create_pr, max_shard_size=max_shard_size, tags=tags, **kwargs,
+            )
+        return hub.push_to_hub(
+            self, repo_id, tokenizer=tokenizer, results=results, commit_message=commit_message, private=private,
+            token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, tags=tags,
+            dry_run=dry_run,
+        )

@@ -1,0 +1,311 @@
+"""Fast Weight Layers (Clark et al. 2022): the head contract, causality, generation, wrapping, saving, bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, LlamaModel, pipeline
+
+from modeling_fwp import FWLCache, FWLConfig, FWLForCausalLM, FWLHead
+
+from conftest import tiny_config
+
+VOCAB = 61
+ALL_FAST = [
+    "up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias", "norm.weight", "norm.bias",
+    "output_embedding.weight", "output_bias",
+]
+
+
+def tiny_llama_config(**overrides):
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def tiny_fwl(base="llama", seed=0, **fwl):
+    """An FWL model on a tiny random base; a large step size so that the fast weights matter."""
+    torch.manual_seed(seed)
+    text_config = {
+        "llama": tiny_llama_config,
+        "delta_net": tiny_config,
+        "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2),
+    }[base]()
+    fwl.setdefault("fwl_step_size_init", 0.1)
+    model = FWLForCausalLM(FWLConfig(text_config=text_config, **fwl)).eval()
+    with torch.no_grad():  # a non-trivial LayerNorm, so every fast parameter's gradient is non-zero
+        model.fwl_head.slow.norm.weight.normal_(1.0, 0.3)
+        model.fwl_head.slow.norm.bias.normal_(0.0, 0.3)
+    return model
+
+
+def random_ids(batch, length, seed=1):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    "fast_parameters,residual",
+    [(None, False), (ALL_FAST, False), (ALL_FAST, True), (["output_bias"], False), (["output_embedding.weight"], True)],
+)
+@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
+def test_contract_fast_logits_are_one_gradient_step_on_earlier_losses(fast_parameters, residual, mode):
+    """Position t == head.slow at theta - alpha * sum_{j<t} grad CE(head.slow(h_j), x_{j+1}), plain autograd."""
+    model = tiny_fwl(fwl_fast_parameters=fast_parameters, fwl_residual=residual, fwl_kernel_mode=mode, fwl_chunk_size=4)
+    head = model.fwl_head.double()
+    B, T = 2, 11
+    ids = random_ids(B, T)
+    hidden = torch.randn(B, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    fast = head(hidden, ids)
+    assert fast.shape == (B, T, VOCAB)
+
+    params = dict(head.slow.named_parameters())
+    names = head.fast_parameter_names
+    for b in range(B):
+        grad_sum = {name: torch.zeros_like(params[name]) for name in names}
+        for t in range(T):
+            theta = {name: params[name] - head.step_size(name) * grad_sum[name] for name in names}
+            expected = functional_call(head.slow, theta, (hidden[b, t][None, None],))[0, 0]
+            torch.testing.assert_close(fast[b, t], expected, rtol=1e-10, atol=1e-10)
+            if t + 1 < T:
+                loss = F.cross_entropy(head.slow(hidden[b, t][None]), ids[b, t + 1][None])
+                grads = torch.autograd.grad(loss, [params[name] for name in names])
+                grad_sum = {name: grad_sum[name] + g for name, g in zip(names, grads)}
+    # the fast weights do change the output
+    assert not torch.allclose(fast[:, 1:], head.slow(hidden)[:, 1:])
+    # outside autograd (in-place buffers) and with a padding mask of ones: the same logits
+    with torch.no_grad():
+        torch.testing.assert_close(head(hidden, ids), fast, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(head(hidden, ids, torch.ones_like(ids)), fast, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("base", ["llama", "delta_net", "gpt2"])
+def test_no_leakage_of_future_tokens(base):
+    model = tiny_fwl(base, fwl_fast_parameters=ALL_FAST)
+    ids = random_ids(2, 12)
+    logits = model(ids).logits
+    for t in (0, 4, 10):
+        changed = ids.clone()
+        changed[:, t + 1] = (changed[:, t + 1] - 3 + 1) % (VOCAB - 3) + 3
+        other = model(changed).logits
+        torch.testing.assert_close(other[:, : t + 1], logits[:, : t + 1], rtol=0, atol=0)
+        assert not torch.allclose(other[:, t + 1 :], logits[:, t + 1 :])
+
+
+@pytest.mark.parametrize("base", ["llama", "delta_net"])
+@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
+def test_cached_steps_equal_parallel_forward(base, mode):
+    model = tiny_fwl(base, fwl_fast_parameters=ALL_FAST, fwl_kernel_mode=mode, fwl_chunk_size=4)
+    ids = random_ids(2, 13)
+    full = model(ids).logits
+    out = model(ids[:, :6], use_cache=True)
+    cache = out.past_key_values
+    assert isinstance(cache, FWLCache)
+    pieces = [out.logits]
+    for t in range(6, 13):
+        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-5)
+    assert cache.get_seq_length() == 13
+    # the FWL state has a constant size: running sums + one position
+    size = sum(t.numel() for t in cache.fwl_layer.states.values())
+    model(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert sum(t.numel() for t in cache.fwl_layer.states.values()) == size
+
+
+@pytest.mark.parametrize("base", ["llama", "delta_net", "gpt2"])
+def test_greedy_generation_equals_parallel_forward(base):
+    model = tiny_fwl(base)
+    prompt = random_ids(2, 5)
+    out = model.generate(
+        prompt, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        pad_token_id=0, eos_token_id=None,
+    )
+    steps = torch.stack(out.logits, dim=1)  # [B, 8, V]: the logits that chose tokens 5..12
+    full = model(out.sequences).logits[:, 4:-1]
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("base", ["llama", "delta_net"])
+def test_beam_search_scores_match_parallel_forward(base):
+    model = tiny_fwl(base)
+    prompt = random_ids(2, 4)
+    out = model.generate(
+        prompt, max_new_tokens=5, num_beams=3, num_return_sequences=3, do_sample=False, length_penalty=0.0,
+        output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+    )
+    seqs = out.sequences  # [B * 3, 9]
+    logprobs = model(seqs).logits.log_softmax(-1)[:, 3:-1]
+    rescored = logprobs.gather(-1, seqs[:, 4:, None])[..., 0].sum(-1)
+    torch.testing.assert_close(out.sequences_scores, rescored, rtol=1e-4, atol=1e-4)
+    assert len({tuple(s.tolist()) for s in seqs[:3]}) == 3  # the beams differ
+
+
+@pytest.mark.parametrize("base", ["llama", "delta_net"])
+def test_left_padded_batch_generates_as_unpadded(base):
+    model = tiny_fwl(base, fwl_fast_parameters=ALL_FAST)
+    long, short = random_ids(1, 7, seed=3), random_ids(1, 4, seed=4)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    together = model.generate(batch, attention_mask=mask, **kwargs)
+    for row, prompt in enumerate((long, short)):
+        alone = model.generate(prompt, **kwargs)
+        assert together.sequences[row, -6:].tolist() == alone.sequences[0, -6:].tolist()
+        torch.testing.assert_close(
+            torch.stack(together.logits, 1)[row], torch.stack(alone.logits, 1)[0], rtol=1e-4, atol=1e-4
+        )
+
+
+def test_save_load_round_trip_and_auto_classes(tmp_path):
+    model = tiny_fwl("llama", fwl_fast_parameters=ALL_FAST, fwl_residual=True)
+    with torch.no_grad():
+        model.fwl_head.raw_step_size.add_(torch.arange(len(ALL_FAST), dtype=torch.float32) / 10)
+    ids = random_ids(2, 9)
+    expected = model(ids).logits
+    model.config.use_cache = False  # as Trainer saves it; generation must still work
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, FWLForCausalLM)
+    assert loaded.fwl_head.slow.output_embedding is loaded.language_model.get_output_embeddings()
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+    for name in ALL_FAST:
+        torch.testing.assert_close(loaded.fwl_head.step_size(name), model.fwl_head.step_size(name))
+    out = loaded.generate(ids[:, :3], max_new_tokens=3, do_sample=False, use_cache=True, pad_token_id=0)
+    assert out.shape == (2, 6)
+
+
+def test_pipeline_text_generation(word_tokenizer):
+    model = tiny_fwl("delta_net")
+    generator = pipeline("text-generation", model=model, tokenizer=word_tokenizer)
+    out = generator(["the cat sat on", "fast weights"], max_new_tokens=4, do_sample=False)
+    assert all(isinstance(o[0]["generated_text"], str) for o in out)
+
+
+def test_from_base_pretrained_keeps_base_and_freezes(tmp_path):
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_llama_config()).eval()
+    base.save_pretrained(tmp_path)
+    ids = random_ids(2, 8)
+    base_logits = base(ids).logits
+    model = FWLForCausalLM.from_base_pretrained(str(tmp_path), freeze_base=True, fwl_residual=True).eval()
+    for (name, p), (_, q) in zip(base.named_parameters(), model.language_model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    # residual head with zero LayerNorm gain: its slow net is exactly the base model's LM head at the start, and so is
+    # the first position (no earlier loss); later positions add the fast weight update
+    hidden = model.language_model.model(ids).last_hidden_state
+    torch.testing.assert_close(model.fwl_head.slow(hidden), base_logits, rtol=1e-5, atol=1e-5)
+    logits = model(ids).logits
+    torch.testing.assert_close(logits[:, 0], base_logits[:, 0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits[:, 1:], base_logits[:, 1:])
+    assert not any(p.requires_grad for p in model.language_model.parameters())
+    assert all(p.requires_grad for n, p in model.fwl_head.named_parameters() if "output_embedding" not in n)
+    # the paper's form (no residual): the head is trained from scratch and the logits differ
+    plain = FWLForCausalLM.from_base_pretrained(base, fwl_intermediate_size=48)
+    assert plain.fwl_head.slow.up_proj.weight.shape == (48, 32)
+    assert any(p.requires_grad for p in plain.language_model.parameters())
+
+
+def test_training_backpropagates_through_the_gradient_computation():
+    """Second order: d loss / d theta goes through the per-token gradients; checked against finite differences."""
+    model = tiny_fwl("llama", fwl_fast_parameters=ALL_FAST, fwl_kernel_mode="chunk", fwl_chunk_size=4).double()
+    ids = random_ids(2, 10)
+    head = model.fwl_head
+    hidden = torch.randn(2, 10, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    params = [head.slow.up_proj.weight, head.slow.norm.weight, head.raw_step_size]
+
+    def loss_fn():
+        logits = head(hidden, ids)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    grads = torch.autograd.grad(loss_fn(), params)
+    assert all(g.abs().sum() > 0 for g in grads)
+    torch.manual_seed(6)
+    directions = [torch.randn_like(p) for p in params]
+    eps = 1e-6
+    with torch.no_grad():
+        for p, d in zip(params, directions):
+            p.add_(eps * d)
+        plus = loss_fn()
+        for p, d in zip(params, directions):
+            p.sub_(2 * eps * d)
+        minus = loss_fn()
+        for p, d in zip(params, directions):
+            p.add_(eps * d)
+    numeric = (plus - minus) / (2 * eps)
+    analytic = sum((g * d).sum() for g, d in zip(grads, directions))
+    torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=1e-9)
+    # and a full model step: labels loss reaches the base model and every FWL parameter
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert model.language_model.model.layers[0].mlp.up_proj.weight.grad is not None
+    assert all(p.grad is not None for p in model.fwl_head.parameters())
+
+
+def test_bad_input():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="output embedding"):
+        FWLForCausalLM(FWLConfig(text_config=tiny_llama_config()), language_model=LlamaModel(tiny_llama_config()))
+    with pytest.raises(ValueError, match="not a parameter of the FWL head"):
+        FWLForCausalLM(FWLConfig(text_config=tiny_llama_config(), fwl_fast_parameters=["up_proj.wieght"]))
+    with pytest.raises(ValueError, match="not a parameter of the FWL head"):  # no c when fwl_output_bias=False
+        FWLForCausalLM(FWLConfig(text_config=tiny_llama_config(), fwl_output_bias=False, fwl_fast_parameters=["output_bias"]))
+    with pytest.raises(ValueError, match="fwl_step_size_init"):
+        FWLConfig(text_config=tiny_llama_config(), fwl_step_size_init=0.0)
+    with pytest.raises(ValueError, match="Unknown FWLConfig fields"):
+        FWLForCausalLM.from_base_pretrained(LlamaForCausalLM(tiny_llama_config()), fwl_step_size=0.1)
+    model = tiny_fwl("llama")
+    ids = random_ids(1, 5)
+    with pytest.raises(ValueError, match="input_ids"):
+        model(inputs_embeds=torch.randn(1, 5, 32))
+    with pytest.raises(ValueError, match="FWLCache"):
+        model(ids, past_key_values=model.language_model(ids, use_cache=True).past_key_values)
+    with pytest.raises(ValueError, match="hidden_states"):
+        model.fwl_head(torch.randn(1, 5, 31), ids)
+    with pytest.raises(ValueError, match="input_ids"):
+        model.fwl_head(torch.randn(1, 5, 32), ids[:, :4])
+    with pytest.raises(ValueError, match="not a fast parameter"):
+        model.fwl_head.step_size("output_bias")
+    cache = model(ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(1)
+    with pytest.raises(ValueError, match="nn.Linear"):
+        FWLHead(32, torch.nn.Embedding(VOCAB, 32))
+
+
+def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
+    """training/finetune_fwl.py end to end on a tiny Llama: three stages, the breakdown, then a resumed rerun."""
+    import json
+
+    from training import finetune_fwl
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny"
+    LlamaForCausalLM(tiny_llama_config(vocab_size=len(word_tokenizer))).save_pretrained(model_dir)
+    word_tokenizer.save_pretrained(model_dir)
+    words = "the a cat dog sat on mat fast weights are programmed by slow nets and read with queries".split()
+    gen = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (40,), generator=gen).tolist()) for _ in range(24)]
+    (tmp_path / "train.txt").write_text("\n\n".join(docs[:20]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n\n".join(docs[20:]) + "\n")
+    argv = [
+        "--model", str(model_dir), "--output_dir", str(tmp_path / "out"),
+        "--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"),
+        "--block_size", "16", "--max_steps", "3", "--save_steps", "2", "--per_device_train_batch_size", "2",
+        "--fwl_intermediate_size", "16", "--logging_steps", "1",
+    ]
+    results = finetune_fwl.main(argv)
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    for stage in ("base", "base_finetuned", "base_fwl"):
+        assert saved[stage]["tokens_first"] + saved[stage]["tokens_repeated"] == saved[stage]["tokens"]
+        assert saved[stage]["tokens_repeated"] > 0 and math.isfinite(saved[stage]["ppl"])
+    assert set(saved["fwl_vs_finetuned"]) == {"ppl_ratio", "ppl_first_ratio", "ppl_repeated_ratio"}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "base_fwl" / "final")
+    assert isinstance(loaded, FWLForCausalLM)
+    # rerunning resumes: the finished stages are loaded, not retrained, and give the same numbers
+    again = finetune_fwl.main(argv)
+    assert again["base_fwl"]["ppl"] == pytest.approx(results["base_fwl"]["ppl"], rel=1e-5)

@@ -1,0 +1,473 @@
+"""Hub publishing: self-contained exports, model cards from measured results, uploads, safe loading."""
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, pipeline
+
+import model_cards
+import modeling_fwp
+from model_cards.__main__ import main as model_cards_main
+from modeling_fwp import FastWeightCache, hub
+from modeling_fwp.remote_code import check_remote_code_imports, remote_code_sources
+
+from conftest import make_word_tokenizer, tiny_config
+
+FAMILIES = hub.registered_families()
+PROMPT = "the cat sat on the mat"
+NEW_TOKENS = 8
+
+# Runs in a fresh interpreter in which modeling_fwp, fwp_kernels and model_cards cannot be imported: loads every
+# exported folder with trust_remote_code, writes its logits, and reports pipeline / generate outputs.
+CLEAN_LOADER = r'''
+import importlib.abc, json, sys
+
+HIDDEN = ("modeling_fwp", "fwp_kernels", "model_cards")
+
+
+class HidePackages(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, HidePackages())
+import torch
+from safetensors.torch import save_file
+from transformers import pipeline
+
+torch.set_num_threads(2)
+report = {}
+for job in json.loads(sys.argv[1]):
+    generator = pipeline("text-generation", model=job["folder"], trust_remote_code=True)
+    model = generator.model.eval()
+    text = generator(job["prompt"], max_new_tokens=job["new_tokens"], do_sample=False)[0]["generated_text"]
+    ids = torch.tensor(job["input_ids"])
+    with torch.no_grad():
+        save_file({"logits": model(ids).logits.contiguous()}, job["logits_file"])
+    generated = model.generate(ids[:1], max_new_tokens=job["new_tokens"], do_sample=False)
+    hidden = []
+    for name in HIDDEN:
+        try:
+            __import__(name)
+        except ModuleNotFoundError:
+            hidden.append(name)
+    report[job["folder"]] = {
+        "module": type(model).__module__, "text": text, "generated": generated.tolist(), "hidden": hidden,
+    }
+print("REPORT " + json.dumps(report))
+'''
+
+
+def tiny_family_model(config_cls, seed=0):
+    """A tiny random model of any registered family (an FWL family gets a tiny random Llama as its base)."""
+    if "text_config" in getattr(config_cls, "sub_configs", {}):
+        base = LlamaConfig(
+            vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
+        config = config_cls(text_config=base.to_dict())
+    else:
+        config = tiny_config(config_cls)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def demo_style_results(model, loss=3.25):
+    """A results dict with the keys training/demo.py writes (values made up for the test, model config real)."""
+    return {
+        "model": {"class": type(model).__name__, "parameters": 1234, "config": model.config.to_dict()},
+        "data": {"source": "/data/enwiki-sample.xml.bz2", "tokenizer": "word level", "train_tokens": 1000},
+        "training": {"steps": 3, "batch_size": 2, "block_size": 16, "peak_lr": 0.002, "loss_curve": [1, 2]},
+        "evaluation": {
+            "split": "valid", "segment_tokens": 16, "scored_tokens": 300, "loss": loss,
+            "perplexity": math.exp(loss), "unigram_perplexity": 50.0,
+        },
+        "environment": {"torch": torch.__version__},
+        "args": {"minutes": 1.0, "seed": 0},
+    }
+
+
+@pytest.fixture(scope="module")
+def same_kernels_as_an_export():
+    """Runs in-process models on the kernels an exported folder has: the pure-PyTorch ones.
+
+    The compiled C++ recurrent-FWP scans are built from ``kernels/csrc``, which does not travel with an export
+    (transformers copies only the ``*.py`` modules into its module cache), so a folder loaded with
+    ``trust_remote_code`` uses the step loop; bitwise comparisons need the same kernel on both sides.
+    """
+    try:
+        from fwp_kernels import rfwp_scan
+    except ImportError:  # no compiled kernels in this build
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rfwp_scan, "cpu_kernel_available", lambda: False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, module_word_tokenizer, same_kernels_as_an_export):
+    """Every registered family exported with a tokenizer, its in-process outputs, and the clean-process report."""
+    tokenizer = module_word_tokenizer
+    root = tmp_path_factory.mktemp("exports")
+    ids = tokenizer([PROMPT, "fast weights are programmed by slow nets"], return_tensors="pt", padding=True)
+    input_ids = ids["input_ids"]
+    jobs, expected = [], {}
+    for model_type, (config_cls, _) in FAMILIES.items():
+        model = tiny_family_model(config_cls)
+        folder = root / model_type
+        hub.export_for_hub(model, tokenizer, folder, results=demo_style_results(model), repo_id=f"test/{model_type}")
+        with torch.no_grad():
+            logits = model(input_ids).logits
+        text = pipeline("text-generation", model=model, tokenizer=tokenizer)(
+            PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False
+        )[0]["generated_text"]
+        generated = model.generate(input_ids[:1], max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected[model_type] = {"model": model, "logits": logits, "text": text, "generated": generated.tolist()}
+        jobs.append(
+            {"folder": str(folder), "input_ids": input_ids.tolist(), "logits_file": str(root / f"{model_type}.safetensors"),
+             "prompt": PROMPT, "new_tokens": NEW_TOKENS}
+        )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(root / "hf_modules"), TOKENIZERS_PARALLELISM="false")
+    script = root / "clean_loader.py"
+    script.write_text(CLEAN_LOADER)
+    proc = subprocess.run(
+        [sys.executable, str(script), json.dumps(jobs)], cwd=root, env=env, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=300,
+    )
+    reports = [line[len("REPORT "):] for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and reports, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads(reports[0])
+    return {"root": root, "expected": expected, "report": report, "input_ids": input_ids}
+
+
+@pytest.fixture(scope="module")
+def module_word_tokenizer():
+    tokenizer = make_word_tokenizer()
+    tokenizer.padding_side = "left"  # as pipeline("text-generation") uses it
+    return tokenizer
+
+
+def test_every_family_is_covered():
+    assert {"fwp_linear_transformer", "fwp_delta_net"} <= set(FAMILIES)
+    for model_type in FAMILIES:
+        assert model_type.startswith("fwp_")
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_export_loads_without_the_package(exports, model_type):
+    folder = str(exports["root"] / model_type)
+    got = exports["report"][folder]
+    want = exports["expected"][model_type]
+    assert got["hidden"] == ["modeling_fwp", "fwp_kernels", "model_cards"]
+    assert got["module"].startswith("transformers_modules.")
+    logits = load_file(exports["root"] / f"{model_type}.safetensors")["logits"]
+    assert torch.equal(logits, want["logits"])
+    assert got["text"] == want["text"]
+    assert got["generated"] == want["generated"]
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_export_loads_with_the_package_without_trust_remote_code(exports, model_type):
+    folder = exports["root"] / model_type
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(model).__module__.startswith("modeling_fwp.")
+    with torch.no_grad():
+        assert torch.equal(model(exports["input_ids"]).logits, exports["expected"][model_type]["logits"])
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_export_contents(exports, model_type):
+    folder = exports["root"] / model_type
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoConfig"].split(".")[1] == type(exports["expected"][model_type]["model"].config).__name__
+    assert config["auto_map"]["AutoModelForCausalLM"].endswith("." + type(exports["expected"][model_type]["model"]).__name__)
+    files = hub.check_export(folder)
+    for name in ("config.json", "model.safetensors", "README.md", "results.json", "tokenizer.json", "kernel_api.py",
+                 "fwp_kernels.py", "recurrent.py", "dispatch.py", "remote_code.py"):
+        assert name in files, name
+    assert "hub.py" not in files and not any(f.endswith(".bin") for f in files)
+    # The folder's code is closed under sibling imports and imports nothing beyond a transformers install.
+    sources = remote_code_sources([folder / name for name in files if name.endswith(".py")])
+    assert set(sources) == {name for name in files if name.endswith(".py")}
+    check_remote_code_imports(sources)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_card_parses_back_with_complete_model_index(exports, model_type):
+    folder = exports["root"] / model_type
+    card = model_cards.validate_card((folder / "README.md").read_text())
+    results = json.loads((folder / "results.json").read_text())
+    data = card.data
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.license == "apache-2.0"
+    assert {"fast-weights", "linear-attention"} <= set(data.tags) or model_type == "fwp_transfo_xl"
+    assert data.model_name == model_type
+    by_metric = {r.metric_type: r for r in data.eval_results}
+    assert set(by_metric) == {"perplexity", "loss"}
+    for key, metric in (("perplexity", "perplexity"), ("loss", "loss")):
+        r = by_metric[metric]
+        assert r.metric_value == results["evaluation"][key]  # read from the results, never typed in
+        assert (r.task_type, r.dataset_split) == ("text-generation", "valid")
+        assert r.dataset_type == "enwiki-sample.xml.bz2" and r.dataset_name
+    assert "unigram perplexity (reference, not this model)" in card.text
+    assert "@inproceedings" in card.text and "Slow net" in card.text and f'from_pretrained("test/{model_type}"' in card.text
+
+
+def test_card_without_results_says_so(tmp_path):
+    model = tiny_family_model(modeling_fwp.DeltaNetConfig)
+    model.save_pretrained(tmp_path)  # save_pretrained alone writes a card without numbers
+    card = model_cards.validate_card((tmp_path / "README.md").read_text())
+    assert model_cards.NO_RESULTS_NOTE in card.text
+    assert card.data.eval_results is None and "model-index" not in card.data.to_dict()
+    assert "Perplexity |" not in card.text and "No training record" in card.text
+    # validation catches a card that has neither results nor the statement
+    with pytest.raises(ValueError, match="does not say that no results"):
+        model_cards.validate_card(str(card).replace(model_cards.NO_RESULTS_NOTE, ""))
+
+
+def test_card_refuses_results_of_another_model(tmp_path):
+    model = tiny_family_model(modeling_fwp.DeltaNetConfig)
+    model.save_pretrained(tmp_path)
+    other = tiny_family_model(modeling_fwp.DeltaNetConfig)
+    other.config.hidden_size = 64
+    with pytest.raises(ValueError, match="different model.*hidden_size 64 != 32"):
+        model_cards.card_for_folder(tmp_path, demo_style_results(other))
+    bad = demo_style_results(model)
+    del bad["evaluation"]["loss"], bad["evaluation"]["perplexity"]
+    with pytest.raises(ValueError, match="none of the metrics"):
+        model_cards.card_for_folder(tmp_path, bad)
+
+
+def test_cli_card_validate_and_dry_run_push(tmp_path, capsys, module_word_tokenizer):
+    model = tiny_family_model(modeling_fwp.LinearTransformerConfig)
+    results_file = tmp_path / "results.json"
+    results_file.write_text(json.dumps(demo_style_results(model, loss=2.5)))
+    folder = tmp_path / "export"
+    hub.export_for_hub(model, module_word_tokenizer, folder)
+    assert model_cards_main(["card", str(folder), "--results", str(results_file), "--repo-id", "me/lt"]) == 0
+    card = model_cards.validate_card((folder / "README.md").read_text())
+    assert {r.metric_value for r in card.data.eval_results} == {2.5, json.loads(results_file.read_text())["evaluation"]["perplexity"]}
+    assert model_cards_main(["validate", str(folder)]) == 0
+    capsys.readouterr()
+    assert model_cards_main(["push", str(folder), "--repo-id", "me/lt", "--dry-run"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("README.md", "model.safetensors", "config.json", "modeling_fwp.py", "fwp_kernels.py", "tokenizer.json"):
+        assert f"  {name}\n" in listed
+    (folder / "README.md").unlink()
+    with pytest.raises(ValueError, match="no README.md"):
+        hub.push_folder(folder, "me/lt", dry_run=True)
+
+
+def test_push_to_hub_uploads_code_weights_and_our_card(monkeypatch, module_word_tokenizer):
+    from huggingface_hub import HfApi
+
+    uploads = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        uploads["created"] = repo_id
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        folder = Path(folder_path)
+        uploads["files"] = sorted(p.name for p in folder.iterdir())
+        uploads["card"] = (folder / "README.md").read_text()
+        return "commit"
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    model = tiny_family_model(modeling_fwp.DeltaNetConfig)
+    assert model.push_to_hub("me/dn", tokenizer=module_word_tokenizer, results=demo_style_results(model)) == "commit"
+    assert uploads["created"] == "me/dn"
+    assert {"modeling_fwp.py", "fwp_kernels.py", "model.safetensors", "tokenizer.json", "README.md"} <= set(uploads["files"])
+    card = model_cards.validate_card(uploads["card"])
+    assert card.data.model_name == "dn" and card.data.eval_results and "delta-net" in card.data.tags
+    assert "This model card has been automatically generated" not in uploads["card"]  # not transformers' card
+
+
+def test_pickled_weights_are_rejected(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    model = tiny_family_model(modeling_fwp.DeltaNetConfig)
+    model.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save({**model.state_dict(), "payload": Payload()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(pickle.UnpicklingError, match=r"Refusing to load the pickled checkpoint.*\(unsupported GLOBAL posix.system\).*arbitrary code"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="`weights_only` must be True"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, weights_only=False)
+    assert not marker.exists()
+    # a weights-only pickle (legacy checkpoint) still loads, through torch.load(weights_only=True)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(ValueError, match="pickled files"):
+        hub.check_export(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda data: data[: len(data) // 2], "is truncated: its header describes \\d+ bytes of tensor data but the file holds \\d+"),
+        (lambda data: data[:5], "is truncated: 5 bytes"),
+        (lambda data: data[:8] + b"{garbage" + data[16:], "is corrupted: its header is not valid JSON"),
+        (lambda data: (10**9).to_bytes(8, "little") + data[8:], "is truncated or corrupted: its header claims 1000000000 bytes"),
+        (lambda data: data + b"\0" * 7, "is corrupted: 7 bytes follow the tensor data"),
+    ],
+)
+def test_damaged_safetensors_give_clear_errors(tmp_path, damage, message):
+    tiny_family_model(modeling_fwp.DeltaNetConfig).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(OSError, match=f"{weights}.*{message}.*re-download or re-save"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def assert_generates_with_cache(model, prompt, new_tokens=6):
+    """generate() feeds the prompt once, then one token per step with the carried FastWeightCache, and matches
+    generation without a cache."""
+    calls = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("use_cache"), kwargs.get("past_key_values"), kwargs["input_ids"].shape[1]))
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    try:
+        with_cache = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    finally:
+        model.forward = forward
+    assert all(use_cache for use_cache, _, _ in calls)
+    assert [length for _, _, length in calls] == [prompt.shape[1]] + [1] * (new_tokens - 1)
+    assert all(isinstance(cache, FastWeightCache) for _, cache, _ in calls[1:])
+    without = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=False)
+    assert torch.equal(with_cache, without)
+
+
+def test_trainer_checkpoint_generates_with_cache(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    ids = torch.randint(3, 61, (4, 12), generator=torch.Generator().manual_seed(0))
+    prompt = ids[:1, :5]
+    # 1. a checkpoint written by Trainer after a training script turned the cache off
+    model = tiny_family_model(modeling_fwp.DeltaNetConfig)
+    model.config.use_cache = False
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()}).with_format("torch")
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=2, report_to="none", use_cpu=True,
+        save_strategy="no", disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "trainer"))
+    # 2. a model created with use_cache=False: its generation_config.json is derived from that config
+    config = tiny_config(modeling_fwp.DeltaNetConfig, use_cache=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "derived")
+    assert json.loads((tmp_path / "derived" / "generation_config.json").read_text())["use_cache"] is False
+    # 3. no generation_config.json at all
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bare")
+    (tmp_path / "bare" / "generation_config.json").unlink()
+    for name in ("trainer", "derived", "bare"):
+        assert json.loads((tmp_path / name / "config.json").read_text())["use_cache"] is False
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        assert loaded.config.use_cache is False  # training-time default kept; generation still uses the state
+        assert_generates_with_cache(loaded, prompt)
+    # a generation config written by hand (not derived from the model config) keeps its explicit choice
+    (tmp_path / "bare" / "generation_config.json").write_text(json.dumps({"use_cache": False}))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bare").generation_config.use_cache is False
+
+
+def test_export_refuses_code_that_needs_the_package(tmp_path):
+    (tmp_path / "modeling_x.py").write_text("import torch\nfrom fwp_kernels import delta_rule\nfrom .helper_x import y\n")
+    (tmp_path / "helper_x.py").write_text("try:\n    import triton\nexcept ImportError:\n    triton = None\ny = 1\n")
+    sources = remote_code_sources([tmp_path / "modeling_x.py"])
+    assert set(sources) == {"modeling_x.py", "helper_x.py"}
+    with pytest.raises(ImportError, match="modeling_x.py .* imports fwp_kernels.*kernel_api"):
+        check_remote_code_imports(sources)
+    (tmp_path / "modeling_y.py").write_text("from .missing_z import w\n")
+    with pytest.raises(FileNotFoundError, match="imports `.missing_z`"):
+        remote_code_sources([tmp_path / "modeling_y.py"])
+    # exported code is flat: two modules with one file name cannot both travel
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "helper_x.py").write_text("y = 2\n")
+    with pytest.raises(ValueError, match="Two modules would be saved as helper_x.py"):
+        remote_code_sources([tmp_path / "modeling_x.py", tmp_path / "other" / "helper_x.py"])
+
+
+def finetune_fwl_style_results(fwl_ppl=20.0):
+    """The layout training/finetune_fwl.py writes (its stage metrics and settings; values made up for the test)."""
+    stage = lambda ppl: {  # noqa: E731
+        "nll": math.log(ppl), "ppl": ppl, "tokens": 500, "nll_first": math.log(ppl * 1.5), "ppl_first": ppl * 1.5,
+        "tokens_first": 300, "nll_repeated": math.log(ppl / 2), "ppl_repeated": ppl / 2, "tokens_repeated": 200,
+        "loss": math.log(ppl), "runtime": 1.0,
+    }
+    return {
+        "base": stage(30.0), "base_finetuned": stage(25.0), "base_fwl": stage(fwl_ppl),
+        "fwl_vs_finetuned": {"ppl_ratio": fwl_ppl / 25.0},
+        "settings": {"model": "checkpoints/smollm2-135m", "dataset": None, "validation_file": "data/wiki/valid.txt",
+                     "block_size": 64, "max_steps": 3, "learning_rate": 5e-5, "fwl_learning_rate": 1e-3, "seed": 0},
+    }
+
+
+def test_card_from_finetune_fwl_results(tmp_path):
+    model = tiny_family_model(modeling_fwp.FWLConfig)
+    results = finetune_fwl_style_results()
+    hub.export_for_hub(model, None, tmp_path, results=results, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+    card = model_cards.validate_card((tmp_path / "README.md").read_text())
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "fast-weight-layers" in card.data.tags
+    by_metric = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert by_metric == {"perplexity": results["base_fwl"]["ppl"], "loss": results["base_fwl"]["nll"]}
+    assert "base model fine-tuned without FWL (same steps and data): perplexity (reference, not this model) | 25" in card.text
+    assert "repeated tokens: perplexity | 10" in card.text and "`results.json`" in card.text
+
+
+def test_card_from_eval_lm_and_training_log(tmp_path, module_word_tokenizer):
+    """Real files: training/eval_lm.py scores exported models; its JSON and a training log make one card."""
+    from training import eval_lm
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "test.txt").write_text("the cat sat on the mat\n\nfast weights are programmed by slow nets\n\n" * 3)
+    folders = []
+    for name, config_cls in (("dn", modeling_fwp.DeltaNetConfig), ("lt", modeling_fwp.LinearTransformerConfig)):
+        folders.append(hub.export_for_hub(tiny_family_model(config_cls), module_word_tokenizer, tmp_path / name))
+    output = tmp_path / "eval_lm.json"
+    args = ["--data_dir", str(data_dir), "--split", "test", "--segment_length", "8", "--output", str(output)]
+    eval_lm.main([arg for folder in folders for arg in ("--model", str(folder))] + args)
+    rows = {Path(r["model"]).name: r for r in json.loads(output.read_text())["results"]}
+    train_log = tmp_path / "train_log.json"
+    train_log.write_text(json.dumps({"steps": 5, "seconds": 1.5, "final_train_loss": 3.9, "lr": 1e-3, "parameters": 999}))
+
+    card = model_cards.card_for_folder(folders[0], [train_log, output])  # the folder picks its own eval_lm row
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {
+        "perplexity": rows["dn"]["perplexity"], "loss": rows["dn"]["loss"]
+    }
+    assert card.data.eval_results[0].dataset_split == "test"
+    assert "`final_train_loss` | 3.9" in card.text and "| 999 |" in card.text and "training/eval_lm.py" in card.text
+    with pytest.raises(ValueError, match="cover 2 models"):
+        model_cards.card_for_folder(folders[0], output, results_model=tmp_path / "elsewhere")
+    card = model_cards.card_for_folder(folders[1], output, results_model=folders[1])
+    assert card.data.eval_results[0].metric_value == rows["lt"]["perplexity"]
+
+
+def test_unrecognised_results_layout_is_an_error(tmp_path):
+    tiny_family_model(modeling_fwp.DeltaNetConfig).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Unrecognised results layout"):
+        model_cards.card_for_folder(tmp_path, {"ppl": 12.0})

