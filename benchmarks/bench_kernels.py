@@ -1,6 +1,6 @@
 """Speed and memory of the fwp_kernels chunkwise kernels, measured side by side in one run.
 
-    python benchmarks/bench_kernels.py              # about 3-4 minutes on a 2-core CPU
+    python benchmarks/bench_kernels.py              # 3-4 minutes on an idle 2-core CPU
     python benchmarks/bench_kernels.py --quick      # smaller repeat counts, no T = 16384 memory runs
 
 Prints, and writes to benchmarks/results/bench_kernels.json:
@@ -137,6 +137,10 @@ def forward_times(args, hf) -> dict:
     with torch.no_grad():
         times = best_times(fns, args.repeats, slow=("delta_step_loop", "sum_step_loop"))
     out = {"shape": {"B": B, "H": H, "T": T, "Dk": D, "Dv": D, "dtype": "float32"}}
+    if hf is not None:  # both compute the same delta rule
+        with torch.no_grad():
+            o_ref, o_hf = delta_rule_chunk(q, k, v, beta, None, False, 64)[0], hf(q, k, v, beta)[0]
+        out["hf_vs_chunk_rel_diff"] = ((o_hf - o_ref).norm() / o_ref.norm()).item()
     out.update({f"{name}_s": t for name, t in times.items()})
     for rule in ("delta", "sum"):
         for C in (32, 64):
@@ -161,7 +165,7 @@ def backward_times(args, hf) -> dict:
     }
     if hf is not None:
         fns["delta_hf"] = fwd_bwd(lambda: hf(q, k, v, beta))
-    return {f"{name}_fwd_bwd_s": t for name, t in best_times(fns, max(2, args.repeats // 2)).items()}
+    return {f"{name}_fwd_bwd_s": t for name, t in best_times(fns, max(3, args.repeats - 2)).items()}
 
 
 def _status_kb(field: str) -> int:
@@ -183,7 +187,6 @@ def _memory_worker(kind: str, T: int) -> dict:
     q, k, v, beta = make_inputs(1, 8, T, 64, requires_grad=True)
     hf = hf_delta_rule() if kind == "delta_hf" else None
     fn = {
-        "delta_chunk32": lambda: delta_rule_chunk(q, k, v, beta, None, True, 32),
         "delta_chunk64": lambda: delta_rule_chunk(q, k, v, beta, None, True, 64),
         "sum_chunk64": lambda: linear_attention_chunk(q, k, v, None, True, 64),
         "delta_step_loop": lambda: delta_rule_recurrent(q, k, v, beta, None, True),
@@ -211,9 +214,11 @@ def _memory_worker(kind: str, T: int) -> dict:
 
 
 def memory(args) -> dict:
-    runs = {1024: ["delta_chunk32", "delta_chunk64", "sum_chunk64", "delta_hf", "delta_step_loop"],
-            4096: ["delta_chunk32", "delta_chunk64", "sum_chunk64", "delta_hf", "delta_step_loop"],
-            16384: ["delta_chunk32", "delta_chunk64", "sum_chunk64", "delta_hf"]}
+    # The step loop keeps ~T * Dk * Dv floats per head for backward; measured at T = 1024 only (its
+    # backward takes minutes at T = 16384).
+    runs = {1024: ["delta_chunk64", "sum_chunk64", "delta_hf", "delta_step_loop"],
+            4096: ["delta_chunk64", "sum_chunk64", "delta_hf"],
+            16384: ["delta_chunk64", "sum_chunk64", "delta_hf"]}
     if args.quick:
         runs.pop(16384)
     out = {}
@@ -258,7 +263,7 @@ def main():
     if args.memory_worker:
         print(json.dumps(_memory_worker(args.memory_worker[0], int(args.memory_worker[1]))))
         return
-    args.repeats = args.repeats or (3 if args.quick else 7)
+    args.repeats = args.repeats or (3 if args.quick else 5)
     hf = hf_delta_rule()
 
     results = {
@@ -280,7 +285,8 @@ def main():
         print(f"  {rule + ' rule, step loop':<38}{loop * 1e3:>9.1f}{1.0:>13.1f}x")
         if rule == "delta" and "delta_hf_s" in fw:
             print(f"  {'delta rule, torch_chunk_gated_delta_rule':<38}{fw['delta_hf_s'] * 1e3:>9.1f}"
-                  f"{loop / fw['delta_hf_s']:>13.1f}x{1.0:>7.1f}x")
+                  f"{loop / fw['delta_hf_s']:>13.1f}x{1.0:>7.1f}x   (outputs differ from ours by "
+                  f"{fw['hf_vs_chunk_rel_diff']:.1e}, relative)")
         for C in (32, 64):
             t = fw[f"{rule}_chunk{C}_s"]
             vs_hf = f"{fw['delta_hf_s'] / t:>7.1f}x" if rule == "delta" and "delta_hf_s" in fw else f"{'':>8}"

@@ -16,7 +16,9 @@ def _acc_dtype(*xs: Optional[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
-def _initial_state(q: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _initial_state(
+    q: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     B, H, _, Dk = q.shape
     Dv = v.shape[-1]
     if initial_state is None:
@@ -38,7 +40,8 @@ def delta_rule_recurrent(
         q, k: ``[B, H, T, Dk]``; v: ``[B, H, T, Dv]``; beta: ``[B, H, T]``.
         initial_state: ``[B, H, Dv, Dk]`` or None (zeros).
     Returns:
-        o ``[B, H, T, Dv]`` in q's dtype, and the final state ``[B, H, Dv, Dk]`` (float32, float64 for float64 inputs) or None.
+        o ``[B, H, T, Dv]`` in q's dtype, and the final state ``[B, H, Dv, Dk]`` (float32; float64 for
+        float64 inputs) or None.
     """
     acc = _acc_dtype(q, k, v, beta, initial_state)
     W = _initial_state(q, v, initial_state, acc)
