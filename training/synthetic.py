@@ -1,0 +1,478 @@
+"""The papers' synthetic tasks as seeded ``datasets``, trained with ``Trainer`` on any model of this package or on a
+softmax-attention baseline (``LlamaForCausalLM`` of the same size).
+
+Tasks (every example is a token sequence; the loss is on the answer tokens only, ``labels = -100`` elsewhere):
+
+- ``retrieval`` (Schlag et al. 2021 sec. 6.1, setting 1): S key-value pairs (one token ``k3:v7`` each), keys drawn
+  without replacement from ``num_keys`` keys, values from ``num_values`` values, then ``?`` and one of the S keys as
+  query; predict its value.
+  Capacity experiment: final loss against S for each model (the paper: linear attention fails once S > d_dot,
+  the delta rule keeps working).
+- ``retrieval_replace`` (setting 2): ``num_pairs`` (40) pairs whose keys are drawn with replacement from
+  ``num_keys`` (20) keys; the query is a key that occurs; predict its latest value.
+- ``code`` (Irie et al. 2021 appendix B.1): straight-line programs over 3 or 5 variables: ``x = 3 ;``,
+  ``x = y ;``, ``x = y + 2 ;``, ``x = y - 1 ;`` and ``print x ;`` statements; predict every printed value
+  (values modulo ``modulus``, so one token each).
+- ``listops`` (appendix B.4): a prefix ListOps expression of nesting depth exactly ``depth`` (10) over MIN, MAX, MED
+  (lower median) and SM (sum modulo 10) on digits; predict its value.
+
+    python -m training.synthetic --task retrieval --model delta_net --model linear_transformer --model llama \\
+        --num_pairs 20 40 80 --d_key 16 --steps 2000 --output_dir outputs/synthetic
+
+(``OMP_NUM_THREADS=1`` is much faster for these tiny models on a busy CPU.) Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accuracy per model and setting) and, when
+matplotlib is installed, ``<output_dir>/<task>.png`` (final loss against the swept setting, one line per model).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple  # noqa: E402
+
+import datasets  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
+
+import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
+
+logger = logging.getLogger("training.synthetic")
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------------------------------
+# Vocabulary
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Vocabulary:
+    """Symbol <-> id table of a task. Id 0 is padding."""
+
+    symbols: List[str]
+
+    def __post_init__(self) -> None:
+        self.index = {s: i for i, s in enumerate(self.symbols)}
+        if len(self.index) != len(self.symbols):
+            raise ValueError("Vocabulary: symbols must be unique")
+
+    def encode(self, tokens: List[str]) -> List[int]:
+        return [self.index[t] for t in tokens]
+
+    def decode(self, ids: List[int]) -> List[str]:
+        return [self.symbols[i] for i in ids]
+
+    def __len__(self) -> int:
+        return len(self.symbols)
+
+
+# --------------------------------------------------------------------------------------------------
+# Task generators: each yields (tokens, answer_positions): the answer tokens are tokens[p] for p in answer_positions,
+# and the model predicts tokens[p] from tokens[:p].
+# --------------------------------------------------------------------------------------------------
+
+
+def key_symbol(i: int) -> str:
+    return f"k{i}"
+
+
+def value_symbol(i: int) -> str:
+    return f"v{i}"
+
+
+def pair_symbol(key: int, value: int) -> str:
+    return f"k{key}:v{value}"
+
+
+def retrieval_example(rng: np.random.Generator, num_pairs: int, num_keys: int, num_values: int,
+                      replace: bool) -> Tuple[List[str], List[int]]:
+    """``k3:v7 k1:v2 ... ? k3 -> v7``: S key-value pairs, one token each (key and value are given at the same step,
+    as in Schlag et al. 2021 sec. 6.1, where the layer receives the key and value vectors directly), then ``?`` and
+    the query key; the answer is its value. Setting 1: keys without replacement; setting 2 (`replace`): with
+    replacement, the answer is the latest value of the queried key."""
+    if not replace and num_pairs > num_keys:
+        raise ValueError(f"`num_pairs` ({num_pairs}) must be <= `num_keys` ({num_keys}) without replacement")
+    keys = rng.choice(num_keys, size=num_pairs, replace=replace)
+    values = rng.integers(0, num_values, size=num_pairs)
+    query = int(keys[rng.integers(0, num_pairs)])
+    latest = {int(k): int(v) for k, v in zip(keys, values)}
+    tokens = [pair_symbol(int(k), int(v)) for k, v in zip(keys, values)]
+    tokens += ["?", key_symbol(query), value_symbol(latest[query])]
+    return tokens, [len(tokens) - 1]
+
+
+def code_example(rng: np.random.Generator, num_variables: int, num_statements: int, modulus: int,
+                 num_prints: int) -> Tuple[List[str], List[int]]:
+    """A straight-line program over `num_variables` variables; after each ``print x ;`` the next token is x's value.
+
+    Every variable is first assigned a constant; then random statements ``x = c``, ``x = y``, ``x = y + c``,
+    ``x = y - c`` (c in 1..9 for +/-, values modulo `modulus`) with `num_prints` prints at random places.
+    """
+    names = [chr(ord("a") + i) for i in range(num_variables)]
+    env: Dict[str, int] = {}
+    tokens: List[str] = []
+    answers: List[int] = []
+    for name in names:
+        value = int(rng.integers(0, modulus))
+        env[name] = value
+        tokens += [name, "=", str(value), ";"]
+    print_at = set(rng.choice(num_statements, size=min(num_prints, num_statements), replace=False).tolist())
+    for step in range(num_statements):
+        if step in print_at:
+            name = names[int(rng.integers(num_variables))]
+            tokens += ["print", name, ";"]
+            answers.append(len(tokens))
+            tokens.append(str(env[name]))
+            continue
+        target, source = names[int(rng.integers(num_variables))], names[int(rng.integers(num_variables))]
+        kind = int(rng.integers(4))
+        if kind == 0:
+            value = int(rng.integers(0, modulus))
+            tokens += [target, "=", str(value), ";"]
+        elif kind == 1:
+            value = env[source]
+            tokens += [target, "=", source, ";"]
+        else:
+            const = int(rng.integers(1, 10))
+            op = "+" if kind == 2 else "-"
+            value = (env[source] + const if op == "+" else env[source] - const) % modulus
+            tokens += [target, "=", source, op, str(const), ";"]
+        env[target] = value
+    return tokens, answers
+
+
+LISTOPS_OPERATORS = ("MIN", "MAX", "MED", "SM")
+
+
+def listops_value(op: str, args: List[int]) -> int:
+    if op == "MIN":
+        return min(args)
+    if op == "MAX":
+        return max(args)
+    if op == "MED":
+        return sorted(args)[(len(args) - 1) // 2]
+    if op == "SM":
+        return sum(args) % 10
+    raise ValueError(f"unknown ListOps operator {op!r}")
+
+
+def listops_example(rng: np.random.Generator, depth: int, max_args: int) -> Tuple[List[str], List[int]]:
+    """``[ OP a b [ OP c d ] ... ] = value``: a random prefix expression whose nesting depth is exactly `depth`."""
+
+    def build(level: int) -> Tuple[List[str], int]:
+        op = LISTOPS_OPERATORS[int(rng.integers(len(LISTOPS_OPERATORS)))]
+        n = int(rng.integers(2, max_args + 1))
+        nested = int(rng.integers(n)) if level < depth else -1  # one argument goes one level deeper
+        tokens, values = ["[", op], []
+        for i in range(n):
+            if i == nested or (level < depth and rng.random() < 0.15):
+                sub, value = build(level + 1)
+            else:
+                value = int(rng.integers(10))
+                sub = [str(value)]
+            tokens += sub
+            values.append(value)
+        return tokens + ["]"], listops_value(op, values)
+
+    tokens, value = build(1)
+    tokens += ["=", str(value)]
+    return tokens, [len(tokens) - 1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tasks
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TaskSpec:
+    """A task: its vocabulary, a generator of examples, and the swept setting (for the plot's x axis)."""
+
+    name: str
+    vocabulary: Vocabulary
+    make: Callable[[np.random.Generator], Tuple[List[str], List[int]]]
+    setting: Dict[str, Any] = field(default_factory=dict)
+
+
+def build_task(task: str, **options: Any) -> TaskSpec:
+    """The `task` with its options (see ``parse_args`` for defaults). Unknown options raise ``ValueError``."""
+    specials = ["<pad>", "?", "=", ";", "+", "-", "print", "[", "]"]
+    if task in ("retrieval", "retrieval_replace"):
+        replace = task == "retrieval_replace"
+        num_pairs = options.pop("num_pairs", 40 if replace else 20)
+        num_keys = options.pop("num_keys", 20 if replace else max(num_pairs, 26))
+        num_values = options.pop("num_values", 10)
+        if not replace and num_pairs > num_keys:
+            raise ValueError(f"`num_pairs` ({num_pairs}) must be <= `num_keys` ({num_keys}): setting 1 draws the keys "
+                             "without replacement")
+        vocab = Vocabulary(specials + [key_symbol(i) for i in range(num_keys)] + [value_symbol(i) for i in range(num_values)]
+                           + [pair_symbol(k, v) for k in range(num_keys) for v in range(num_values)])
+        make = lambda rng: retrieval_example(rng, num_pairs, num_keys, num_values, replace)  # noqa: E731
+        setting = {"num_pairs": num_pairs, "num_keys": num_keys, "num_values": num_values}
+    elif task == "code":
+        num_variables = options.pop("num_variables", 3)
+        num_statements = options.pop("num_statements", 20)
+        modulus = options.pop("modulus", 10)
+        num_prints = options.pop("num_prints", 4)
+        if not 1 <= num_variables <= 26:
+            raise ValueError(f"`num_variables` must be in 1..26, got {num_variables}")
+        names = [chr(ord("a") + i) for i in range(num_variables)]
+        vocab = Vocabulary(specials + names + [str(i) for i in range(max(modulus, 10))])
+        make = lambda rng: code_example(rng, num_variables, num_statements, modulus, num_prints)  # noqa: E731
+        setting = {"num_variables": num_variables, "num_statements": num_statements, "modulus": modulus}
+    elif task == "listops":
+        depth = options.pop("depth", 10)
+        max_args = options.pop("max_args", 3)
+        vocab = Vocabulary(specials + list(LISTOPS_OPERATORS) + [str(i) for i in range(10)])
+        make = lambda rng: listops_example(rng, depth, max_args)  # noqa: E731
+        setting = {"depth": depth, "max_args": max_args}
+    else:
+        raise ValueError(f"`task` must be one of {TASKS}, got {task!r}")
+    if options:
+        raise ValueError(f"options {sorted(options)} do not apply to task {task!r}")
+    return TaskSpec(task, vocab, make, setting)
+
+
+TASKS = ("retrieval", "retrieval_replace", "code", "listops")
+
+
+def generate_examples(spec: TaskSpec, num_examples: int, seed: int) -> Iterator[Dict[str, List[int]]]:
+    """`num_examples` examples from a numpy RNG seeded with `seed`: ``input_ids`` and ``labels`` (the answer ids at
+    the answer positions, -100 elsewhere), unpadded."""
+    rng = np.random.default_rng(seed)
+    for _ in range(num_examples):
+        tokens, answers = spec.make(rng)
+        ids = spec.vocabulary.encode(tokens)
+        labels = [IGNORE_INDEX] * len(ids)
+        for p in answers:
+            labels[p] = ids[p]
+        yield {"input_ids": ids, "labels": labels}
+
+
+def make_dataset(spec: TaskSpec, num_examples: int, seed: int) -> datasets.Dataset:
+    """A ``datasets.Dataset`` of the task (deterministic in `seed`)."""
+    rows = list(generate_examples(spec, num_examples, seed))
+    return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "labels")})
+
+
+def pad_collator(batch: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    """Right-pads ``input_ids`` with 0 and ``labels`` with -100. The models are causal, so padding after the answer
+    cannot change it; no attention mask is passed (recurrent models would otherwise need one)."""
+    length = max(len(b["input_ids"]) for b in batch)
+    ids = torch.zeros(len(batch), length, dtype=torch.long)
+    labels = torch.full((len(batch), length), IGNORE_INDEX, dtype=torch.long)
+    for i, b in enumerate(batch):
+        n = len(b["input_ids"])
+        ids[i, :n] = torch.as_tensor(b["input_ids"])
+        labels[i, :n] = torch.as_tensor(b["labels"])
+    return {"input_ids": ids, "labels": labels}
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------
+
+MODEL_TYPES = {
+    "linear_transformer": "fwp_linear_transformer",
+    "delta_net": "fwp_delta_net",
+    "delta_mlp": "fwp_delta_mlp",
+    "delta_delta_net": "fwp_delta_delta_net",
+    "delta_rnn": "fwp_delta_rnn",
+    "delta_lstm": "fwp_delta_lstm",
+    "recurrent_delta_net": "fwp_recurrent_delta_net",
+    "llama": "llama",
+}
+
+
+def build_model(name: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                max_length: int, overrides: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+    """A causal LM of the given size: one of ours (by short name, ``MODEL_TYPES``) or the softmax-attention baseline
+    ``llama`` (LlamaForCausalLM with the same hidden size, layers, heads and feed-forward size)."""
+    if name not in MODEL_TYPES:
+        raise ValueError(f"`model` must be one of {sorted(MODEL_TYPES)}, got {name!r}")
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, intermediate_size=4 * hidden_size, tie_word_embeddings=True,
+                  pad_token_id=0)
+    if name == "llama":
+        extra = dict(num_key_value_heads=num_heads, max_position_embeddings=max(max_length, 64))
+        # The fast-weight models take `feature_map` etc.; the baseline only the size fields.
+        extra.update({k: v for k, v in (overrides or {}).items() if k in ("head_dim", "rope_theta")})
+    else:
+        extra = dict(overrides or {})
+    config = AutoConfig.for_model(MODEL_TYPES[name], **common, **extra)
+    return AutoModelForCausalLM.from_config(config)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training and evaluation
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def answer_metrics(model: torch.nn.Module, dataset: datasets.Dataset, batch_size: int = 64) -> Dict[str, float]:
+    """Mean cross entropy and accuracy over the answer tokens of `dataset`."""
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    for start in range(0, len(dataset), batch_size):
+        batch = pad_collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        mask = labels != IGNORE_INDEX
+        total_loss += torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
+        correct += (logits[mask].argmax(-1) == labels[mask]).sum().item()
+        count += int(mask.sum())
+    return {"loss": total_loss / max(count, 1), "accuracy": correct / max(count, 1), "answers": count}
+
+
+def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_dir: Path) -> Dict[str, Any]:
+    """Trains `model_name` on `spec` for ``args.steps`` steps on fresh data and returns its metrics."""
+    set_seed(args.seed)
+    train = make_dataset(spec, args.steps * args.batch_size, seed=args.seed)
+    test = make_dataset(spec, args.eval_examples, seed=args.seed + 1)
+    max_length = max(len(x) for x in train["input_ids"])
+    model = build_model(model_name, len(spec.vocabulary), args.hidden_size, args.layers, args.heads, max_length,
+                        args.overrides)
+    model.config.use_cache = False
+    training_args = TrainingArguments(
+        output_dir=str(output_dir), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
+        learning_rate=args.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=min(100, args.steps // 10),
+        max_grad_norm=1.0, logging_steps=max(1, args.steps // 20), save_strategy="no", eval_strategy="no",
+        report_to="none", use_cpu=not torch.cuda.is_available(), seed=args.seed, remove_unused_columns=False,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=pad_collator)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    final_train = float(np.mean(losses[-3:])) if losses else float("nan")
+    metrics = answer_metrics(model, test)
+    return {
+        "model": model_name, "task": spec.name, **spec.setting,
+        "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        "steps": args.steps, "final_train_loss": final_train, "test_loss": metrics["loss"],
+        "test_accuracy": metrics["accuracy"], "test_answers": metrics["answers"], "seconds": seconds,
+        "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
+    }
+
+
+def plot_results(rows: List[Dict[str, Any]], x_key: str, path: Path) -> Optional[Path]:
+    """Final loss against `x_key`, one line per model (the papers' capacity plot). None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        points = sorted((r[x_key], r["test_loss"]) for r in rows if r["model"] == model)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=model)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("final loss (held-out answers)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+
+SWEEPS = {"retrieval": "num_pairs", "retrieval_replace": "num_pairs", "code": "num_variables", "listops": "depth"}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    from .train_lm import parse_overrides
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--model", action="append", choices=sorted(MODEL_TYPES),
+                   help="repeatable (default: linear_transformer, delta_net)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--hidden_size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--d_key", type=int, default=None,
+                   help="per-head key size (head_dim) of the fast-weight models: sets heads = hidden_size // d_key")
+    p.add_argument("--config_overrides", default=None, help="extra config fields for our models (JSON or k=v,...)")
+    p.add_argument("--eval_examples", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", default="outputs/synthetic")
+    g = p.add_argument_group("sweeps (several values: one run per value)")
+    g.add_argument("--num_pairs", type=int, nargs="+", default=None, help="retrieval: S (pairs per sequence)")
+    g.add_argument("--num_keys", type=int, default=None, help="retrieval: key vocabulary size")
+    g.add_argument("--num_values", type=int, default=None)
+    g.add_argument("--num_variables", type=int, nargs="+", default=None, help="code: 3 or 5 in the paper")
+    g.add_argument("--num_statements", type=int, default=None)
+    g.add_argument("--depth", type=int, nargs="+", default=None, help="listops: nesting depth (10 in the paper)")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "eval_examples"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.d_key is not None:
+        if args.d_key <= 0 or args.hidden_size % args.d_key:
+            p.error(f"--d_key must divide --hidden_size ({args.hidden_size}), got {args.d_key}")
+        args.heads = args.hidden_size // args.d_key
+    args.model = args.model or ["linear_transformer", "delta_net"]
+    try:
+        args.overrides = parse_overrides(args.config_overrides)
+    except ValueError as err:
+        p.error(str(err))
+    return args
+
+
+def task_settings(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """One options dict per run of the sweep (the swept option's values; the others fixed)."""
+    fixed = {k: getattr(args, k) for k in ("num_keys", "num_values", "num_statements") if getattr(args, k) is not None}
+    fixed = {k: v for k, v in fixed.items()
+             if (k == "num_statements") == (args.task == "code")}
+    sweep = SWEEPS[args.task]
+    values = getattr(args, sweep)
+    for other in set(SWEEPS.values()) - {sweep}:
+        if getattr(args, other) is not None:
+            raise ValueError(f"--{other} does not apply to --task {args.task}")
+    return [dict(fixed)] if values is None else [{**fixed, sweep: v} for v in values]
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for options in task_settings(args):
+        spec = build_task(args.task, **options)
+        for model_name in args.model:
+            row = train_one(spec, model_name, args, out / "trainer")
+            logger.info("%s %s %s: final train loss %.3f, test loss %.3f, accuracy %.3f (%.0f s)", args.task,
+                        spec.setting, model_name, row["final_train_loss"], row["test_loss"], row["test_accuracy"],
+                        row["seconds"])
+            rows.append(row)
+    results = {"task": args.task, "args": vars(args), "results": rows}
+    (out / f"{args.task}.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    plot = plot_results(rows, SWEEPS[args.task], out / f"{args.task}.png")
+    results["plot"] = str(plot) if plot else None
+    return results
+
+
+if __name__ == "__main__":
+    main()
