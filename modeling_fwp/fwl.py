@@ -352,9 +352,10 @@ class FWLHead(nn.Module):
         inter = slow.hidden_intermediates(hidden_states)  # slow pass (eq. 1)
         fast_output = self._fast_hidden or "output_embedding.weight" in self.fast_parameter_names
         keep = _keep_index(logits_to_keep, T)
-        # Outside autograd the slow logits become their gradient in place, and when every position's fast logits are
-        # wanted (scoring) they are written into the same [B, T, V] buffer: no more such tensors than the base model.
-        in_place = fast_output and not torch.is_grad_enabled()
+        # Outside autograd (fp32/fp64) the slow logits become their gradient in place, and when every position's fast
+        # logits are wanted (scoring) they are written into the same [B, T, V] buffer: as many such tensors as the
+        # base model's own LM head uses.
+        in_place = fast_output and not torch.is_grad_enabled() and hidden_states.dtype in (torch.float32, torch.float64)
         every_position = isinstance(keep, slice) and keep == slice(None)
         reuse_buffer = in_place and not output_state and every_position and "logits" not in self._value_names
         if not fast_output or reuse_buffer:

@@ -55,7 +55,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     fwl = p.add_argument_group("FWL head (FWLConfig fields)")
     fwl.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="fast parameter names (default: U, a, W, b, LayerNorm)")
     fwl.add_argument("--fwl_intermediate_size", type=int, default=None)
-    fwl.add_argument("--fwl_step_size_init", type=float, default=1e-2)
+    fwl.add_argument("--fwl_step_size_init", type=float, default=1e-3)
     fwl.add_argument("--no_fwl_residual", dest="fwl_residual", action="store_false",
                      help="the paper's logits = f(h) E^T + c, trained from scratch (default: residual h + f(h), which "
                           "starts exactly at the base model)")
