@@ -11,7 +11,10 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .remote_code import FastWeightHubMixin
 
 
 class FastWeightCacheLayer(CacheLayerMixin):
@@ -148,3 +151,17 @@ class FastWeightCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.token_counts = None
+
+
+class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
+    """Base of every model of this package: it builds its own recurrent ``Cache`` in ``forward`` (generate must not
+    create a DynamicCache), cannot roll that cache back (no assisted decoding), and exports self-contained for the
+    Hub (``FastWeightHubMixin``)."""
+
+    supports_gradient_checkpointing = True
+    _skip_keys_device_placement = ["past_key_values"]
+    _is_stateful = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False

@@ -18,24 +18,17 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_fwl import FWLConfig
 from .fwl import FWLCache, FWLHead, FWLSlowHead, _inverse_softplus
-from .remote_code import FastWeightHubMixin
+from .cache_fwp import StatefulPreTrainedModel
 
 # Keyword arguments that belong to the loss (Trainer passes them), not to the base model.
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
 
-class FWLPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
+class FWLPreTrainedModel(StatefulPreTrainedModel):
+    # FWLForCausalLM wraps the base model's cache (KV or recurrent) in an FWLCache itself.
     config_class = FWLConfig
     config: FWLConfig
     base_model_prefix = "language_model"
-    supports_gradient_checkpointing = True
-    _skip_keys_device_placement = ["past_key_values"]
-    _is_stateful = True
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # FWLForCausalLM wraps the base model's cache in an FWLCache itself.
-        return False
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # U, W ~ N(0, initializer_range); a, b = 0; LayerNorm gain 1, bias 0

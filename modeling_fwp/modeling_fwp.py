@@ -12,12 +12,12 @@ from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_fwp import FastWeightCache
+from .cache_fwp import FastWeightCache, StatefulPreTrainedModel
 from .configuration_fwp import (
     DeltaDeltaNetConfig,
     DeltaLSTMConfig,
@@ -30,7 +30,6 @@ from .configuration_fwp import (
 )
 from .fast_weight_layers import FAST_WEIGHT_LAYERS
 from .feature_maps import FeatureMap
-from .remote_code import FastWeightHubMixin
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
 
 
@@ -80,19 +79,11 @@ def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Te
     return torch.cat([angles.sin(), angles.cos()], dim=-1)[..., :dim]
 
 
-class FastWeightPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
+class FastWeightPreTrainedModel(StatefulPreTrainedModel):
     config_class = FastWeightConfig
     config: FastWeightConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["FastWeightBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
-    _is_stateful = True
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # The model builds its own FastWeightCache; generate must not create a DynamicCache.
-        return False
 
 
 class FastWeightModel(FastWeightPreTrainedModel):

@@ -20,16 +20,15 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_fwp import FastWeightCache
+from .cache_fwp import FastWeightCache, StatefulPreTrainedModel
 from .configuration_transfo_xl import TransfoXLConfig
 from .fwl import _HIDDEN_PARAMETERS, FWLHead, FWLSlowHead, _inverse_softplus
 from .modeling_fwp import FeedForward, sinusoidal_position_embedding
-from .remote_code import FastWeightHubMixin
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -483,19 +482,11 @@ class SegmentDecay(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class TransfoXLPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
+class TransfoXLPreTrainedModel(StatefulPreTrainedModel):
     config_class = TransfoXLConfig
     config: TransfoXLConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["TransfoXLBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
-    _is_stateful = True
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # The model builds its own TransfoXLCache of memories; generate must not create a DynamicCache.
-        return False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
