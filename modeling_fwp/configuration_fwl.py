@@ -5,6 +5,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
 KERNEL_MODES = ("auto", "recurrent", "chunk")
+GRADIENT_DTYPES = (None, "bfloat16", "float16", "float32", "float64")
 
 # The paper's default: every parameter of the FWL's MLP and LayerNorm gets fast weights; the output embedding E
 # (shared with the base model) and the output bias c stay slow. ``["output_bias"]`` is the paper's "bias only"
@@ -42,6 +43,9 @@ class FWLConfig(PreTrainedConfig):
         fwl_step_size_init: initial value of every learned step size alpha (alpha = softplus(raw) > 0).
         fwl_layer_norm_eps: epsilon of the FWL LayerNorm.
         fwl_kernel_mode, fwl_chunk_size: forwarded to ``fwp_kernels.linear_attention``.
+        fwl_gradient_dtype: None (exact) or a dtype name ("bfloat16") in which the vocabulary-sized part of the per-token
+            gradients is computed (slow logits, softmax, dlogits E): an approximation of the fast weight update that
+            runs about 2.5x faster on CPUs with bf16 matrix units; the output logits keep the model's dtype.
         initializer_range: std of the normal initialisation of U and W.
     """
 
@@ -58,6 +62,7 @@ class FWLConfig(PreTrainedConfig):
     fwl_layer_norm_eps: float = 1e-5
     fwl_kernel_mode: str = "auto"
     fwl_chunk_size: int = 256
+    fwl_gradient_dtype: str | None = None
     initializer_range: float = 0.02
 
     use_cache: bool = True
@@ -83,6 +88,8 @@ class FWLConfig(PreTrainedConfig):
             raise ValueError(f"`fwl_step_size_init` must be > 0 (step sizes are positive), got {self.fwl_step_size_init}")
         if self.fwl_kernel_mode not in KERNEL_MODES:
             raise ValueError(f"`fwl_kernel_mode` must be one of {KERNEL_MODES}, got {self.fwl_kernel_mode!r}")
+        if self.fwl_gradient_dtype not in GRADIENT_DTYPES:
+            raise ValueError(f"`fwl_gradient_dtype` must be one of {GRADIENT_DTYPES}, got {self.fwl_gradient_dtype!r}")
         if self.fwl_chunk_size < 1:
             raise ValueError(f"`fwl_chunk_size` must be >= 1, got {self.fwl_chunk_size}")
         # Generation reads the special tokens from the top-level config: take the base model's.

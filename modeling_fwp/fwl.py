@@ -123,12 +123,17 @@ class FWLSlowHead(nn.Module):
             o = o + h
         return {"h": h, "r": r, "s": s, "n": n, "rstd": rstd, "o": o}
 
-    def output_logits(self, o: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def output_logits(
+        self, o: torch.Tensor, out: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
         """``o E^T + c`` (plus E's own bias if the base model's output embedding has one), one fused matmul;
-        written into `out` (a contiguous ``[B, T, V]`` tensor, outside autograd) when given."""
+        written into `out` (a contiguous ``[B, T, V]`` tensor, outside autograd) when given, computed in `dtype`
+        when given."""
         weight, bias = self.output_embedding.weight, self.output_embedding.bias
         if self.output_bias is not None:
             bias = self.output_bias if bias is None else bias + self.output_bias
+        if dtype is not None and dtype != weight.dtype:
+            o, weight, bias = o.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
         if out is None:
             return F.linear(o, weight, bias)
         o2d, out2d = o.reshape(-1, o.shape[-1]), out.view(-1, out.shape[-1])
@@ -145,6 +150,7 @@ class FWLSlowHead(nn.Module):
         weights: Optional[torch.Tensor],
         depth: int,
         overwrite_logits: bool = False,
+        compute_dtype: Optional[torch.dtype] = None,
     ) -> Dict[str, torch.Tensor]:
         """Upstream gradients of every per-token loss ``w_j CE(logits_j, labels_j)`` at once (one analytic backward).
 
@@ -155,33 +161,33 @@ class FWLSlowHead(nn.Module):
             depth: how far back to go (0: logits only ... 3: down to z1, see ``_GRADIENT_DEPTH``).
             overwrite_logits: outside autograd, turn the logits (``inter["logits"]`` or the ones computed here) into
                 their gradient in place: no second ``[B, T, V]`` tensor.
+            compute_dtype: dtype of the vocabulary-sized part (logits, softmax, ``dlogits E``); None: that of the
+                intermediates. ``torch.bfloat16`` is an approximation that runs on CPU matrix units.
         Returns:
-            a dict of ``[B, T, *]`` tensors: logits (dCE/dlogits), f (dCE/df), gain (df * n), z2, z1. Each row only
-            depends on its own position, so the per-token gradient of a parameter is read off without any sum.
+            a dict of ``[B, T, *]`` tensors: logits (dCE/dlogits, in `compute_dtype`), f (dCE/df), gain (df * n), z2,
+            z1. Each row only depends on its own position, so the per-token gradient of a parameter is read off
+            without any sum.
         """
-        logits = inter["logits"] if "logits" in inter else self.output_logits(inter["o"])
+        dtype = compute_dtype or inter["o"].dtype
+        logits = inter["logits"].to(dtype) if "logits" in inter else self.output_logits(inter["o"], dtype=dtype)
         # dCE/dlogits = softmax(logits) - onehot(label)
-        if overwrite_logits:
+        if overwrite_logits:  # nothing else reads these logits: softmax in place
             grad = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
             grad = grad.div_(grad.sum(-1, keepdim=True))
-            if weights is not None:
-                grad = grad.mul_(weights[..., None].to(grad.dtype))
-            minus_one = -weights[..., None].to(grad.dtype) if weights is not None else grad.new_full((*labels.shape, 1), -1.0)
-        elif weights is not None:
-            grad = torch.softmax(logits, dim=-1)
-            grad = grad * weights[..., None].to(grad.dtype)
-            minus_one = -weights[..., None].to(grad.dtype)
         else:
             grad = torch.softmax(logits, dim=-1)
-            minus_one = grad.new_full((*labels.shape, 1), -1.0)
             if torch.is_grad_enabled() and grad.requires_grad:
                 grad = grad.clone()  # softmax's backward needs its own output unmodified
+        if weights is not None:
+            weights = weights[..., None].to(dtype)
+            grad = grad.mul_(weights)
+        minus_one = -weights if weights is not None else grad.new_full((*labels.shape, 1), -1.0)
         index = labels.clamp(0, logits.shape[-1] - 1)[..., None]
         grad = grad.scatter_add_(-1, index, minus_one)
         grads = {"logits": grad}
         if depth >= 1:
             # dCE/do = dlogits E ; o = f (+ h): dCE/df = dCE/do
-            df = grad @ self.output_embedding.weight.to(grad.dtype)
+            df = (grad @ self.output_embedding.weight.to(dtype)).to(inter["o"].dtype)
             grads["f"] = df
             grads["gain"] = df * inter["n"]
         if depth >= 2:
@@ -272,6 +278,8 @@ class FWLHead(nn.Module):
         residual: ``logits = (h + f(h)) E^T + c``.
         step_size_init: initial alpha of every fast parameter.
         layer_norm_eps, kernel_mode, chunk_size: LayerNorm epsilon; ``fwp_kernels.linear_attention`` options.
+        gradient_dtype: dtype of the per-token gradients' vocabulary-sized part (slow logits, softmax, ``dlogits E``):
+            None (exact, the hidden states' dtype) or e.g. ``torch.bfloat16`` (approximate; fast on CPU matrix units).
     """
 
     def __init__(
@@ -287,6 +295,7 @@ class FWLHead(nn.Module):
         layer_norm_eps: float = 1e-5,
         kernel_mode: str = "auto",
         chunk_size: int = 256,
+        gradient_dtype: Optional[Union[torch.dtype, str]] = None,
     ) -> None:
         super().__init__()
         self.slow = FWLSlowHead(
@@ -307,6 +316,10 @@ class FWLHead(nn.Module):
         self.step_size_init = step_size_init
         self.kernel_mode = kernel_mode
         self.chunk_size = chunk_size
+        dtype = getattr(torch, gradient_dtype, None) if isinstance(gradient_dtype, str) else gradient_dtype
+        if gradient_dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"`gradient_dtype` must be None or a floating point dtype, got {gradient_dtype!r}")
+        self.gradient_dtype = dtype
         # alpha = softplus(raw), one per fast parameter tensor
         self.raw_step_size = nn.Parameter(torch.full((len(fast_parameters),), _inverse_softplus(step_size_init)))
         self._value_names = {GRADIENT_TERMS[name][1] for name in self.fast_parameter_names}
@@ -355,9 +368,12 @@ class FWLHead(nn.Module):
         # Outside autograd (fp32/fp64) the slow logits become their gradient in place, and when every position's fast
         # logits are wanted (scoring) they are written into the same [B, T, V] buffer: as many such tensors as the
         # base model's own LM head uses.
-        in_place = fast_output and not torch.is_grad_enabled() and hidden_states.dtype in (torch.float32, torch.float64)
+        compute_dtype = self.gradient_dtype if self.gradient_dtype not in (None, hidden_states.dtype) else None
+        in_place = fast_output and not torch.is_grad_enabled() and (compute_dtype or hidden_states.dtype) in (torch.float32, torch.float64)
         every_position = isinstance(keep, slice) and keep == slice(None)
-        reuse_buffer = in_place and not output_state and every_position and "logits" not in self._value_names
+        reuse_buffer = (
+            in_place and compute_dtype is None and not output_state and every_position and "logits" not in self._value_names
+        )
         if not fast_output or reuse_buffer:
             inter["logits"] = slow.output_logits(inter["o"])  # every position's slow logits
 
@@ -372,18 +388,19 @@ class FWLHead(nn.Module):
         if depth >= 0:
             weights = None if mask is None else mask[:, :-1] * mask[:, 1:]
             grads = slow.per_token_gradients(
-                _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, overwrite_logits=in_place
+                _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, overwrite_logits=in_place, compute_dtype=compute_dtype
             )
             prev_grads = None
             if prev is not None:
                 prev_weights = state["prev.mask"].to(hidden_states.dtype)
                 if mask is not None:
                     prev_weights = prev_weights * mask[:, :1]
-                prev_grads = slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, depth)
+                prev_grads = slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, depth, compute_dtype=compute_dtype)
             for name in self.fast_parameter_names:
                 key_name, value_name = GRADIENT_TERMS[name]
                 if value_name not in values:
-                    values[value_name] = _shift_in(grads[value_name], prev_grads and prev_grads[value_name])
+                    new = grads[value_name].to(hidden_states.dtype)
+                    values[value_name] = _shift_in(new, prev_grads and prev_grads[value_name])
                 if key_name is not None and key_name not in keys:
                     keys[key_name] = _shift_in(inter[key_name][:, :-1], prev and prev[key_name])
         updates = _FastUpdates(self, keys, values, state, output_state)

@@ -79,6 +79,7 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
             layer_norm_eps=config.fwl_layer_norm_eps,
             kernel_mode=config.fwl_kernel_mode,
             chunk_size=config.fwl_chunk_size,
+            gradient_dtype=config.fwl_gradient_dtype,
         )
         # E is one module reached from two places: declare the FWL's path tied to the name under which the base
         # model stores it (its input embedding's when the base model ties them).

@@ -397,7 +397,9 @@ class AdaptiveSoftmaxFWLSlowHead(FWLSlowHead):
         """``log p(. | h) [B, T, V]`` with the slow weights."""
         return self.output_embedding.log_prob(self.hidden_intermediates(hidden_states)["o"])
 
-    def output_logits(self, o: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def output_logits(
+        self, o: torch.Tensor, out: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
         """Identity: ``FWLHead`` returns the fast ``f(h) [B, T, D]``; the model applies the adaptive softmax."""
         return o
 

@@ -309,3 +309,21 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     # rerunning resumes: the finished stages are loaded, not retrained, and give the same numbers
     again = finetune_fwl.main(argv)
     assert again["base_fwl"]["ppl"] == pytest.approx(results["base_fwl"]["ppl"], rel=1e-5)
+
+
+def test_bf16_gradient_option_approximates_the_exact_head():
+    """fwl_gradient_dtype="bfloat16": the per-token gradients' vocabulary part in bf16, outputs close to exact."""
+    exact = tiny_fwl("llama", fwl_fast_parameters=ALL_FAST)
+    approx = tiny_fwl("llama", fwl_fast_parameters=ALL_FAST, fwl_gradient_dtype="bfloat16")
+    approx.load_state_dict(exact.state_dict())
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        reference, slow = exact(ids).logits, exact.fwl_head.slow(exact.language_model.model(ids).last_hidden_state)
+        fast = approx(ids).logits
+        prefix = approx(ids[:, :6]).logits
+    torch.testing.assert_close(fast[:, 0], reference[:, 0])  # no update at the first position
+    error = (fast - reference).abs().max() / (reference - slow).abs().max()
+    assert error < 0.05, error  # the fast weight update is approximated to a few percent
+    torch.testing.assert_close(prefix, fast[:, :6])  # still causal: a prefix gives the same logits
+    with pytest.raises(ValueError, match="fwl_gradient_dtype"):
+        FWLConfig(text_config=tiny_llama_config(), fwl_gradient_dtype="bf16")
