@@ -100,6 +100,19 @@ class FWLSlowHead(nn.Module):
         self.output_embedding = output_embedding  # E, shared with the base model
         self.output_bias = nn.Parameter(torch.zeros(self.vocab_size)) if output_bias else None  # c
         self.residual = residual
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, initializer_range: float = 0.02) -> None:
+        """A fresh head: U, W ~ N(0, initializer_range); a, b, c = 0; LayerNorm bias 0 and gain 1, or gain 0 when
+        `residual` so that ``h + f(h) = h`` and the wrapped model starts exactly at the base model. E is untouched."""
+        for linear in (self.up_proj, self.down_proj):
+            nn.init.normal_(linear.weight, std=initializer_range)
+            nn.init.zeros_(linear.bias)
+        nn.init.constant_(self.norm.weight, 0.0 if self.residual else 1.0)
+        nn.init.zeros_(self.norm.bias)
+        if self.output_bias is not None:
+            nn.init.zeros_(self.output_bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.forward_with_intermediates(hidden_states)["logits"]
@@ -422,12 +435,9 @@ class FWLHead(nn.Module):
         if reuse_buffer:
             logits = slow.output_logits(o, out=inter["logits"])
         elif fast_output:
-            rows = o[:, keep]
-            if output_state:  # the last position's slow logits (for its gradient next call), in the same matmul
-                rows = torch.cat([rows, inter["o"][:, -1:]], dim=1)
-            logits = slow.output_logits(rows)
-            if output_state:
-                logits, last_slow_logits = logits[:, :-1], logits[:, -1:]
+            logits = slow.output_logits(o[:, keep])
+            if output_state:  # the last position's slow logits, for its gradient in the next call
+                last_slow_logits = slow.output_logits(inter["o"][:, -1:])
             logits = updates.subtract(logits, "output_embedding.weight", o, keep)
         else:
             logits = inter["logits"][:, keep]

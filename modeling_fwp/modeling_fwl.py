@@ -81,6 +81,8 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
             chunk_size=config.fwl_chunk_size,
             gradient_dtype=config.fwl_gradient_dtype,
         )
+        # transformers 5 only runs `_init_weights` inside from_pretrained: a head built here must be fresh already.
+        self.fwl_head.slow.reset_parameters(config.initializer_range)
         # E is one module reached from two places: declare the FWL's path tied to the name under which the base
         # model stores it (its input embedding's when the base model ties them).
         embedding_name = next(name for name, m in language_model.named_modules() if m is output_embedding)

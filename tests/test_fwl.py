@@ -277,12 +277,8 @@ def test_bad_input():
         FWLHead(32, torch.nn.Embedding(VOCAB, 32))
 
 
-def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
-    """training/finetune_fwl.py end to end on a tiny Llama: three stages, the breakdown, then a resumed rerun."""
-    import json
-
-    from training import finetune_fwl
-
+def tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=2):
+    """A tiny Llama checkpoint and word-level text files; the finetune_fwl argv that uses them."""
     torch.manual_seed(0)
     model_dir = tmp_path / "tiny"
     LlamaForCausalLM(tiny_llama_config(vocab_size=len(word_tokenizer))).save_pretrained(model_dir)
@@ -292,18 +288,29 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     docs = [" ".join(words[i] for i in torch.randint(0, len(words), (40,), generator=gen).tolist()) for _ in range(24)]
     (tmp_path / "train.txt").write_text("\n\n".join(docs[:20]) + "\n")
     (tmp_path / "valid.txt").write_text("\n\n".join(docs[20:]) + "\n")
-    argv = [
+    return [
         "--model", str(model_dir), "--output_dir", str(tmp_path / "out"),
         "--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"),
-        "--block_size", "16", "--max_steps", "3", "--save_steps", "2", "--per_device_train_batch_size", "2",
-        "--fwl_intermediate_size", "16", "--logging_steps", "1",
+        "--block_size", "16", "--max_steps", "3", "--save_steps", "2", "--per_device_train_batch_size", str(batch_size),
+        "--fwl_intermediate_size", "16", "--logging_steps", "1", "--prompt_tokens", "6", "--max_new_tokens", "5",
     ]
+
+
+def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
+    """training/finetune_fwl.py end to end on a tiny Llama: three stages, the breakdown, then a resumed rerun."""
+    import json
+
+    from training import finetune_fwl
+
+    argv = tiny_finetune_setup(tmp_path, word_tokenizer)
     results = finetune_fwl.main(argv)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     for stage in ("base", "base_finetuned", "base_fwl"):
         assert saved[stage]["tokens_first"] + saved[stage]["tokens_repeated"] == saved[stage]["tokens"]
         assert saved[stage]["tokens_repeated"] > 0 and math.isfinite(saved[stage]["ppl"])
     assert set(saved["fwl_vs_finetuned"]) == {"ppl_ratio", "ppl_first_ratio", "ppl_repeated_ratio"}
+    assert saved["sample"]["cached_equals_uncached"] is True and saved["world_size"] == 1
+    assert "(3) fine-tuned + FWL" in finetune_fwl.report(saved)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "base_fwl" / "final")
     assert isinstance(loaded, FWLForCausalLM)
     # rerunning resumes: the finished stages are loaded, not retrained, and give the same numbers
@@ -327,3 +334,66 @@ def test_bf16_gradient_option_approximates_the_exact_head():
     torch.testing.assert_close(prefix, fast[:, :6])  # still causal: a prefix gives the same logits
     with pytest.raises(ValueError, match="fwl_gradient_dtype"):
         FWLConfig(text_config=tiny_llama_config(), fwl_gradient_dtype="bf16")
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_labels_loss_matches_the_returned_logits_when_scoring(use_cache):
+    """Scoring with labels (no_grad, with or without a returned cache) gives the loss of the returned logits."""
+    model = tiny_fwl("llama", fwl_fast_parameters=ALL_FAST).eval()
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        out = model(ids, labels=ids, use_cache=use_cache)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
+    assert (out.past_key_values is not None) == use_cache
+
+
+def test_fresh_residual_head_starts_at_the_base_model():
+    """from_base_pretrained with the residual head: LayerNorm gain 0, so h + f(h) = h and the logits are the base's."""
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_llama_config()).eval()
+    model = FWLForCausalLM.from_base_pretrained(base, fwl_residual=True, fwl_fast_parameters=ALL_FAST).eval()
+    assert torch.count_nonzero(model.fwl_head.slow.norm.weight) == 0
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        expected = base(ids).logits
+        fresh = model(ids).logits
+    # the fast weights of the LayerNorm gain/bias and of c already move the logits after the first position
+    torch.testing.assert_close(fresh[:, 0], expected[:, 0])
+    with torch.no_grad():
+        model.fwl_head.raw_step_size.fill_(-30.0)  # alpha = softplus(-30) ~ 1e-13: no fast update
+        torch.testing.assert_close(model(ids).logits, expected)
+    paper = FWLForCausalLM.from_base_pretrained(base, fwl_residual=False)
+    assert torch.equal(paper.fwl_head.slow.norm.weight, torch.ones_like(paper.fwl_head.slow.norm.weight))
+
+
+def test_finetune_script_under_accelerate_launch_two_processes(tmp_path, word_tokenizer):
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU (gloo): two processes with batch 1 each take the same
+    optimizer steps as one process with batch 2 (the mean over the same 2 blocks), so the perplexities agree."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    fast_learning = ["--learning_rate", "1e-2", "--fwl_learning_rate", "1e-2"]  # so that the 3 steps move the models
+    single = tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=2) + fast_learning
+    from training import finetune_fwl
+
+    alone = finetune_fwl.main(single)
+    argv = tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=1) + fast_learning
+    argv[argv.index("--output_dir") + 1] = str(tmp_path / "out_ddp")
+    launcher = Path(sys.executable).with_name("accelerate")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+               "-m", "training.finetune_fwl", *argv]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ddp = json.loads((tmp_path / "out_ddp" / "results.json").read_text())
+    assert ddp["world_size"] == 2
+    for stage in ("base_finetuned", "base_fwl"):  # training moved the model: the comparison below can fail
+        assert abs(alone[stage]["ppl"] / alone["base"]["ppl"] - 1) > 0.01
+    for stage in ("base", "base_finetuned", "base_fwl"):
+        assert ddp[stage]["tokens"] == alone[stage]["tokens"]  # every validation block scored once
+        assert ddp[stage]["ppl"] == pytest.approx(alone[stage]["ppl"], rel=1e-4), stage

@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -50,8 +51,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     data.add_argument("--text_column", default="text")
     data.add_argument("--train_file", default=None, help="local text file(s) for training (blank line between documents)")
     data.add_argument("--validation_file", default=None)
-    data.add_argument("--block_size", type=int, default=512, help="tokens per training / validation block")
-    data.add_argument("--max_eval_blocks", type=int, default=64)
+    data.add_argument("--block_size", type=int, default=256, help="tokens per training / validation block")
+    data.add_argument("--max_eval_blocks", type=int, default=16)
     fwl = p.add_argument_group("FWL head (FWLConfig fields)")
     fwl.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="fast parameter names (default: U, a, W, b, LayerNorm)")
     fwl.add_argument("--fwl_intermediate_size", type=int, default=None)
@@ -61,18 +62,25 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                           "starts exactly at the base model)")
     fwl.add_argument("--freeze_base", action="store_true", help="train the FWL head only in stage (3)")
     train = p.add_argument_group("training (the same for stages 2 and 3)")
-    train.add_argument("--max_steps", type=int, default=200)
-    train.add_argument("--per_device_train_batch_size", type=int, default=4)
+    train.add_argument("--max_steps", type=int, default=30,
+                       help="optimizer steps of stages 2 and 3 (default 30: the make-demo budget on a 2-core CPU)")
+    train.add_argument("--per_device_train_batch_size", type=int, default=2)
     train.add_argument("--per_device_eval_batch_size", type=int, default=4)
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
     train.add_argument("--learning_rate", type=float, default=5e-5, help="base model parameters")
     train.add_argument("--fwl_learning_rate", type=float, default=1e-3, help="FWL head parameters (fresh)")
-    train.add_argument("--warmup_steps", type=int, default=10)
+    train.add_argument("--fwl_step_size_learning_rate", type=float, default=3e-2,
+                       help="the FWL's raw step sizes (alpha = softplus(raw), about log(alpha) while alpha is small: a "
+                            "step of lr changes alpha by up to a factor exp(lr), so 1e-3 would leave alpha frozen)")
+    train.add_argument("--warmup_steps", type=int, default=3)
     train.add_argument("--weight_decay", type=float, default=0.0)
-    train.add_argument("--save_steps", type=int, default=50)
-    train.add_argument("--logging_steps", type=int, default=10)
+    train.add_argument("--save_steps", type=int, default=10)
+    train.add_argument("--logging_steps", type=int, default=5)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--activation_checkpointing", action="store_true")
+    demo = p.add_argument_group("generation sample (after the table)")
+    demo.add_argument("--prompt_tokens", type=int, default=48, help="prompt: the first tokens of a validation block")
+    demo.add_argument("--max_new_tokens", type=int, default=40, help="0 skips the sample")
     return p.parse_args(argv)
 
 
@@ -210,17 +218,22 @@ def training_arguments(args, output_dir: Path, train: bool):
         dataloader_drop_last=True,
         eval_accumulation_steps=4,
         ddp_find_unused_parameters=False,
+        use_cpu=not torch.cuda.is_available(),  # on CPU, torchrun-launched processes then join a gloo process group
         dataloader_pin_memory=torch.cuda.is_available(),
     )
 
 
 def optimizer_groups(model, args) -> List[dict]:
-    """Base parameters at ``learning_rate``, FWL head parameters (fresh) at ``fwl_learning_rate``."""
+    """Base parameters at ``learning_rate``, FWL head parameters (fresh) at ``fwl_learning_rate``, the FWL's raw step
+    sizes at ``fwl_step_size_learning_rate``."""
     head = getattr(model, "fwl_head", None)
-    head_ids = set() if head is None else {id(p) for n, p in head.named_parameters() if "output_embedding" not in n}
+    head_params = {} if head is None else {id(p): n for n, p in head.named_parameters() if "output_embedding" not in n}
+    step_size_ids = {i for i, n in head_params.items() if n == "raw_step_size"}
+    trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids], "lr": args.learning_rate},
-        {"params": [p for p in model.parameters() if p.requires_grad and id(p) in head_ids], "lr": args.fwl_learning_rate},
+        {"params": [p for p in trainable if id(p) not in head_params], "lr": args.learning_rate},
+        {"params": [p for p in trainable if id(p) in head_params and id(p) not in step_size_ids], "lr": args.fwl_learning_rate},
+        {"params": [p for p in trainable if id(p) in step_size_ids], "lr": args.fwl_step_size_learning_rate},
     ]
     return [g for g in groups if g["params"]]
 
@@ -258,6 +271,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     from modeling_fwp import FWLForCausalLM
 
     args = parse_args(argv)
+    started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model == DEFAULT_MODEL:
         from training.convert_gguf import ensure_converted
@@ -297,11 +311,58 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     }
     results["settings"] = {k: v for k, v in vars(args).items()}
     if int(os.environ.get("RANK", "0")) == 0:
+        results["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.max_new_tokens > 0:
+            results["sample"] = generate_sample(model, tokenizer, blocks["validation"][0]["input_ids"], args)
+        results["wall_seconds"] = round(time.perf_counter() - started, 1)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-        summary = {name: {k: results[name][k] for k in ("ppl", "ppl_first", "ppl_repeated")} for name in STAGES}
-        print(json.dumps({"validation": summary, "fwl_vs_finetuned": results["fwl_vs_finetuned"]}, indent=2))
+        print(report(results))
     return results
+
+
+def generate_sample(model, tokenizer, block_ids: List[int], args) -> Dict[str, object]:
+    """Greedy continuation of a validation prompt by the fine-tuned FWL model, with its cache (constant-size FWL
+    state + the base's KV cache), checked against generation without the cache (every step a full parallel pass)."""
+    model.eval()
+    prompt = torch.tensor([block_ids[: args.prompt_tokens]], device=model.device)
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False, use_cache=True)
+        uncached = model.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False, use_cache=False)
+    new = cached[0, prompt.shape[1] :]
+    return {
+        "prompt": tokenizer.decode(prompt[0]),
+        "continuation": tokenizer.decode(new),
+        "cached_equals_uncached": bool(torch.equal(cached, uncached)),
+    }
+
+
+def report(results: Dict[str, Dict[str, float]]) -> str:
+    """The perplexity table (Clark et al.'s comparison and Figure 2 breakdown) and the generated sample, as text."""
+    names = {"base": "(1) base model", "base_finetuned": "(2) fine-tuned, no FWL", "base_fwl": "(3) fine-tuned + FWL"}
+    lines = [
+        f"Validation perplexity ({results['base']['tokens']} tokens; first occurrence / repeated in their block):",
+        f"  {'model':<26}{'all':>10}{'first':>10}{'repeated':>10}",
+    ]
+    for stage, label in names.items():
+        r = results[stage]
+        lines.append(f"  {label:<26}{r['ppl']:>10.3f}{r['ppl_first']:>10.3f}{r['ppl_repeated']:>10.3f}")
+    ratio = results["fwl_vs_finetuned"]
+    lines.append(
+        f"  {'(3) / (2)':<26}{ratio['ppl_ratio']:>10.4f}{ratio['ppl_first_ratio']:>10.4f}{ratio['ppl_repeated_ratio']:>10.4f}"
+    )
+    lines.append(f"  tokens: {results['base']['tokens_first']} first occurrences, {results['base']['tokens_repeated']} repeated")
+    sample = results.get("sample")
+    if sample:
+        lines += [
+            "",
+            "Greedy continuation by (3), with its cache (equal to generation without the cache: "
+            f"{sample['cached_equals_uncached']}):",
+            f"  prompt: {sample['prompt']!r}",
+            f"  continuation: {sample['continuation']!r}",
+        ]
+    lines.append(f"\n{results.get('wall_seconds', 0):.0f} s in all; results.json in {results['settings']['output_dir']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
