@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (see README):
-#   make demo   installs into .venv and runs the main job
+#   make demo   installs into .venv and runs the main job: FWL heads fine-tuned onto SmolLM2-135M (offline)
 #   make test   installs into .venv and runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo demo-delta-net bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
+	$(PY) -m training.finetune_fwl
+
+# the from-scratch Delta Net demo (not part of the two set-up commands)
+demo-delta-net: $(STAMP)
 	$(PY) -m training.demo
 
 bench: $(STAMP)

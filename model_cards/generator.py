@@ -375,8 +375,12 @@ def _as_list(value: Union[None, str, Sequence[str]]) -> List[str]:
 
 
 def _hub_id(value: Any) -> Optional[str]:
-    """``value`` when it looks like a Hub repo id (``owner/name``), else None (local paths are not base models)."""
-    if isinstance(value, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
+    """``value`` when it looks like a Hub repo id (``owner/name``), else None (local paths, e.g. a converted
+    ``checkpoints/smollm2-135m`` folder, are not base models)."""
+    if (
+        isinstance(value, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith(".")
+        and not os.path.exists(value)
+    ):
         return value
     return None
 

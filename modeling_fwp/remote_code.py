@@ -12,6 +12,14 @@ things of ``transformers.PreTrainedModel``:
   installed package's ``__init__`` (its own sibling imports are resolved inside ``kernels/``), checks that every
   module imports only what a plain ``transformers`` install has, and writes the files flat into the folder. When
   the package is installed it also writes a model card (``modeling_fwp.hub``) unless the folder has one.
+  Accelerated kernels travel as optional imports: a kernel module that imports ``.<stem>_csrc`` inside a ``try``
+  block and has its C++ source in ``csrc/<stem>.cpp`` gets that source written next to the code twice, as
+  ``<stem>.cpp`` (to read) and as ``<stem>_csrc.py`` holding it in a string ``CPP_SOURCE`` (transformers copies
+  only Python modules into its module cache), from which the loaded model builds the C++ ops on first use;
+  without a compiler or ninja, or with ``FWP_KERNELS_NO_BUILD=1``, it runs the pure-PyTorch kernels.
+  A config that nests one of our families (an FWL head on a Delta Net: ``text_config``) also gets the code of that
+  family and a generated ``register_nested_families.py`` as its ``AutoConfig`` entry, which registers the nested
+  family with the Auto classes before transformers parses the sub-config by its ``model_type``.
 - ``from_pretrained`` never unpickles arbitrary objects (``weights_only=False`` is refused; transformers'
   ``weights_only=True`` load errors are re-raised with the file and the remedy), checks safetensors files before
   loading and names the file and the problem when one is truncated or corrupted, and re-enables the recurrent
@@ -25,6 +33,8 @@ reached through an optional import.
 """
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib.util
 import json
 import os
@@ -34,7 +44,7 @@ import shutil
 import struct
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import transformers
 from safetensors import SafetensorError
@@ -49,6 +59,10 @@ KERNELS_MODULE = "fwp_kernels"
 REMOTE_CODE_DEPENDENCIES = frozenset({"torch", "transformers", "huggingface_hub", "safetensors", "tokenizers", "numpy"})
 AUTO_MODEL_CLASSES = ("AutoModel", "AutoModelForCausalLM")
 WEIGHTS_PATTERN = "*.safetensors"
+# `from .<stem>_csrc import CPP_SOURCE`: the C++ source csrc/<stem>.cpp of a kernel module, generated on export.
+EMBEDDED_SOURCE_SUFFIX = "_csrc"
+CPP_SOURCE_NAME = "CPP_SOURCE"
+NESTED_REGISTRATION_MODULE = "register_nested_families"  # generated for configs that nest our families
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,7 +116,9 @@ def remote_code_sources(entry_files: List[Path]) -> Dict[str, Path]:
 
     Follows sibling imports as transformers does when loading (``get_relative_imports``). A sibling that does not
     exist next to the importing module and is named ``fwp_kernels`` is the kernels package: its ``__init__``
-    becomes ``fwp_kernels.py`` and its own siblings are resolved in its folder.
+    becomes ``fwp_kernels.py`` and its own siblings are resolved in its folder. A missing sibling ``<stem>_csrc``
+    with a ``csrc/<stem>.cpp`` next to the importing module is that C++ source, mapped to the ``.cpp`` file
+    (:func:`save_remote_code` writes it as a Python module, see :func:`embedded_source_module`).
     """
     sources: Dict[str, Path] = {}
     pending = [(path.name, path) for path in entry_files]
@@ -122,6 +138,8 @@ def remote_code_sources(entry_files: List[Path]) -> Dict[str, Path]:
                 pending.append((candidate.name, candidate))
             elif module == KERNELS_MODULE:
                 pending.append((f"{KERNELS_MODULE}.py", _kernels_init_file()))
+            elif module.endswith(EMBEDDED_SOURCE_SUFFIX) and _embedded_cpp_file(path, module).is_file():
+                pending.append((f"{module}.py", _embedded_cpp_file(path, module)))
             else:
                 raise FileNotFoundError(
                     f"{path} imports `.{module}`, but {candidate} does not exist. Exported code can only use flat "
@@ -135,7 +153,7 @@ def check_remote_code_imports(sources: Dict[str, Path]) -> None:
     install may lack (transformers refuses to load such remote code)."""
     allowed = REMOTE_CODE_DEPENDENCIES | set(sys.stdlib_module_names)
     problems = {
-        name: sorted(set(get_imports(path)) - allowed) for name, path in sorted(sources.items())
+        name: sorted(set(get_imports(path)) - allowed) for name, path in sorted(sources.items()) if path.suffix == ".py"
     }
     problems = {name: bad for name, bad in problems.items() if bad}
     if problems:
@@ -147,22 +165,103 @@ def check_remote_code_imports(sources: Dict[str, Path]) -> None:
         )
 
 
+def _embedded_cpp_file(importer: Path, module: str) -> Path:
+    """``csrc/<stem>.cpp`` next to ``importer``: the C++ source that the sibling module ``<stem>_csrc`` carries."""
+    return importer.parent / "csrc" / f"{module[: -len(EMBEDDED_SOURCE_SUFFIX)]}.cpp"
+
+
+def embedded_source_module(cpp_file: Path) -> str:
+    """The text of ``<stem>_csrc.py``: ``cpp_file``'s source in the string ``CPP_SOURCE`` (read back exactly)."""
+    source = cpp_file.read_text(encoding="utf-8")
+    literal = f'r"""{source}"""' if '"""' not in source and not source.endswith("\\") else repr(source)
+    if ast.literal_eval(literal) != source:  # a raw string cannot hold every text: fall back to repr
+        literal = repr(source)
+    digest = hashlib.sha1(source.encode("utf-8")).hexdigest()
+    return (
+        f'"""C++ source of the kernels in {cpp_file.name} (sha1 {digest}), as a string.\n\n'
+        "Written by modeling_fwp.remote_code when the model was saved: transformers copies only Python modules of a\n"
+        "trust_remote_code folder, so the source travels here; the kernel module builds it with\n"
+        "torch.utils.cpp_extension on first use (FWP_KERNELS_NO_BUILD=1: never) and otherwise runs PyTorch code.\n"
+        f'The same text is in {cpp_file.name} next to this file.\n"""\n'
+        f"{CPP_SOURCE_NAME} = {literal}\n"
+    )
+
+
+def nested_families(config: transformers.PreTrainedConfig, code_dir: Path) -> List[Tuple[type, type]]:
+    """``(config class, causal LM class)`` of the sub-configs of ``config`` (e.g. an FWL model's ``text_config``)
+    that are model families defined in ``code_dir`` - which a process without this package does not know."""
+    found = []
+    for key in getattr(type(config), "sub_configs", None) or {}:
+        sub_config = getattr(config, key, None)
+        if sub_config is None or _module_file(type(sub_config)).parent != code_dir:
+            continue
+        model_cls = transformers.AutoModelForCausalLM._model_mapping.get(type(sub_config), None)
+        if model_cls is None or _module_file(model_cls).parent != code_dir:
+            raise ValueError(
+                f"`config.{key}` is a {type(sub_config).__name__} with no causal LM class registered next to it "
+                f"(in {code_dir}): import the package that defines it before saving"
+            )
+        found.append((type(sub_config), model_cls))
+    return found
+
+
+def nested_registration_module(config_cls: type, nested: List[Tuple[type, type]]) -> str:
+    """The text of ``register_nested_families.py``, the ``AutoConfig`` entry of a folder whose config nests our
+    families: it registers them with ``AutoConfig`` / ``AutoModelForCausalLM`` (unless their model type is known
+    already) and re-exports ``config_cls``. transformers parses a sub-config by ``model_type`` before any model
+    code runs, so this is the only place where a process without the package can learn them."""
+    imports = [(_module_file(cls).stem, cls.__name__) for pair in nested for cls in pair]
+    imports.append((_module_file(config_cls).stem, config_cls.__name__))
+    lines = [
+        f'"""Written by modeling_fwp.remote_code: registers the model families nested in {config_cls.__name__}',
+        "(sub-configs) with the Auto classes, so that config.json parses without the modeling_fwp package.",
+        '"""',
+        "from transformers import AutoConfig, AutoModelForCausalLM",
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING",
+        "",
+        *sorted({f"from .{module} import {name}" for module, name in imports}),
+        "",
+    ]
+    for sub_config_cls, model_cls in nested:
+        lines += [
+            f"if {sub_config_cls.__name__}.model_type not in CONFIG_MAPPING:",
+            f"    AutoConfig.register({sub_config_cls.__name__}.model_type, {sub_config_cls.__name__})",
+            f"AutoModelForCausalLM.register({sub_config_cls.__name__}, {model_cls.__name__}, exist_ok=True)",
+        ]
+    lines += ["", f'__all__ = ["{config_cls.__name__}"]', ""]
+    return "\n".join(lines)
+
+
 def save_remote_code(model: transformers.PreTrainedModel, save_directory: Union[str, os.PathLike]) -> List[Path]:
-    """Writes the modeling code of ``model`` (its config, model classes, their sibling modules and the kernels)
-    flat into ``save_directory``; returns the written paths. Sets ``model.config.auto_map``."""
+    """Writes the modeling code of ``model`` (its config, model classes, their sibling modules, the kernels with
+    the C++ sources of their accelerated versions, and the code of families nested in its config) flat into
+    ``save_directory``; returns the written paths. Sets ``model.config.auto_map``."""
     auto_map = remote_code_auto_map(model)
     code_dir = _module_file(type(model)).parent
-    entry_files = sorted({code_dir / f"{reference.split('.')[0]}.py" for reference in auto_map.values()})
-    sources = remote_code_sources(entry_files)
+    nested = nested_families(model.config, code_dir)
+    entry_files = {code_dir / f"{reference.split('.')[0]}.py" for reference in auto_map.values()}
+    entry_files |= {_module_file(cls) for pair in nested for cls in pair}
+    sources = remote_code_sources(sorted(entry_files))
+    if nested and f"{NESTED_REGISTRATION_MODULE}.py" in sources:
+        raise ValueError(f"{NESTED_REGISTRATION_MODULE}.py is a generated module name; rename the module in {code_dir}")
     check_remote_code_imports(sources)
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, source in sorted(sources.items()):
         target = folder / name
+        if source.suffix == ".cpp":  # an accelerated kernel's source: a Python module that carries it, and the file
+            target.write_text(embedded_source_module(source), encoding="utf-8")
+            written.append(target)
+            target = folder / source.name
         if not (target.exists() and target.samefile(source)):
             shutil.copyfile(source, target)
         written.append(target)
+    if nested:  # config.json is parsed through the module that registers the nested families first
+        target = folder / f"{NESTED_REGISTRATION_MODULE}.py"
+        target.write_text(nested_registration_module(type(model.config), nested), encoding="utf-8")
+        written.append(target)
+        auto_map["AutoConfig"] = f"{NESTED_REGISTRATION_MODULE}.{type(model.config).__name__}"
     model.config.auto_map = {**(getattr(model.config, "auto_map", None) or {}), **auto_map}
     return written
 

@@ -303,7 +303,14 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     from training import finetune_fwl
 
     argv = tiny_finetune_setup(tmp_path, word_tokenizer)
-    results = finetune_fwl.main(argv)
+    results = finetune_fwl.main(argv + ["--hub_dry_run", "--hub_model_id", "me/tiny-fwl"])
+    # --hub_dry_run: the FWL model exported with its code and our card, which names the base and the measured ppl
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(tmp_path / "out" / "hub_export" / "README.md")
+    assert card.data.base_model == str(tmp_path / "tiny")
+    assert (tmp_path / "out" / "hub_export" / "model.safetensors").is_file()
+    assert f"{results['base_fwl']['ppl']:.2f}" in card.text or f"{results['base_fwl']['ppl']:.3f}" in card.text
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     for stage in ("base", "base_finetuned", "base_fwl"):
         assert saved[stage]["tokens_first"] + saved[stage]["tokens_repeated"] == saved[stage]["tokens"]

@@ -23,11 +23,40 @@ from conftest import make_word_tokenizer, tiny_config
 FAMILIES = hub.registered_families()
 PROMPT = "the cat sat on the mat"
 NEW_TOKENS = 8
+SCAN_FAMILIES = {"fwp_delta_rnn", "fwp_delta_lstm", "fwp_recurrent_delta_net"}  # use fwp_kernels.rfwp_scan
+
+
+def _variant(model_type, build=None, env=None, uses_scan=None):
+    return {"model_type": model_type, "build": build, "env": env or {},
+            "uses_scan": model_type in SCAN_FAMILIES if uses_scan is None else uses_scan}
+
+
+def _fwl_on(config_cls):
+    return lambda: modeling_fwp.FWLConfig(text_config=tiny_config(config_cls).to_dict())
+
+
+# Every model family and the variants of the issue's list, exported and loaded in one clean process:
+# name -> model_type (the family), build (a config factory; None: the family's tiny default), env (set in the clean
+# process while that folder loads and runs), uses_scan (whether it runs the recurrent FWP scans of rfwp_scan).
+VARIANTS = {name: _variant(name) for name in FAMILIES}
+VARIANTS.update({
+    "fwp_delta_rnn-A": _variant("fwp_delta_rnn", lambda: tiny_config(modeling_fwp.DeltaRNNConfig, version="A")),
+    **{f"fwp_delta_lstm-{v}": _variant("fwp_delta_lstm", lambda v=v: tiny_config(modeling_fwp.DeltaLSTMConfig, version=v))
+       for v in "ABC"},
+    "fwp_transfo_xl-fwl": _variant("fwp_transfo_xl", lambda: tiny_config(modeling_fwp.TransfoXLConfig, use_fwl=True)),
+    "fwp_fwl-delta_net": _variant("fwp_fwl", _fwl_on(modeling_fwp.DeltaNetConfig), uses_scan=False),
+    # the exported loader's fallbacks: the build disabled (documented switch) and no C++ compiler on the machine
+    "fwp_delta_rnn-no_build": _variant("fwp_delta_rnn", env={"FWP_KERNELS_NO_BUILD": "1"}),
+    "fwp_recurrent_delta_net-no_build": _variant("fwp_recurrent_delta_net", env={"FWP_KERNELS_NO_BUILD": "1"}),
+    "fwp_delta_lstm-no_compiler": _variant("fwp_delta_lstm", env={"CXX": "/nonexistent/c++"}),
+})
+FALLBACK_STATUS = {"FWP_KERNELS_NO_BUILD": "disabled (FWP_KERNELS_NO_BUILD=1)", "CXX": "unavailable (no C++ compiler"}
 
 # Runs in a fresh interpreter in which modeling_fwp, fwp_kernels and model_cards cannot be imported: loads every
-# exported folder with trust_remote_code, writes its logits, and reports pipeline / generate outputs.
-CLEAN_LOADER = r'''
-import importlib.abc, json, sys
+# exported folder with trust_remote_code, writes its logits, and reports pipeline / generate outputs and which CPU
+# path the folder's own copy of the recurrent FWP scans took.
+CLEAN_LOADER = r"""
+import importlib.abc, json, os, sys, traceback
 
 HIDDEN = ("modeling_fwp", "fwp_kernels", "model_cards")
 
@@ -47,24 +76,37 @@ from transformers import pipeline
 torch.set_num_threads(2)
 report = {}
 for job in json.loads(sys.argv[1]):
-    generator = pipeline("text-generation", model=job["folder"], trust_remote_code=True)
-    model = generator.model.eval()
-    text = generator(job["prompt"], max_new_tokens=job["new_tokens"], do_sample=False)[0]["generated_text"]
-    ids = torch.tensor(job["input_ids"])
-    with torch.no_grad():
-        save_file({"logits": model(ids).logits.contiguous()}, job["logits_file"])
-    generated = model.generate(ids[:1], max_new_tokens=job["new_tokens"], do_sample=False)
-    hidden = []
-    for name in HIDDEN:
-        try:
-            __import__(name)
-        except ModuleNotFoundError:
-            hidden.append(name)
-    report[job["folder"]] = {
-        "module": type(model).__module__, "text": text, "generated": generated.tolist(), "hidden": hidden,
-    }
+    saved_env = {name: os.environ.get(name) for name in job["env"]}
+    os.environ.update(job["env"])
+    try:
+        generator = pipeline("text-generation", model=job["folder"], trust_remote_code=True)
+        model = generator.model.eval()
+        text = generator(job["prompt"], max_new_tokens=job["new_tokens"], do_sample=False)[0]["generated_text"]
+        ids = torch.tensor(job["input_ids"])
+        with torch.no_grad():
+            save_file({"logits": model(ids).logits.contiguous()}, job["logits_file"])
+        generated = model.generate(ids[:1], max_new_tokens=job["new_tokens"], do_sample=False)
+        scan = sys.modules[type(model).__module__.rpartition(".")[0] + ".rfwp_scan"]
+        hidden = []
+        for name in HIDDEN:
+            try:
+                __import__(name)
+            except ModuleNotFoundError:
+                hidden.append(name)
+        report[job["folder"]] = {
+            "module": type(model).__module__, "text": text, "generated": generated.tolist(), "hidden": hidden,
+            "scan_module": scan.__name__, "scan_status": scan.cpu_kernel_status(),
+        }
+    except Exception as error:
+        report[job["folder"]] = {"error": f"{type(error).__name__}: {str(error)[:500]}\n" + traceback.format_exc()[-2000:]}
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 print("REPORT " + json.dumps(report))
-'''
+"""
 
 
 def tiny_family_model(config_cls, seed=0):
@@ -79,6 +121,14 @@ def tiny_family_model(config_cls, seed=0):
         config = tiny_config(config_cls)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def tiny_variant_model(name, seed=0):
+    variant = VARIANTS[name]
+    if variant["build"] is None:
+        return tiny_family_model(FAMILIES[variant["model_type"]][0], seed)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(variant["build"]()).eval()
 
 
 def demo_style_results(model, loss=3.25):
@@ -96,59 +146,67 @@ def demo_style_results(model, loss=3.25):
     }
 
 
-@pytest.fixture(scope="module")
-def same_kernels_as_an_export():
-    """Runs in-process models on the kernels an exported folder has: the pure-PyTorch ones.
+def kernels_as_in_export(patch, folder, fallback):
+    """Makes this process run the kernels the clean process runs for ``folder``: a compiled CPU kernel of
+    fwp_kernels only when the export carries its source (``<stem>_csrc.py``) and the variant does not fall back."""
+    import fwp_kernels.chunk
+    import fwp_kernels.rfwp_scan
 
-    The compiled C++ recurrent-FWP scans are built from ``kernels/csrc``, which does not travel with an export
-    (transformers copies only the ``*.py`` modules into its module cache), so a folder loaded with
-    ``trust_remote_code`` uses the step loop; bitwise comparisons need the same kernel on both sides.
+    for module in (fwp_kernels.rfwp_scan, fwp_kernels.chunk):
+        source = getattr(module, "_SOURCE", None)
+        if source is None or not hasattr(module, "cpu_kernel_available"):
+            continue
+        if fallback or not (Path(folder) / f"{source.stem}_csrc.py").is_file():
+            patch.setattr(module, "cpu_kernel_available", lambda: False)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, module_word_tokenizer):
+    """Every variant exported with a tokenizer, its in-process outputs, and the clean-process report.
+
+    In-process outputs use the kernels the clean process should use (:func:`kernels_as_in_export`): the C++ scans
+    when they build here (the export carries their source), the step loop for the fallback variants.
     """
-    try:
-        from fwp_kernels import rfwp_scan
-    except ImportError:  # no compiled kernels in this build
-        yield
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rfwp_scan, "cpu_kernel_available", lambda: False)
-        yield
+    from fwp_kernels import rfwp_scan
 
-
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory, module_word_tokenizer, same_kernels_as_an_export):
-    """Every registered family exported with a tokenizer, its in-process outputs, and the clean-process report."""
     tokenizer = module_word_tokenizer
     root = tmp_path_factory.mktemp("exports")
     ids = tokenizer([PROMPT, "fast weights are programmed by slow nets"], return_tensors="pt", padding=True)
     input_ids = ids["input_ids"]
     jobs, expected = [], {}
-    for model_type, (config_cls, _) in FAMILIES.items():
-        model = tiny_family_model(config_cls)
-        folder = root / model_type
-        hub.export_for_hub(model, tokenizer, folder, results=demo_style_results(model), repo_id=f"test/{model_type}")
-        with torch.no_grad():
-            logits = model(input_ids).logits
-        text = pipeline("text-generation", model=model, tokenizer=tokenizer)(
-            PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False
-        )[0]["generated_text"]
-        generated = model.generate(input_ids[:1], max_new_tokens=NEW_TOKENS, do_sample=False)
-        expected[model_type] = {"model": model, "logits": logits, "text": text, "generated": generated.tolist()}
+    for name, variant in VARIANTS.items():
+        model = tiny_variant_model(name)
+        folder = root / name
+        hub.export_for_hub(model, tokenizer, folder, results=demo_style_results(model), repo_id=f"test/{name}")
+        with pytest.MonkeyPatch.context() as patch:
+            kernels_as_in_export(patch, folder, fallback=bool(variant["env"]))
+            with torch.no_grad():
+                logits = model(input_ids).logits
+            text = pipeline("text-generation", model=model, tokenizer=tokenizer)(
+                PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False
+            )[0]["generated_text"]
+            generated = model.generate(input_ids[:1], max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected[name] = {"model": model, "logits": logits, "text": text, "generated": generated.tolist()}
         jobs.append(
-            {"folder": str(folder), "input_ids": input_ids.tolist(), "logits_file": str(root / f"{model_type}.safetensors"),
-             "prompt": PROMPT, "new_tokens": NEW_TOKENS}
+            {"folder": str(folder), "input_ids": input_ids.tolist(), "logits_file": str(root / f"{name}.safetensors"),
+             "prompt": PROMPT, "new_tokens": NEW_TOKENS, "env": variant["env"]}
         )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(root / "hf_modules"), TOKENIZERS_PARALLELISM="false")
     script = root / "clean_loader.py"
     script.write_text(CLEAN_LOADER)
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(jobs)], cwd=root, env=env, stdin=subprocess.DEVNULL,
-        capture_output=True, text=True, timeout=300,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), json.dumps(jobs)], cwd=root, env=env, stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=600,
+        )
+    except subprocess.TimeoutExpired as error:  # e.g. waiting on a C++ build lock held by another process
+        pytest.fail(f"the clean loader timed out: {(error.stdout or b'')[-2000:]!r} {(error.stderr or b'')[-4000:]!r}")
     reports = [line[len("REPORT "):] for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert proc.returncode == 0 and reports, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads(reports[0])
-    return {"root": root, "expected": expected, "report": report, "input_ids": input_ids}
+    return {"root": root, "expected": expected, "report": report, "input_ids": input_ids,
+            "cpp_here": rfwp_scan.cpu_kernel_available()}
 
 
 @pytest.fixture(scope="module")
@@ -159,60 +217,90 @@ def module_word_tokenizer():
 
 
 def test_every_family_is_covered():
-    assert {"fwp_linear_transformer", "fwp_delta_net"} <= set(FAMILIES)
+    assert {"fwp_linear_transformer", "fwp_delta_net", "fwp_delta_mlp", "fwp_delta_delta_net", "fwp_delta_rnn",
+            "fwp_delta_lstm", "fwp_recurrent_delta_net", "fwp_transfo_xl", "fwp_fwl"} <= set(FAMILIES)
     for model_type in FAMILIES:
         assert model_type.startswith("fwp_")
+    assert {v["model_type"] for v in VARIANTS.values()} == set(FAMILIES)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_export_loads_without_the_package(exports, model_type):
-    folder = str(exports["root"] / model_type)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_export_loads_without_the_package(exports, name):
+    folder = str(exports["root"] / name)
     got = exports["report"][folder]
-    want = exports["expected"][model_type]
+    assert "error" not in got, got.get("error")
+    want = exports["expected"][name]
     assert got["hidden"] == ["modeling_fwp", "fwp_kernels", "model_cards"]
-    assert got["module"].startswith("transformers_modules.")
-    logits = load_file(exports["root"] / f"{model_type}.safetensors")["logits"]
+    assert got["module"].startswith("transformers_modules.") and got["scan_module"].startswith("transformers_modules.")
+    logits = load_file(exports["root"] / f"{name}.safetensors")["logits"]
     assert torch.equal(logits, want["logits"])
     assert got["text"] == want["text"]
     assert got["generated"] == want["generated"]
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_export_loads_with_the_package_without_trust_remote_code(exports, model_type):
-    folder = exports["root"] / model_type
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_export_reports_its_kernel_path(exports, name):
+    """The folder's own copy of the recurrent FWP scans built the C++ ops from the source it carries (when they
+    build here), or fell back to the step loop silently when told to or when there is no compiler."""
+    got = exports["report"][str(exports["root"] / name)]
+    assert "error" not in got, got.get("error")
+    variant = VARIANTS[name]
+    if not variant["uses_scan"]:
+        assert got["scan_status"] == "not tried yet"
+    elif variant["env"]:
+        (switch,) = variant["env"]
+        assert got["scan_status"].startswith(FALLBACK_STATUS[switch]), got["scan_status"]
+    elif exports["cpp_here"]:
+        assert got["scan_status"] == "built"
+    else:
+        assert got["scan_status"] != "built"
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_export_loads_with_the_package_without_trust_remote_code(exports, name):
+    folder = exports["root"] / name
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert type(model).__module__.startswith("modeling_fwp.")
-    with torch.no_grad():
-        assert torch.equal(model(exports["input_ids"]).logits, exports["expected"][model_type]["logits"])
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        kernels_as_in_export(patch, folder, fallback=bool(VARIANTS[name]["env"]))
+        assert torch.equal(model(exports["input_ids"]).logits, exports["expected"][name]["logits"])
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_export_contents(exports, model_type):
-    folder = exports["root"] / model_type
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_export_contents(exports, name):
+    folder = exports["root"] / name
+    model = exports["expected"][name]["model"]
     config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"]["AutoConfig"].split(".")[1] == type(exports["expected"][model_type]["model"].config).__name__
-    assert config["auto_map"]["AutoModelForCausalLM"].endswith("." + type(exports["expected"][model_type]["model"]).__name__)
+    assert config["auto_map"]["AutoConfig"].split(".")[1] == type(model.config).__name__
+    assert config["auto_map"]["AutoModelForCausalLM"].endswith("." + type(model).__name__)
     files = hub.check_export(folder)
-    for name in ("config.json", "model.safetensors", "README.md", "results.json", "tokenizer.json", "kernel_api.py",
-                 "fwp_kernels.py", "recurrent.py", "dispatch.py", "remote_code.py"):
-        assert name in files, name
+    for file in ("config.json", "model.safetensors", "README.md", "results.json", "tokenizer.json", "kernel_api.py",
+                 "fwp_kernels.py", "recurrent.py", "dispatch.py", "remote_code.py", "rfwp_scan.py",
+                 "rfwp_scan.cpp", "rfwp_scan_csrc.py"):
+        assert file in files, file
     assert "hub.py" not in files and not any(f.endswith(".bin") for f in files)
+    # The C++ source travels twice: as the file, and as the string transformers' module cache will hold.
+    cpp = (Path(modeling_fwp.__file__).parents[1] / "kernels" / "csrc" / "rfwp_scan.cpp").read_text()
+    assert (folder / "rfwp_scan.cpp").read_text() == cpp
+    namespace = {}
+    exec((folder / "rfwp_scan_csrc.py").read_text(), namespace)
+    assert namespace["CPP_SOURCE"] == cpp
     # The folder's code is closed under sibling imports and imports nothing beyond a transformers install.
-    sources = remote_code_sources([folder / name for name in files if name.endswith(".py")])
-    assert set(sources) == {name for name in files if name.endswith(".py")}
+    sources = remote_code_sources([folder / file for file in files if file.endswith(".py")])
+    assert set(sources) == {file for file in files if file.endswith(".py")}
     check_remote_code_imports(sources)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_card_parses_back_with_complete_model_index(exports, model_type):
-    folder = exports["root"] / model_type
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_card_parses_back_with_complete_model_index(exports, name):
+    folder = exports["root"] / name
     card = model_cards.validate_card((folder / "README.md").read_text())
     results = json.loads((folder / "results.json").read_text())
     data = card.data
     assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
     assert data.license == "apache-2.0"
-    assert {"fast-weights", "linear-attention"} <= set(data.tags) or model_type == "fwp_transfo_xl"
-    assert data.model_name == model_type
+    assert {"fast-weights", "linear-attention"} <= set(data.tags) or name == "fwp_transfo_xl"
+    assert data.model_name == name
     by_metric = {r.metric_type: r for r in data.eval_results}
     assert set(by_metric) == {"perplexity", "loss"}
     for key, metric in (("perplexity", "perplexity"), ("loss", "loss")):
@@ -221,7 +309,7 @@ def test_card_parses_back_with_complete_model_index(exports, model_type):
         assert (r.task_type, r.dataset_split) == ("text-generation", "valid")
         assert r.dataset_type == "enwiki-sample.xml.bz2" and r.dataset_name
     assert "unigram perplexity (reference, not this model)" in card.text
-    assert "@inproceedings" in card.text and "Slow net" in card.text and f'from_pretrained("test/{model_type}"' in card.text
+    assert "@inproceedings" in card.text and "Slow net" in card.text and f'from_pretrained("test/{name}"' in card.text
 
 
 def test_card_without_results_says_so(tmp_path):
@@ -467,7 +555,166 @@ def test_card_from_eval_lm_and_training_log(tmp_path, module_word_tokenizer):
     assert card.data.eval_results[0].metric_value == rows["lt"]["perplexity"]
 
 
+def test_local_base_model_path_is_not_a_hub_id(tmp_path, monkeypatch):
+    """finetune_fwl's default base is a converted local folder (checkpoints/...): not a base_model for the card."""
+    from model_cards.generator import _hub_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints" / "smollm2-135m").mkdir(parents=True)
+    assert _hub_id("checkpoints/smollm2-135m") is None
+    assert _hub_id("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+
+
 def test_unrecognised_results_layout_is_an_error(tmp_path):
     tiny_family_model(modeling_fwp.DeltaNetConfig).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="Unrecognised results layout"):
         model_cards.card_for_folder(tmp_path, {"ppl": 12.0})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --push_to_hub of the training scripts (modeling_fwp.hub.add_hub_arguments / push_if_requested)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """HfApi.create_repo / upload_folder replaced (no network): records what an upload would send."""
+    from huggingface_hub import HfApi
+
+    record = {"created": [], "uploads": []}
+
+    def create_repo(self, repo_id, *, private=None, **kwargs):
+        full_id = repo_id if "/" in repo_id else f"token-user/{repo_id}"  # the Hub puts bare names in the token's namespace
+        record["created"].append({"repo_id": full_id, "private": private, "token": self.token})
+        return type("RepoUrl", (), {"repo_id": full_id})()
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        folder = Path(folder_path)
+        record["uploads"].append({
+            "repo_id": repo_id, "token": self.token, "revision": kwargs.get("revision"),
+            "files": {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()},
+        })
+        return "commit"
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    return record
+
+
+@pytest.fixture(scope="module")
+def small_wiki(tmp_path_factory):
+    """A few documents of the repository's prepared corpus (train/valid/test), enough for 1-2 training steps."""
+    src = Path(__file__).resolve().parents[1] / "data" / "wiki"
+    if not (src / "train.txt").is_file():
+        pytest.skip("data/wiki is not prepared (python -m training.data)")
+    folder = tmp_path_factory.mktemp("small_wiki")
+    for split, chars in (("train", 20000), ("valid", 3000), ("test", 3000)):
+        text = (src / f"{split}.txt").read_text(encoding="utf-8")[:chars]
+        (folder / f"{split}.txt").write_text(text.rsplit("\n\n", 1)[0] + "\n\n", encoding="utf-8")
+    return folder
+
+
+def assert_upload_is_our_export(upload, results_file, model_class):
+    """The uploaded folder holds the remote code, safetensors weights, the tokenizer, the run's results and OUR card
+    (filled from those results), and no secret."""
+    files = upload["files"]
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "results.json", "modeling_fwp.py",
+                 "fwp_kernels.py", "kernel_api.py", "remote_code.py"):
+        assert name in files, name
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) or "__pycache__" in name for name in files)
+    config = json.loads(files["config.json"])
+    assert config["auto_map"]["AutoModelForCausalLM"] == f"modeling_fwp.{model_class}"
+    results = json.loads(results_file.read_text())
+    assert json.loads(files["results.json"]) == results
+    card = model_cards.validate_card(files["README.md"].decode())
+    assert "This model card has been automatically generated" not in files["README.md"].decode()
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert f'from_pretrained("{upload["repo_id"]}"' in card.text
+    return card, results
+
+
+def test_demo_push_to_hub_uploads_our_export(small_wiki, tmp_path, fake_hub):
+    from training import demo
+
+    out = tmp_path / "demo_run"
+    demo.main([
+        "--max_steps", "1", "--hidden_size", "32", "--layers", "1", "--heads", "2", "--vocab_size", "300",
+        "--block_size", "32", "--batch_size", "2", "--eval_max_blocks", "2", "--max_new_tokens", "4",
+        "--data_dir", str(small_wiki), "--output_dir", str(out),
+        "--push_to_hub", "--hub_model_id", "me/delta-net-demo", "--hub_private_repo", "--hub_token", "hf_secret123",
+    ])
+    assert fake_hub["created"] == [{"repo_id": "me/delta-net-demo", "private": True, "token": "hf_secret123"}]
+    (upload,) = fake_hub["uploads"]
+    assert upload["repo_id"] == "me/delta-net-demo" and upload["token"] == "hf_secret123"
+    card, results = assert_upload_is_our_export(upload, out / "results.json", "DeltaNetForCausalLM")
+    assert card.data.model_name == "delta-net-demo" and "delta-net" in card.data.tags
+    by_metric = {r.metric_type: r for r in card.data.eval_results}
+    assert by_metric["perplexity"].metric_value == results["evaluation"]["perplexity"]
+    assert by_metric["loss"].metric_value == results["evaluation"]["loss"]
+    assert by_metric["perplexity"].dataset_split == "valid"
+    # the token never reaches a file (the results are uploaded with the model)
+    assert "hub_token" not in results["args"] and results["args"]["hub_model_id"] == "me/delta-net-demo"
+    assert not any(b"hf_secret123" in content for content in upload["files"].values())
+
+
+def test_train_lm_push_to_hub_defaults_to_the_output_dir_name(small_wiki, tmp_path, fake_hub):
+    from training import train_lm
+
+    out = tmp_path / "tiny-lt"
+    train_lm.main([
+        "--model_type", "fwp_linear_transformer", "--train_file", str(small_wiki / "train.txt"),
+        "--validation_file", str(small_wiki / "valid.txt"),
+        "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2",
+        "--batch_size", "2", "--segment_length", "16", "--vocab_size", "300", "--max_steps", "1",
+        "--warmup_steps", "0", "--save_steps", "100", "--eval_max_tokens", "100", "--output_dir", str(out),
+        "--push_to_hub",
+    ])
+    # as with Trainer: no --hub_model_id means the output directory's name in the token's namespace
+    assert [c["repo_id"] for c in fake_hub["created"]] == ["token-user/tiny-lt", "token-user/tiny-lt"]
+    (upload,) = fake_hub["uploads"]
+    assert upload["repo_id"] == "token-user/tiny-lt"
+    card, results = assert_upload_is_our_export(upload, out / "results.json", "LinearTransformerForCausalLM")
+    assert "linear-transformer" in card.data.tags or "linear-attention" in card.data.tags
+    valid = {e["protocol"]: e for e in results["evaluation"] if e["split"] == "valid"}
+    assert {r.metric_value for r in card.data.eval_results if r.metric_type == "perplexity"} <= {
+        e["perplexity"] for e in valid.values()
+    }
+    assert card.data.eval_results
+
+
+def test_push_if_requested_dry_run_and_options(tmp_path, capsys, fake_hub, module_word_tokenizer):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir")
+    hub.add_hub_arguments(parser)
+    model = tiny_family_model(modeling_fwp.DeltaRNNConfig)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(demo_style_results(model)))
+
+    args = parser.parse_args(["--output_dir", str(out)])
+    assert hub.push_if_requested(args, model, module_word_tokenizer, out) is None  # nothing asked: nothing written
+    assert not (out / hub.EXPORT_DIR_NAME).exists()
+
+    capsys.readouterr()
+    args = parser.parse_args(["--hub_dry_run", "--hub_model_id", "me/rnn", "--hub_token", "hf_x"])
+    (out / hub.EXPORT_DIR_NAME).mkdir()
+    (out / hub.EXPORT_DIR_NAME / "stale.bin").write_bytes(b"old export")
+    listed = hub.push_if_requested(args, model, module_word_tokenizer, out)
+    printed = capsys.readouterr().out
+    assert "Dry run: would upload" in printed and "https://huggingface.co/me/rnn" in printed
+    assert "stale.bin" not in listed  # an earlier export is replaced, not merged
+    for name in ("README.md", "model.safetensors", "config.json", "tokenizer.json", "results.json", "fwp_kernels.py",
+                 "modeling_fwp.py"):
+        assert name in listed and f"  {name}\n" in printed, name
+    assert fake_hub == {"created": [], "uploads": []}  # no network call in a dry run
+    card = model_cards.validate_card((out / hub.EXPORT_DIR_NAME / "README.md").read_text())
+    assert card.data.eval_results and card.data.model_name == "rnn"
+    assert hub.args_without_secrets(args)["hub_model_id"] == "me/rnn" and "hub_token" not in hub.args_without_secrets(args)
+
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hub_model_id", "not a/valid//id"])
+    assert "--hub_model_id: expected a Hub repo id like 'user/model-name'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="add_hub_arguments.*push_to_hub"):
+        hub.push_if_requested(argparse.Namespace(), model, None, out)

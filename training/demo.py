@@ -13,7 +13,10 @@ Steps (`python -m training.demo`, or `make demo`):
 6. sample a continuation of --prompt with `model.generate` (fixed seed, cache on) and check that
    greedy decoding gives the same tokens with and without the cache;
 7. save model + tokenizer (`save_pretrained`) to <output_dir>/model, reload them and compare logits;
-   write <output_dir>/results.json and print a results table.
+   write <output_dir>/results.json and print a results table;
+8. with --push_to_hub (Trainer's Hub options: --hub_model_id, --hub_private_repo, --hub_token, and --hub_dry_run):
+   write <output_dir>/hub_export (weights, code for trust_remote_code, tokenizer, results.json and this project's
+   model card filled from it) and upload it (`modeling_fwp.hub.push_if_requested`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from transformers import (  # noqa: E402
     set_seed,
 )
 
+from modeling_fwp.hub import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
+
 from .data import load_wiki_splits, prepare_wiki  # noqa: E402
 from .tokenizer import train_bpe_tokenizer  # noqa: E402
 
@@ -72,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=60)
     p.add_argument("--eval_max_blocks", type=int, default=None, help="evaluate only this many valid segments (smoke tests)")
     p.add_argument("--logging_steps", type=int, default=10)
+    add_hub_arguments(p)
     args = p.parse_args(argv)
     for name in ("minutes", "hidden_size", "layers", "vocab_size", "block_size", "batch_size", "lr", "max_new_tokens"):
         if getattr(args, name) <= 0:
@@ -374,7 +380,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results = {
         "model": {"class": type(model).__name__, "parameters": n_params, "config": model.config.to_dict()},
-        "data": {"dir": str(data_dir), "source": data_meta.get("source"), "splits": data_meta.get("splits"),
+        "data": {"dir": str(data_dir), "source": data_meta.get("source") or str(data_dir),  # no meta.json: the folder itself
+                 "splits": data_meta.get("splits"),
                  "train_documents": n_train_docs, "train_tokens": len(train_ids),
                  "valid_tokens": len(valid_ids), "tokenizer": f"byte-level BPE, {len(tokenizer)} tokens"},
         "training": {
@@ -395,9 +402,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "timings_s": timings,
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
                         "threads": torch.get_num_threads(), "machine": platform.machine()},
-        "args": vars(args),
+        "args": args_without_secrets(args),
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    # 8. Hub export and upload
+    pushed = push_if_requested(args, model, tokenizer, out_dir, results=out_dir / "results.json")
 
     rows = [
         ("model", f"DeltaNetForCausalLM, {n_params / 1e6:.2f}M params, {args.layers} layers x {args.hidden_size}, DPFP-1, delta rule"),
@@ -413,6 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("reload", f"max |logit diff| {reload_diff:.2e}, tokenizer round trip {tokenizer_roundtrip}"),
         ("saved", f"{model_dir} and {out_dir / 'results.json'}"),
     ]
+    if pushed is not None:
+        rows.append(("hub", f"{out_dir / 'hub_export'} " + ("listed (dry run)" if args.hub_dry_run else "uploaded")))
     print("\n=== Delta Net demo ===")
     print(_format_table(rows))
     print(f"\nPrompt: {args.prompt!r}\nSample: {generation['text']!r}\nGreedy: {generation['greedy_text']!r}\n")

