@@ -19,6 +19,12 @@ Tasks (every example is a token sequence; the loss is on the answer tokens only,
     python -m training.synthetic --task retrieval --model delta_net --model linear_transformer --model llama \\
         --num_pairs 20 40 80 --d_key 16 --steps 2000 --output_dir outputs/synthetic
 
+Schlag et al. 2021's own setup of the retrieval experiment (one fast-weight memory between a key/value encoder and
+the value read-out, no LM around it: ``training/associative_retrieval.py``) runs through this CLI too, with
+``--task capacity`` (setting 1) or ``--task update_rules`` (setting 2); the other arguments are that module's::
+
+    python -m training.synthetic --task capacity --memory linear dpfp1 softmax --num_keys 8 16 32 --d_key 16
+
 (``OMP_NUM_THREADS=1`` is much faster for these tiny models on a busy CPU.) Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accuracy per model and setting) and, when
 matplotlib is installed, ``<output_dir>/<task>.png`` (final loss against the swept setting, one line per model).
 """
@@ -32,6 +38,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -44,6 +51,8 @@ import transformers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
+
+from . import associative_retrieval  # noqa: E402
 
 logger = logging.getLogger("training.synthetic")
 
@@ -400,7 +409,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     from .train_lm import parse_overrides
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", required=True, choices=TASKS,
+                   help="also capacity / update_rules: see training/associative_retrieval.py")
     p.add_argument("--model", action="append", choices=sorted(MODEL_TYPES),
                    help="repeatable (default: linear_transformer, delta_net)")
     p.add_argument("--steps", type=int, default=1000)
@@ -452,6 +462,11 @@ def task_settings(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--task" in argv and argv.index("--task") + 1 < len(argv):
+        at = argv.index("--task")
+        if argv[at + 1] in associative_retrieval.SETTINGS:  # the paper's memory-only retrieval experiment
+            return associative_retrieval.main([argv[at + 1]] + argv[:at] + argv[at + 2:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     transformers.utils.logging.disable_progress_bar()

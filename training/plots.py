@@ -1,0 +1,79 @@
+"""Figures of the synthetic experiments (matplotlib is optional: ``pip install modeling_fwp[experiments]``).
+
+Every function returns the written path, or None when matplotlib is not installed.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+logger = logging.getLogger("training.plots")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_capacity(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
+    """Final held-out loss against the number of unique keys S, one line per memory (Schlag et al. 2021, Fig. 2).
+
+    Args:
+        rows: results of ``training.associative_retrieval.train_memory`` (keys ``memory``, ``num_keys``,
+            ``final_loss``, ``feature_dim``).
+        path: the PNG to write.
+    """
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for memory in dict.fromkeys(r["memory"] for r in rows):
+        points = sorted((r["num_keys"], r["final_loss"]) for r in rows if r["memory"] == memory)
+        dims = {r["feature_dim"] for r in rows if r["memory"] == memory}
+        label = memory + (f" (d_dot={dims.pop()})" if len(dims) == 1 and 0 not in dims else "")
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=label)
+    sizes = sorted({r["num_keys"] for r in rows})
+    ax.plot(sizes, [0.5 * (1 - 1 / s) for s in sizes], "k--", linewidth=0.8, label="chance: 0.5 (1 - 1/S)")
+    ax.set_xlabel("number of unique keys S")
+    ax.set_ylabel("final held-out loss")
+    ax.set_title(f"Capacity (setting 1), d_key = {rows[0]['d_key']}" if rows else "Capacity (setting 1)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_learning_curves(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
+    """Held-out loss against training steps, one line per memory (Schlag et al. 2021, Fig. 3).
+
+    Args:
+        rows: results of ``training.associative_retrieval.train_memory`` (keys ``memory``, ``curve``).
+        path: the PNG to write.
+    """
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for row in rows:
+        steps = [c["step"] for c in row["curve"]]
+        ax.plot(steps, [c["loss"] for c in row["curve"]], label=f"{row['memory']} (S={row['num_keys']})")
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out loss")
+    ax.set_title("Update rules (setting 2)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
