@@ -44,6 +44,9 @@ class TransfoXLConfig(PreTrainedConfig):
     ``Delta <- gamma * Delta + stopgrad(sum of the segment's gradients)`` (learned gamma per fast parameter).
         fwl_intermediate_size: width of the FWL hidden layer (None: hidden_size).
         fwl_fast_parameters: fast parameter names of the FWL's slow net (None: U, a, W, b and the LayerNorm).
+        fwl_residual: the adaptive softmax reads ``h + f(h)`` instead of ``f(h)``, with the FWL LayerNorm gain
+            initialised to zero, so that a head attached to a trained Transformer-XL starts from its exact outputs
+            (fine-tuning for few steps); False (the paper's form): ``f(h)``, gain initialised to one.
         fwl_step_size_init: initial learned step size alpha.
         fwl_decay_init: initial learned decay gamma in (0, 1) (gamma = sigmoid(raw)).
         fwl_segment_length: the carried update decays once per this many tokens (at the start of the first forward call
@@ -93,6 +96,7 @@ class TransfoXLConfig(PreTrainedConfig):
     use_fwl: bool = False
     fwl_intermediate_size: int | None = None
     fwl_fast_parameters: list[str] | None = None
+    fwl_residual: bool = False
     fwl_step_size_init: float = 1e-3
     fwl_decay_init: float = 0.9
     fwl_segment_length: int | None = None

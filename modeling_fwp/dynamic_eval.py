@@ -24,7 +24,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -182,13 +182,13 @@ class DynamicEvaluation:
                 p.add_(self.decay * (theta0[name] - p) * (rms / rms.mean().clamp_min(self.eps)))
 
 
-def score_stream(
+def score_segments(
     model: nn.Module, input_ids: torch.Tensor, segment_length: int, dynamic: Optional[DynamicEvaluation] = None
-) -> ScoreResult:
-    """Scores every token of ``input_ids [B, N]`` but the first, in segments of `segment_length`, carrying the cache.
-
-    Without `dynamic` the rows run as one batch; with it every row runs alone with its own weight copy (per-example
-    adaptation, as in Krause et al.). The model runs in eval mode (restored afterwards) and is never modified.
+) -> Iterator[Tuple[float, int, float]]:
+    """``score_stream`` one segment at a time: yields ``(summed NLL, tokens scored, seconds)`` of every segment, in order
+    (rows one after the other with `dynamic`). The seconds cover the segment's forward (and dynamic evaluation's
+    backward and step; the weight copy of a row counts towards its first segment). Benchmarks advance several of
+    these generators in turn, so that load on a shared machine hits every model at the same moments.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"`input_ids` must be [batch, >= 2 tokens], got {tuple(input_ids.shape)}")
@@ -196,7 +196,6 @@ def score_stream(
         raise ValueError(f"`segment_length` must be >= 1, got {segment_length}")
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    result = ScoreResult()
     with eval_mode(model):
         rows = [input_ids] if dynamic is None else [row[None] for row in input_ids]
         for ids in rows:
@@ -213,12 +212,28 @@ def score_stream(
                     names = list(params)
                     grads = torch.autograd.grad(loss / targets.numel(), [params[n] for n in names], allow_unused=True)
                     dynamic.step(params, dict(zip(names, grads)), theta0, ms)
-                result.segment_nll.append(float(loss.detach()))
-                result.nll_sum += float(loss.detach())
-                result.num_tokens += targets.numel()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            result.seconds += time.perf_counter() - start_time
+                nll = float(loss.detach())
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                seconds = time.perf_counter() - start_time
+                yield nll, targets.numel(), seconds
+                start_time = time.perf_counter()
+
+
+def score_stream(
+    model: nn.Module, input_ids: torch.Tensor, segment_length: int, dynamic: Optional[DynamicEvaluation] = None
+) -> ScoreResult:
+    """Scores every token of ``input_ids [B, N]`` but the first, in segments of `segment_length`, carrying the cache.
+
+    Without `dynamic` the rows run as one batch; with it every row runs alone with its own weight copy (per-example
+    adaptation, as in Krause et al.). The model runs in eval mode (restored afterwards) and is never modified.
+    """
+    result = ScoreResult()
+    for nll, num_tokens, seconds in score_segments(model, input_ids, segment_length, dynamic):
+        result.segment_nll.append(nll)
+        result.nll_sum += nll
+        result.num_tokens += num_tokens
+        result.seconds += seconds
     return result
 
 

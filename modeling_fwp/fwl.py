@@ -70,7 +70,14 @@ class FWLSlowHead(nn.Module):
 
     ``up_proj`` holds U and a, ``down_proj`` W and b, ``norm`` the LayerNorm, ``output_embedding`` is the base
     model's output embedding E (the same module, shared), ``output_bias`` the head's own c.
+
+    ``merge_previous_position``: whether ``FWLHead`` computes the gradient of the previous call's last position in the
+    same ``per_token_gradients`` call as the new positions (concatenating the slow-pass intermediates). False here:
+    they include ``[B, T, V]`` logits, which would have to be copied; heads without vocabulary-sized intermediates
+    set it to True and save one call per segment.
     """
+
+    merge_previous_position: bool = False
 
     def __init__(
         self,
@@ -398,7 +405,20 @@ class FWLHead(nn.Module):
             prev = {key[len("prev.") :]: t for key, t in state.items() if key.startswith("prev.") and key != "prev.mask"}
         keys: Dict[str, torch.Tensor] = {}
         values: Dict[str, torch.Tensor] = {}
-        if depth >= 0:
+        if depth >= 0 and prev is not None and slow.merge_previous_position:
+            # One backward for the positions [previous, 0, ..., T-2], whose labels are exactly input_ids: entry t of
+            # every key and value then holds position t - 1 (the shift of `_shift_in`) without a second call.
+            prev_weights = state["prev.mask"].to(hidden_states.dtype)
+            weights = prev_weights * mask[:, :1] if mask is not None else prev_weights
+            weights = torch.cat([weights, mask[:, :-1] * mask[:, 1:] if mask is not None else weights.new_ones(B, T - 1)], 1)
+            shifted = {key: _shift_in(t[:, :-1], prev[key]) for key, t in inter.items() if key in prev}
+            grads = slow.per_token_gradients(shifted, input_ids, weights, depth, compute_dtype=compute_dtype)
+            for name in self.fast_parameter_names:
+                key_name, value_name = GRADIENT_TERMS[name]
+                values.setdefault(value_name, grads[value_name].to(hidden_states.dtype))
+                if key_name is not None:
+                    keys.setdefault(key_name, shifted[key_name])
+        elif depth >= 0:
             weights = None if mask is None else mask[:, :-1] * mask[:, 1:]
             grads = slow.per_token_gradients(
                 _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, overwrite_logits=in_place, compute_dtype=compute_dtype

@@ -378,20 +378,30 @@ class AdaptiveSoftmaxFWLSlowHead(FWLSlowHead):
     layer is the identity (``output_logits(o) = o``): the fast pass returns the fast ``f(h)`` and
     ``TransfoXLForCausalLM`` applies the adaptive softmax itself, so that the loss evaluates only the head cluster and
     each target's cluster. The per-token gradients need dCE/df only, which the adaptive softmax gives the same way
-    (``ProjectedAdaptiveLogSoftmax.input_gradient``, Clark et al. sec. 3): no ``[T, V]`` softmax anywhere.
+    (``ProjectedAdaptiveLogSoftmax.input_gradient``, Clark et al. sec. 3): no ``[T, V]`` softmax anywhere. With
+    ``residual`` the output layer reads ``h + f(h)`` (dCE/df is unchanged: it is dCE/d(h + f(h))).
     """
 
+    # The intermediates are [B, T, D]-sized: the previous segment's last position joins the new ones in one backward.
+    merge_previous_position = True
+
     def __init__(
-        self, hidden_size: int, intermediate_size: int, adaptive_softmax: ProjectedAdaptiveLogSoftmax, layer_norm_eps: float
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        adaptive_softmax: ProjectedAdaptiveLogSoftmax,
+        layer_norm_eps: float,
+        residual: bool = False,
     ) -> None:
         nn.Module.__init__(self)  # FWLSlowHead.__init__ expects a dense nn.Linear output embedding
         self.hidden_size, self.vocab_size = hidden_size, adaptive_softmax.vocab_size
         self.up_proj = nn.Linear(hidden_size, intermediate_size)  # h U + a
         self.down_proj = nn.Linear(intermediate_size, hidden_size)  # s W + b
         self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.norm.zero_gain_init = residual  # read by TransfoXLPreTrainedModel._init_weights
         self.output_embedding = adaptive_softmax  # lm_head: slow log-probabilities and dCE/df
         self.output_bias = None
-        self.residual = False
+        self.residual = residual
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``log p(. | h) [B, T, V]`` with the slow weights."""
@@ -436,7 +446,7 @@ def build_adaptive_fwl_head(config: TransfoXLConfig, adaptive_softmax: Projected
         chunk_size=config.fwl_chunk_size,
     )
     head.slow = AdaptiveSoftmaxFWLSlowHead(
-        config.hidden_size, config.fwl_intermediate_size, adaptive_softmax, config.fwl_layer_norm_eps
+        config.hidden_size, config.fwl_intermediate_size, adaptive_softmax, config.fwl_layer_norm_eps, config.fwl_residual
     )
     return head
 
@@ -505,6 +515,10 @@ class TransfoXLPreTrainedModel(StatefulPreTrainedModel):
         elif isinstance(module, ProjectedAdaptiveLogSoftmax) and module.num_clusters:
             init.normal_(module.cluster_weight, mean=0.0, std=std)
             init.zeros_(module.cluster_bias)
+        elif isinstance(module, nn.LayerNorm) and getattr(module, "zero_gain_init", False):
+            # the residual FWL's LayerNorm (the head itself has no direct parameters, so transformers skips it):
+            # f(h) = 0 at the start, h + f(h) = h, the base model's outputs exactly
+            init.zeros_(module.weight)
         elif isinstance(module, FWLHead):
             init.constant_(module.raw_step_size, _inverse_softplus(module.step_size_init))
         elif isinstance(module, SegmentDecay):

@@ -426,8 +426,9 @@ def slow_gradients(model, hidden, targets):
     return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
 
 
-def test_fwl_state_after_two_segments_is_the_decayed_sum_of_per_token_gradients():
-    model = fwl_model()
+@pytest.mark.parametrize("residual", [False, True])
+def test_fwl_state_after_two_segments_is_the_decayed_sum_of_per_token_gradients(residual):
+    model = fwl_model(fwl_residual=residual)
     ids1, ids2 = ids_of(1, 7, seed=4), ids_of(1, 5, seed=5)
     out1 = model(ids1, use_cache=True, output_hidden_states=True)
     h1 = out1.hidden_states[-1][0]
@@ -444,11 +445,12 @@ def test_fwl_state_after_two_segments_is_the_decayed_sum_of_per_token_gradients(
     assert int(state["segment.tokens"][0]) == 5
 
 
-def test_fwl_fast_outputs_are_the_slow_head_after_a_gradient_step():
+@pytest.mark.parametrize("residual", [False, True])
+def test_fwl_fast_outputs_are_the_slow_head_after_a_gradient_step(residual):
     """FWL contract across segments: position t uses theta - alpha (gamma Delta_1 + sum_{j<t, segment 2} g_j)."""
     from torch.func import functional_call
 
-    model = fwl_model()
+    model = fwl_model(fwl_residual=residual)
     ids1, ids2 = ids_of(1, 6, seed=6), ids_of(1, 4, seed=7)
     out1 = model(ids1, use_cache=True, output_hidden_states=True)
     h1 = out1.hidden_states[-1][0]
@@ -471,6 +473,71 @@ def test_fwl_fast_outputs_are_the_slow_head_after_a_gradient_step():
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=f"position {t}")
     with torch.no_grad():  # the inference path (no cache, no autograd) computes the same
         torch.testing.assert_close(model(ids1).logits, out1.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_fwl_previous_position_in_one_backward_equals_a_separate_call(monkeypatch, mask):
+    """The adaptive FWL computes the gradient of the previous segment's last position in the same backward as the new
+    positions (``merge_previous_position``); the generic head's separate call gives the same outputs, loss and state."""
+    from modeling_fwp.modeling_transfo_xl import AdaptiveSoftmaxFWLSlowHead
+
+    model = fwl_model()
+    ids = ids_of(2, 15, seed=11)
+    attention_mask = torch.ones_like(ids)
+    if mask:
+        attention_mask[0, :3] = 0  # left padding in the first row
+
+    def run():
+        cache, logits, losses = None, [], []
+        for start, end in ((0, 6), (6, 7), (7, 12), (12, 14)):  # a one-token segment included
+            out = model(ids[:, start:end], attention_mask=attention_mask[:, :end], labels=ids[:, start:end],
+                        shift_labels=ids[:, start + 1 : end + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits)
+            losses.append(out.loss)
+        return torch.cat(logits, 1), torch.stack(losses), cache.get_state(cache.fwl_layer_idx)
+
+    assert AdaptiveSoftmaxFWLSlowHead.merge_previous_position
+    merged = run()
+    monkeypatch.setattr(AdaptiveSoftmaxFWLSlowHead, "merge_previous_position", False)
+    separate = run()
+    torch.testing.assert_close(merged[0], separate[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged[1], separate[1], rtol=1e-5, atol=1e-6)
+    assert merged[2].keys() == separate[2].keys()
+    for key in merged[2]:
+        torch.testing.assert_close(merged[2][key], separate[2][key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_residual_fwl_starts_as_the_base_model_and_continued_training_loads_it(tmp_path, word_tokenizer):
+    """``fwl_residual``: gain 0 at initialisation, so h + f(h) = h and the log-probabilities are the base model's; the
+    training script's --init_from attaches it to a saved base model (only FWL parameters are new)."""
+    import argparse
+
+    from training.train_transfo_xl import continued_model
+
+    base = txl_model(vocab_size=len(word_tokenizer), cutoffs=[8, 16])
+    base.save_pretrained(tmp_path / "base")
+    word_tokenizer.save_pretrained(tmp_path / "base")
+    (tmp_path / "base" / "train_log.json").write_text(json.dumps({"steps": 7, "start_segment": 3}))
+    args = argparse.Namespace(use_fwl=True, fwl_residual=True, fwl_step_size=0.05, segment_length=4, dropout=0.0,
+                              tokenizer=None)
+    model, tokenizer, next_segment = continued_model(tmp_path / "base", args)
+    model.eval()
+    assert next_segment == 10 and len(tokenizer) == len(word_tokenizer)
+    assert model.config.use_fwl and model.config.fwl_residual and model.config.fwl_segment_length == 4
+    assert torch.equal(model.fwl_head.slow.norm.weight, torch.zeros_like(model.fwl_head.slow.norm.weight))
+    ids = torch.randint(0, len(word_tokenizer), (2, 9), generator=torch.Generator().manual_seed(3))
+    cache_base = cache_fwl = None
+    for start in (0, 5):  # the fast updates of U, W, b are zero too (dCE/dz2 = 0 while the gain is 0)
+        out_base = base(ids[:, start : start + 5], past_key_values=cache_base, use_cache=True)
+        out_fwl = model(ids[:, start : start + 5], past_key_values=cache_fwl, use_cache=True)
+        cache_base, cache_fwl = out_base.past_key_values, out_fwl.past_key_values
+        torch.testing.assert_close(out_fwl.logits, out_base.logits, rtol=1e-5, atol=1e-5)
+    assert float(model.fwl_head.step_size("norm.weight")) == pytest.approx(0.05, rel=1e-5)
+    args.use_fwl = False  # an FWL checkpoint cannot be continued as a base model
+    model.save_pretrained(tmp_path / "fwl")
+    with pytest.raises(ValueError, match="--use_fwl"):
+        continued_model(tmp_path / "fwl", args)
 
 
 def test_fwl_gradients_reach_the_decay_but_not_earlier_segments():
@@ -519,6 +586,24 @@ def test_stream_scoring_equals_the_full_forward_and_counts_every_token_once():
     result = score_stream(model, ids, segment_length=5)
     assert result.num_tokens == 22 and len(result.segment_nll) == 5
     assert math.isclose(result.nll_sum, -float(logp.sum().detach()), rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_score_segments_yields_the_segments_of_score_stream(dynamic):
+    """The generator form (benchmarks interleave several of them) scores the same segments as score_stream."""
+    from modeling_fwp.dynamic_eval import DynamicEvaluation, score_segments, score_stream
+
+    model = txl_model(use_fwl=True, same_length=True, mem_len=6)
+    ids = ids_of(1, 23)
+    evaluation = DynamicEvaluation(lr=0.1) if dynamic else None
+    other = score_segments(txl_model(seed=5), ids, 5)  # a second model advanced in turn leaves this one unaffected
+    steps = []
+    for step in score_segments(model, ids, 5, evaluation):
+        steps.append(step)
+        next(other, None)
+    result = score_stream(model, ids, 5, evaluation)
+    assert [n for _, n, _ in steps] == [5, 5, 5, 5, 2] and all(seconds > 0 for _, _, seconds in steps)
+    assert [nll for nll, _, _ in steps] == pytest.approx(result.segment_nll, rel=1e-5)
 
 
 @pytest.mark.parametrize("family", ["transfo_xl", "transfo_xl_fwl", "delta_net"])

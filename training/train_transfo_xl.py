@@ -10,6 +10,12 @@ The papers' recipe at toy scale, on CPU (Dai et al. 2019 sec. 3.2; Clark et al. 
 
 ``python -m training.train_transfo_xl --output_dir outputs/transfo_xl [--use_fwl] [--minutes 3]`` writes the model and
 tokenizer (``save_pretrained``) and ``train_log.json``.
+
+Continued training: ``--init_from DIR`` starts from a model saved by this script (its architecture, tokenizer and
+weights; ``--use_fwl`` attaches a new FWL head, ``--fwl_residual`` one that starts as the identity) and continues the
+data streams where that run stopped (``--start_segment``, default: the steps of DIR's ``train_log.json``). Continuing
+the base model and attaching the FWL from the same checkpoint, for the same steps on the same data, compares the two
+at equal training (``benchmarks/bench_transfo_xl.py``).
 """
 from __future__ import annotations
 
@@ -76,8 +82,33 @@ def small_config(vocab_size: int, args: argparse.Namespace) -> TransfoXLConfig:
         intermediate_size=4 * args.hidden_size, num_hidden_layers=args.layers, div_val=2, tie_projs=None,
         mem_len=args.mem_len, clamp_len=4 * args.mem_len, same_length=True, hidden_dropout=args.dropout,
         attention_dropout=0.0, eos_token_id=0, use_fwl=args.use_fwl, fwl_step_size_init=args.fwl_step_size,
-        fwl_segment_length=args.segment_length,
+        fwl_segment_length=args.segment_length, fwl_residual=args.fwl_residual, pre_lnorm=args.pre_lnorm,
     )
+
+
+def continued_model(directory: Path, args: argparse.Namespace):
+    """(model, tokenizer, first data segment) to continue the run saved in `directory`: its architecture and weights,
+    plus a new FWL head when ``args.use_fwl`` (the only parameters not found in the checkpoint)."""
+    from transformers import AutoTokenizer
+
+    saved = TransfoXLForCausalLM.from_pretrained(directory)
+    if saved.config.use_fwl and not args.use_fwl:
+        raise ValueError(f"`--init_from` {directory} holds an FWL model; continuing it needs --use_fwl")
+    fields = {k: v for k, v in saved.config.to_dict().items() if k in TransfoXLConfig.__dataclass_fields__}
+    if args.use_fwl and not saved.config.use_fwl:
+        fields = {k: v for k, v in fields.items() if not k.startswith("fwl_")}
+        fields.update(use_fwl=True, fwl_step_size_init=args.fwl_step_size, fwl_segment_length=args.segment_length,
+                      fwl_residual=args.fwl_residual)
+    fields["hidden_dropout"] = args.dropout
+    model = TransfoXLForCausalLM(TransfoXLConfig(**fields))
+    missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
+    new = [name for name in missing if not name.startswith(("fwl_head.", "fwl_decay."))]
+    if new or unexpected:
+        raise ValueError(f"`--init_from` {directory} does not match the model: missing {new}, unexpected {unexpected}")
+    log_path = directory / "train_log.json"
+    log = json.loads(log_path.read_text()) if log_path.exists() else {}
+    next_segment = (log.get("start_segment") or 0) + log.get("steps", 0)
+    return model, AutoTokenizer.from_pretrained(args.tokenizer or directory), next_segment
 
 
 def train(
@@ -91,21 +122,29 @@ def train(
     max_steps: Optional[int],
     warmup_steps: int,
     log_every: int = 50,
+    start_segment: int = 0,
+    fwl_lr_scale: float = 1.0,
 ) -> Dict[str, object]:
-    """Truncated BPTT over `batch_size` parallel streams with carried memories; returns a log dict."""
+    """Truncated BPTT over `batch_size` parallel streams with carried memories, from segment `start_segment` of the
+    streams (memories start empty); the FWL's own parameters (``fwl_*``) train at `fwl_lr_scale` times the learning
+    rate. Returns a log dict."""
     per_stream = (stream.numel() - 1) // batch_size
     data = stream[: per_stream * batch_size + 1]
     inputs = data[:-1].view(batch_size, per_stream)
     targets = data[1:].view(batch_size, per_stream)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.dim() < 2 or "norm" in name or "bias" in name else decay).append(p)
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    groups = {(wd, scale): [] for wd in (0.01, 0.0) for scale in (1.0, fwl_lr_scale)}
+    for name, p in model.named_parameters():  # shared tensors are listed once, under lm_head
+        wd = 0.0 if p.dim() < 2 or "norm" in name or "bias" in name else 0.01
+        groups[wd, fwl_lr_scale if name.startswith("fwl_") else 1.0].append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": ps, "weight_decay": wd, "lr_scale": scale} for (wd, scale), ps in groups.items() if ps], lr=lr
+    )
     budget = minutes * 60
     limit = max_steps if max_steps is not None else 10**9
     expected_steps = limit
     model.train()
-    cache, step, position, start, losses, history = None, 0, 0, time.perf_counter(), [], []
+    position = (start_segment * segment_length) % max(per_stream - segment_length + 1, 1)
+    cache, step, start, losses, history = None, 0, time.perf_counter(), [], []
     while step < limit and time.perf_counter() - start < budget:
         if position + segment_length > per_stream:  # next epoch: restart the streams with empty memories
             cache, position = None, 0
@@ -118,7 +157,7 @@ def train(
         progress = min(1.0, step / max(expected_steps, 1))
         scale = min(1.0, (step + 1) / warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
-            group["lr"] = lr * scale
+            group["lr"] = lr * scale * group["lr_scale"]
         out = model(x, labels=x, shift_labels=y, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         optimizer.zero_grad(set_to_none=True)
@@ -147,6 +186,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="outputs/transfo_xl")
     p.add_argument("--tokenizer", default=None, help="a saved tokenizer folder to reuse (default: build from train)")
     p.add_argument("--use_fwl", action="store_true", help="train Transformer-XL + FWL")
+    p.add_argument("--fwl_residual", action="store_true", help="FWL reads h + f(h), starting as the identity")
+    p.add_argument("--fwl_lr_scale", type=float, default=1.0, help="learning rate factor of the FWL's own parameters")
+    p.add_argument("--init_from", default=None, help="continue from a model saved by this script (its architecture)")
+    p.add_argument("--start_segment", type=int, default=None,
+                   help="first segment of the data streams (default: 0, or the steps of --init_from's run)")
+    p.add_argument("--pre_lnorm", action="store_true", help="pre-LayerNorm blocks")
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--max_steps", type=int, default=None)
     p.add_argument("--min_count", type=int, default=3)
@@ -180,14 +225,22 @@ def main(argv=None) -> Dict[str, object]:
     else:
         symbols = build_word_vocabulary(train_docs, args.min_count)
         tokenizer = build_word_level_tokenizer(symbols, split_punctuation=True)
+    start_segment = args.start_segment or 0
+    if args.init_from:
+        model, tokenizer, start = continued_model(Path(args.init_from), args)
+        start_segment = start if args.start_segment is None else args.start_segment
+        config = model.config
     stream = encode_stream(tokenizer, train_docs)
-    config = small_config(len(tokenizer), args)
-    model = TransfoXLForCausalLM(config)
+    if not args.init_from:
+        config = small_config(len(tokenizer), args)
+        model = TransfoXLForCausalLM(config)
     logger.info("vocabulary %d words, cutoffs %s, %.2fM parameters, %d train tokens", len(tokenizer), config.cutoffs,
                 sum(p.numel() for p in model.parameters()) / 1e6, stream.numel())
     log = train(model, stream, batch_size=args.batch_size, segment_length=args.segment_length, lr=args.lr,
-                minutes=args.minutes, max_steps=args.max_steps, warmup_steps=args.warmup_steps)
+                minutes=args.minutes, max_steps=args.max_steps, warmup_steps=args.warmup_steps,
+                start_segment=start_segment, fwl_lr_scale=args.fwl_lr_scale)
     log.update(vars(args), vocab_size=len(tokenizer), parameters=sum(p.numel() for p in model.parameters()))
+    log["start_segment"] = start_segment
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
