@@ -5,16 +5,19 @@
 
 Prints, and writes to benchmarks/results/bench_kernels.json:
 
-1. fp32 matmul peak (2048^3) of this machine, in this run.
+1. fp32 matmul peak (2048^3) of this machine, timed in the same interleaved rounds as the forward.
 2. Forward time at B=1, H=8, T=4096, Dk=Dv=64, fp32: step loop vs chunked kernel vs transformers'
    `torch_chunk_gated_delta_rule` (g = 0, q pre-scaled by Dk^0.5 to undo its Dk^-0.5, no l2norm:
-   the same delta rule), as ratios, and the chunked kernel's achieved GFLOP/s (`chunk_flops`).
+   the same delta rule), as ratios, and the chunked kernel's achieved GFLOP/s (`chunk_flops`). The
+   chunked kernel is what `mode="chunk"` runs on CPU: the C++ kernel when it builds (its status is
+   recorded), else the PyTorch one; the PyTorch one is also timed on its own ("torch path").
 3. Forward + backward time at the same shape.
 4. Forward + backward peak memory at T = 1024, 4096, 16384 (see `_memory_worker` for the method).
 5. Step loop vs chunked kernel at short T: where mode="auto" switches (fwp_kernels.dispatch).
 
-Times are the minimum over repeats of wall-clock time (the least disturbed run); the machine's load
-average is recorded with them, since other processes share the cores.
+Times are the minimum over repeats of wall-clock time (the least disturbed run), every function once per
+round (the step loops included); the machine's load average is recorded with them, since other
+processes share the cores.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fwp_kernels import delta_rule, linear_attention
+from fwp_kernels import chunk, delta_rule, linear_attention
 from fwp_kernels.chunk import delta_rule_chunk, linear_attention_chunk
 from fwp_kernels.recurrent import delta_rule_recurrent, linear_attention_recurrent
 
@@ -69,82 +72,96 @@ def make_inputs(B, H, T, D, dtype=torch.float32, requires_grad=False, seed=0):
     return [x.to(dtype).requires_grad_(requires_grad) for x in (q, k, v, beta)]
 
 
-def chunk_flops(rule: str, B: int, H: int, T: int, Dk: int, Dv: int, C: int) -> int:
+def chunk_flops(rule: str, B: int, H: int, T: int, Dk: int, Dv: int, C: int, algorithm: str = "cpp") -> int:
     """Multiply-add FLOPs (2 per MAC) of the chunked algorithm's matmuls, forward; N = ceil(T / C).
+    Triangular factors are counted as the full matmuls the code calls.
 
-    delta rule, per chunk:  P = Q K^T (2 C^2 Dk), A = diag(beta) K K^T (2 C^2 Dk),
+    delta rule, C++ kernel (csrc/chunk_delta.cpp), per chunk: [Q; K] K^T (4 C^2 Dk),
+        [Q; K] S^T (4 C Dk Dv), the solve (I + A) U' = diag(beta) (V - K S^T) (C^2 Dv),
+        O += tril(Q K^T) U' (2 C^2 Dv), S' = S + U'^T K (2 C Dk Dv)
+        -> C^2 (4 Dk + 3 Dv) + 6 C Dk Dv
+    delta rule, PyTorch path (WY form): P = Q K^T (2 C^2 Dk), A = diag(beta) K K^T (2 C^2 Dk),
         T = (I + A)^-1 (~C^3 / 3), W = T diag(beta) K (2 C^2 Dk), U = T diag(beta) V (2 C^2 Dv),
         U' = U - W S^T (2 C Dk Dv), S' = S + U'^T K (2 C Dk Dv), O = Q S^T + P U' (2 C Dk Dv + 2 C^2 Dv)
         -> C^2 (6 Dk + 4 Dv) + 6 C Dk Dv + C^3 / 3
-    sum rule, per chunk:    P (2 C^2 Dk), G = V^T K (2 C Dk Dv), O (2 C Dk Dv + 2 C^2 Dv)
+    sum rule, both:         P (2 C^2 Dk), O = Q S^T + P V (2 C Dk Dv + 2 C^2 Dv), S' = S + V^T K (2 C Dk Dv)
         -> C^2 (2 Dk + 2 Dv) + 4 C Dk Dv
-    Elementwise work (masks, beta scaling, the cumulative sum) is not counted.
+    Elementwise work (masks, beta scaling, copies) is not counted.
     """
     N = -(-T // C)
-    if rule == "delta":
+    if rule == "delta" and algorithm == "cpp":
+        per_chunk = C * C * (4 * Dk + 3 * Dv) + 6 * C * Dk * Dv
+    elif rule == "delta":
         per_chunk = C * C * (6 * Dk + 4 * Dv) + 6 * C * Dk * Dv + C**3 // 3
     else:
         per_chunk = C * C * (2 * Dk + 2 * Dv) + 4 * C * Dk * Dv
     return B * H * N * per_chunk
 
 
-def best_time(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def torch_path(fn):
+    """`fn` run with the PyTorch chunked kernel, whether or not the C++ one is built."""
+
+    def run():
+        available = chunk.cpu_kernel_available
+        chunk.cpu_kernel_available = lambda: False
+        try:
+            return fn()
+        finally:
+            chunk.cpu_kernel_available = available
+
+    return run
 
 
-def best_times(fns: dict, repeats: int, slow: tuple = ()) -> dict:
-    """Minimum wall time of each function, measured round-robin so that changes in the machine's
-    load hit every kernel alike. Functions named in `slow` (the step loops) run in one round only."""
-    for name, fn in fns.items():
-        if name not in slow:
-            fn()  # warm-up
+def best_times(fns: dict, repeats: int) -> dict:
+    """Minimum wall time of each function over `repeats` rounds, measured round-robin (every function
+    once per round, after one warm-up call each) so that changes in the machine's load hit every
+    kernel alike."""
+    for fn in fns.values():
+        fn()  # warm-up
     best = {name: float("inf") for name in fns}
     for r in range(repeats):
         for name, fn in fns.items():
-            if name in slow and r > 0:
-                continue
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
-def matmul_peak(repeats: int) -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / best_time(lambda: a @ b, repeats) / 1e9
-
-
 def forward_times(args, hf) -> dict:
     B, H, T, D = 1, 8, 4096, 64
     q, k, v, beta = make_inputs(B, H, T, D)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     fns = {
+        "matmul_2048": lambda: a @ b,  # the peak, measured in the same rounds as the kernels
         "delta_step_loop": lambda: delta_rule_recurrent(q, k, v, beta, None, True),
         "delta_chunk32": lambda: delta_rule_chunk(q, k, v, beta, None, True, 32),
         "delta_chunk64": lambda: delta_rule_chunk(q, k, v, beta, None, True, 64),
         "sum_step_loop": lambda: linear_attention_recurrent(q, k, v, None, True),
         "sum_chunk32": lambda: linear_attention_chunk(q, k, v, None, True, 32),
         "sum_chunk64": lambda: linear_attention_chunk(q, k, v, None, True, 64),
+        "delta_chunk64_torch_path": torch_path(lambda: delta_rule_chunk(q, k, v, beta, None, True, 64)),
     }
     if hf is not None:
         fns["delta_hf"] = lambda: hf(q, k, v, beta)
     with torch.no_grad():
-        times = best_times(fns, args.repeats, slow=("delta_step_loop", "sum_step_loop"))
+        times = best_times(fns, args.repeats)
     out = {"shape": {"B": B, "H": H, "T": T, "Dk": D, "Dv": D, "dtype": "float32"}}
+    out["matmul_2048_gflops"] = 2 * 2048**3 / times.pop("matmul_2048") / 1e9
     if hf is not None:  # both compute the same delta rule
         with torch.no_grad():
             o_ref, o_hf = delta_rule_chunk(q, k, v, beta, None, False, 64)[0], hf(q, k, v, beta)[0]
         out["hf_vs_chunk_rel_diff"] = ((o_hf - o_ref).norm() / o_ref.norm()).item()
     out.update({f"{name}_s": t for name, t in times.items()})
+    algorithm = "cpp" if chunk.cpu_kernel_available() else "torch"
+    out["chunk_kernel"] = "C++ (csrc/chunk_delta.cpp)" if algorithm == "cpp" else f"PyTorch ({chunk.cpu_kernel_status()})"
     for rule in ("delta", "sum"):
         for C in (32, 64):
-            out[f"{rule}_chunk{C}_gflops"] = chunk_flops(rule, B, H, T, D, D, C) / out[f"{rule}_chunk{C}_s"] / 1e9
+            flops = chunk_flops(rule, B, H, T, D, D, C, algorithm)
+            out[f"{rule}_chunk{C}_gflop"] = flops / 1e9
+            out[f"{rule}_chunk{C}_gflops"] = flops / out[f"{rule}_chunk{C}_s"] / 1e9
+    out["delta_chunk64_torch_path_gflops"] = (
+        chunk_flops("delta", B, H, T, D, D, 64, "torch") / out["delta_chunk64_torch_path_s"] / 1e9
+    )
     return out
 
 
@@ -162,6 +179,7 @@ def backward_times(args, hf) -> dict:
         "delta_chunk32": fwd_bwd(lambda: delta_rule_chunk(q, k, v, beta, None, True, 32)),
         "delta_chunk64": fwd_bwd(lambda: delta_rule_chunk(q, k, v, beta, None, True, 64)),
         "sum_chunk64": fwd_bwd(lambda: linear_attention_chunk(q, k, v, None, True, 64)),
+        "delta_chunk64_torch_path": torch_path(fwd_bwd(lambda: delta_rule_chunk(q, k, v, beta, None, True, 64))),
     }
     if hf is not None:
         fns["delta_hf"] = fwd_bwd(lambda: hf(q, k, v, beta))
@@ -192,6 +210,7 @@ def _memory_worker(kind: str, T: int) -> dict:
         "delta_step_loop": lambda: delta_rule_recurrent(q, k, v, beta, None, True),
         "delta_hf": lambda: hf(q, k, v, beta),
     }[kind]
+    chunk.cpu_kernel_available()  # loads the C++ kernel (a one-off library mapping) before the measurement
     saved = [0]
 
     def pack(x):
@@ -273,12 +292,11 @@ def main():
         }
     }
     t_start = time.perf_counter()
-    results["matmul_2048_gflops"] = peak = matmul_peak(args.repeats)
-    print(f"fp32 matmul 2048^3: {peak:.1f} GFLOP/s  (torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
-
     fw = results["forward"] = forward_times(args, hf)
-    print("\nforward, B=1 H=8 T=4096 Dk=Dv=64 fp32 (best of repeats)")
+    results["matmul_2048_gflops"] = peak = fw["matmul_2048_gflops"]
+    print(f"fp32 matmul 2048^3: {peak:.1f} GFLOP/s, best of the same rounds as the forward times  (torch threads "
+          f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
+    print(f"\nforward, B=1 H=8 T=4096 Dk=Dv=64 fp32 (best of repeats); chunked kernel: {fw['chunk_kernel']}")
     print(f"  {'kernel':<38}{'time ms':>9}{'vs step loop':>14}{'vs HF':>8}{'GFLOP/s':>9}{'of peak':>9}")
     for rule in ("delta", "sum"):
         loop = fw[f"{rule}_step_loop_s"]
@@ -292,6 +310,11 @@ def main():
             vs_hf = f"{fw['delta_hf_s'] / t:>7.1f}x" if rule == "delta" and "delta_hf_s" in fw else f"{'':>8}"
             gf = fw[f"{rule}_chunk{C}_gflops"]
             print(f"  {f'{rule} rule, chunk C={C}':<38}{t * 1e3:>9.1f}{loop / t:>13.1f}x{vs_hf}"
+                  f"{gf:>9.1f}{100 * gf / peak:>8.1f}%")
+        if rule == "delta":
+            t, gf = fw["delta_chunk64_torch_path_s"], fw["delta_chunk64_torch_path_gflops"]
+            vs_hf = f"{fw['delta_hf_s'] / t:>7.1f}x" if "delta_hf_s" in fw else f"{'':>8}"
+            print(f"  {'delta rule, chunk C=64, torch path':<38}{t * 1e3:>9.1f}{loop / t:>13.1f}x{vs_hf}"
                   f"{gf:>9.1f}{100 * gf / peak:>8.1f}%")
 
     bw = results["forward_backward"] = backward_times(args, hf)

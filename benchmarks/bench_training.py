@@ -3,15 +3,18 @@
 Issue 3's measurement: a 16-layer, d_model=128, 8-head Delta Net LM (Schlag et al. 2021 / Irie et al. 2021 small
 config, d_ff 2048) against transformers' LlamaForCausalLM with sdpa attention and the same width, depth, heads and
 feed-forward size, forward + backward, at T=256 and T=1024. Steps of the two models are interleaved and the best
-of the rounds is kept (the machine may be shared); tokens/s are printed side by side with their ratio.
+of the rounds is kept (the machine may be shared); tokens/s are printed side by side with their ratio, and the
+ratio of the medians as well. The JSON records every step time, the load average and which CPU path the Delta
+Net's chunk kernel took (fwp_kernels.chunk.cpu_kernel_status()).
 
-    python benchmarks/bench_training.py [--batch 4] [--rounds 3] [--threads 2]
+    python benchmarks/bench_training.py [--batch 4] [--rounds 3] [--threads 1]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,6 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fwp_kernels import chunk  # noqa: E402
 from modeling_fwp import DeltaNetConfig, DeltaNetForCausalLM  # noqa: E402
 
 
@@ -59,22 +63,28 @@ def main() -> None:
     for model in models.values():
         model.train()
     results = {"batch": args.batch, "threads": args.threads, "vocab": args.vocab, "lengths": {},
-               "loadavg_start": list(os.getloadavg())}
+               "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())}
     print(f"16 layers, d_model 128, 8 heads, d_ff 2048, vocab {args.vocab}, batch {args.batch}, "
           f"{args.threads} threads; forward + backward, best of {args.rounds} interleaved rounds")
-    print(f"{'T':>6s} {'Delta Net tok/s':>16s} {'Llama sdpa tok/s':>17s} {'ratio':>7s}")
+    print(f"{'T':>6s} {'Delta Net tok/s':>16s} {'Llama sdpa tok/s':>17s} {'ratio':>7s} {'ratio of medians':>17s}")
     for T in args.lengths:
         ids = torch.randint(0, args.vocab, (args.batch, T), generator=torch.Generator().manual_seed(T))
         for model in models.values():  # warm-up
             train_step_seconds(model, ids)
-        best = {name: float("inf") for name in models}
+        steps = {name: [] for name in models}
         for _ in range(args.rounds):
             for name, model in models.items():
-                best[name] = min(best[name], train_step_seconds(model, ids))
+                steps[name].append(train_step_seconds(model, ids))
+        best = {name: min(times) for name, times in steps.items()}
         tps = {name: args.batch * T / s for name, s in best.items()}
         ratio = tps["delta_net"] / tps["llama_sdpa"]
-        results["lengths"][T] = {"tokens_per_s": tps, "step_s": best, "delta_net_over_llama": ratio}
-        print(f"{T:6d} {tps['delta_net']:16.0f} {tps['llama_sdpa']:17.0f} {ratio:7.2f}")
+        median_ratio = statistics.median(steps["llama_sdpa"]) / statistics.median(steps["delta_net"])
+        results["lengths"][T] = {"tokens_per_s": tps, "step_s": best, "delta_net_over_llama": ratio,
+                                 "all_step_s": steps, "delta_net_over_llama_medians": median_ratio,
+                                 "loadavg": list(os.getloadavg())}
+        print(f"{T:6d} {tps['delta_net']:16.0f} {tps['llama_sdpa']:17.0f} {ratio:7.2f} {median_ratio:17.2f}")
+    results["chunk_kernel"] = chunk.cpu_kernel_status()
+    print(f"Delta Net chunk kernel on CPU: {results['chunk_kernel']}")
     results["loadavg_end"] = list(os.getloadavg())
     print(f"load average {results['loadavg_start'][0]:.1f} -> {results['loadavg_end'][0]:.1f} on {os.cpu_count()} CPUs")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Chunkwise-parallel fast weight kernels in plain PyTorch (any device).
+"""Chunkwise-parallel fast weight kernels: plain PyTorch (any device), and a C++ kernel on CPU.
 
 Per (batch, head), the sequence is cut into chunks of C positions. Inside a chunk, with the state
 S ``[Dv, Dk]`` entering it (y = S q) and the chunk's rows Q, K ``[C, Dk]``, V ``[C, Dv]``, beta ``[C]``:
@@ -14,14 +14,27 @@ batched matmuls. The sequential pass across chunks is two small matmuls per chun
 the outputs are again one batched matmul over all chunks, given the state entering each chunk.
 The backward recomputes those states from the saved inputs and runs the transposed pass from the
 last chunk; it holds one state per chunk while it runs, never one per step. Derivation: README.md.
+
+On CPU the forward and the backward run in a C++ kernel instead (csrc/chunk_delta.cpp, built on first
+use with ``torch.utils.cpp_extension.load`` and cached in ``$FWP_KERNELS_BUILD_DIR`` or
+``~/.cache/fwp_kernels``): per sequence, chunk by chunk, it solves ``(I + A) U' = diag(beta) (V - K S^T)``
+with one triangular solve and calls the BLAS for every product, so the sequential pass costs no Python
+or dispatcher time and T, W, U are never formed; its backward recomputes the states entering the chunks
+(one per chunk, per sequence) and runs the transposed pass in the same loop. float16 / bfloat16 inputs
+go through it in float32. Without the build the PyTorch path above runs: silently when there is no
+compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning when a build fails.
+A saved model folder carries the C++ source (``chunk_delta.cpp`` and the string of ``chunk_delta_csrc.py``,
+written by ``modeling_fwp.remote_code``) and builds it the same way.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from .cpp_build import CompiledCpuKernel
 from .recurrent import _acc_dtype
 
 # Diagonal blocks of this size are inverted by batched triangular solves (LAPACK / cuBLAS), then
@@ -210,6 +223,74 @@ def _prepare(q, k, v, beta, initial_state, chunk_size):
     return chunks, initial_state.reshape(B * H, Dv, Dk).to(acc)
 
 
+# ---------------------------------------------------------------------------------------------------
+# the compiled CPU kernel (csrc/chunk_delta.cpp)
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "chunk_delta.cpp"
+try:  # inside a saved model folder the C++ source travels as a string (transformers copies only Python modules)
+    from .chunk_delta_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
+except ImportError:  # the installed package: the source is csrc/chunk_delta.cpp
+    _EMBEDDED_SOURCE = None
+_CPU_KERNEL = CompiledCpuKernel(
+    _SOURCE, _EMBEDDED_SOURCE, "fwp_chunk", "chunk_forward", ["-O3"], "the PyTorch chunked kernel (slower on CPU)"
+)
+
+
+def cpu_kernel_status() -> str:
+    """Which CPU path the chunked kernels take: ``"built"`` (C++), ``"disabled (...)"``, ``"unavailable (...)"``
+    or ``"failed (...)"`` (all three run the PyTorch path), or ``"not tried yet"``."""
+    return _CPU_KERNEL.status
+
+
+def cpu_kernel_available() -> bool:
+    """Builds (once per source version, cached on disk; see ``cpp_build``) and loads the C++ chunk kernel; False
+    when it cannot, and the PyTorch path runs."""
+    return _CPU_KERNEL.available()
+
+
+def _cpu_kernel_applies(x: torch.Tensor, acc: torch.dtype) -> bool:
+    """Whether the C++ kernel runs for inputs like `x` accumulated in `acc` (CPU, float32 / float64)."""
+    return x.device.type == "cpu" and acc in (torch.float32, torch.float64) and cpu_kernel_available()
+
+
+def _flat(x: Optional[torch.Tensor], acc: torch.dtype) -> Optional[torch.Tensor]:
+    """``[B, H, T, *D]`` -> contiguous ``[B*H, T, *D]`` in `acc` (a view when it already is)."""
+    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(acc).contiguous()
+
+
+def _forward_cpu(q, k, v, beta, initial_state, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The C++ forward: ``[B, H, T, D]`` inputs -> o ``[B, H, T, Dv]`` (q's dtype), final state ``[B, H, Dv, Dk]``."""
+    acc = _acc_dtype(q, k, v, beta, initial_state)
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    state = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # written in place: never the caller's tensor
+    if initial_state is not None:
+        state.copy_(initial_state.reshape(B * H, Dv, Dk))
+    o = q.new_empty(B * H, T, Dv, dtype=acc)
+    flat = [_flat(x, acc) for x in (q, k, v, beta)]
+    torch.ops.fwp_chunk.chunk_forward(*flat, state, chunk_size, o, None, None)
+    return o.view(B, H, T, Dv).to(q.dtype), state.view(B, H, Dv, Dk)
+
+
+def _backward_cpu(do, d_final, q, k, v, beta, initial_state, chunk_size: int):
+    """The C++ backward (recomputes the states entering the chunks): gradients of q, k, v, beta, initial_state."""
+    acc = _acc_dtype(q, k, v, beta, initial_state)
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    flat = [_flat(x, acc) for x in (q, k, v, beta)]
+    s0 = q.new_zeros(B * H, Dv, Dk, dtype=acc) if initial_state is None else _flat(initial_state, acc)
+    do = torch.zeros_like(flat[2]) if do is None else _flat(do, acc)
+    dS = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # in: the final state's gradient, out: the initial state's
+    if d_final is not None:
+        dS.copy_(d_final.reshape(B * H, Dv, Dk))
+    dq, dk, dv = torch.empty_like(flat[0]), torch.empty_like(flat[1]), torch.empty_like(flat[2])
+    dbeta = None if beta is None else torch.empty_like(flat[3])
+    torch.ops.fwp_chunk.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta)
+    grads = [None if g is None else g.view(x.shape).to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v), (dbeta, beta))]
+    ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)
+    return (*grads, ds0)
+
+
 class ChunkFastWeightFunction(torch.autograd.Function):
     """Chunkwise fast weights; the delta rule when `beta` is given, the sum rule when it is None.
 
@@ -220,16 +301,20 @@ class ChunkFastWeightFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, beta, initial_state, chunk_size):
         # A sequence shorter than a chunk is one chunk of its own length (no padded work).
         chunk_size = max(1, min(chunk_size, q.shape[2]))
-        chunks, s0 = _prepare(q, k, v, beta, initial_state, chunk_size)
-        o, final = _forward(*chunks, s0)
         ctx.save_for_backward(q, k, v, beta, initial_state)
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)
+        if _cpu_kernel_applies(q, _acc_dtype(q, k, v, beta, initial_state)):
+            return _forward_cpu(q, k, v, beta, initial_state, chunk_size)
+        chunks, s0 = _prepare(q, k, v, beta, initial_state, chunk_size)
+        o, final = _forward(*chunks, s0)
         return _from_chunks(o, q), final.view(*q.shape[:2], *final.shape[1:])
 
     @staticmethod
     def backward(ctx, do, d_final):
         q, k, v, beta, initial_state = ctx.saved_tensors
+        if _cpu_kernel_applies(q, _acc_dtype(q, k, v, beta, initial_state)):
+            return (*_backward_cpu(do, d_final, q, k, v, beta, initial_state, ctx.chunk_size), None)
         chunks, s0 = _prepare(q, k, v, beta, initial_state, ctx.chunk_size)
         do = torch.zeros_like(v, dtype=s0.dtype) if do is None else do
         d_final = torch.zeros_like(s0) if d_final is None else d_final.reshape(s0.shape).to(s0.dtype)

@@ -10,6 +10,7 @@ from .recurrent import delta_rule_recurrent, linear_attention_recurrent
 MODES = ("auto", "recurrent", "chunk")
 
 try:  # the chunkwise-parallel kernels (optional until they land)
+    from .chunk import cpu_kernel_available as _chunk_cpu_kernel_available
     from .chunk import delta_rule_chunk, linear_attention_chunk  # noqa: F401
 
     _HAS_CHUNK = True
@@ -39,12 +40,20 @@ def _check_inputs(q, k, v, beta, initial_state, mode, chunk_size) -> None:
 
 
 # mode="auto": inputs up to this many positions run as a step loop, longer ones chunkwise.
-# CPU, measured (benchmarks/bench_kernels.py, fp32, D = 64, B*H = 1, 8, 32): the chunked kernel's
-# fixed cost (~40 tensor ops) equals about 3 steps of the loop; from T = 4 on it is faster.
+# CPU, measured (benchmarks/bench_kernels.py, fp32, D = 64, B*H = 8 and 32, one thread): the C++ chunk
+# kernel (chunk.py, csrc/chunk_delta.cpp) is faster than the loop from T = 2 on and ties with it at T = 1;
+# without it, the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop.
 # CUDA, estimated (no GPU was available to measure): a step costs ~5 kernel launches, the Triton
 # forward two, so only single-token decode steps stay on the loop.
-_RECURRENT_MAX_T = {"cpu": 3, "cuda": 1}
+_RECURRENT_MAX_T = {"cpu": 1, "cuda": 1}
+_RECURRENT_MAX_T_CPU_PYTORCH = 3  # CPU when the C++ chunk kernel is not built
 _RECURRENT_MAX_T_DEFAULT = 3
+
+
+def _recurrent_max_t(device: torch.device) -> int:
+    if device.type == "cpu":
+        return _RECURRENT_MAX_T["cpu"] if _chunk_cpu_kernel_available() else _RECURRENT_MAX_T_CPU_PYTORCH
+    return _RECURRENT_MAX_T.get(device.type, _RECURRENT_MAX_T_DEFAULT)
 
 
 def _resolve_mode(mode: str, T: int, device: torch.device) -> str:
@@ -54,7 +63,7 @@ def _resolve_mode(mode: str, T: int, device: torch.device) -> str:
         return mode
     # Decode steps (and very short inputs) are cheapest as a plain step; longer inputs use the
     # chunkwise-parallel form.
-    if not _HAS_CHUNK or T <= _RECURRENT_MAX_T.get(device.type, _RECURRENT_MAX_T_DEFAULT):
+    if not _HAS_CHUNK or T <= 1 or T <= _recurrent_max_t(device):
         return "recurrent"
     return "chunk"
 

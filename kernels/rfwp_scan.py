@@ -50,16 +50,12 @@ it the same way, into the same cache. Equations and backward: kernels/README.md.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import sys
-import threading
-import warnings
 from pathlib import Path
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+
+from .cpp_build import CompiledCpuKernel
 
 CELLS = ("rnn_a", "rnn_b", "lstm_a", "lstm_b", "lstm_c", "lstm_d")
 MODES = ("auto", "recurrent", "fused")
@@ -154,112 +150,28 @@ def recurrent_delta_rule_reference(q, k, v, beta, r_q, r_k, r_v, r_beta, W, y, m
 # the compiled CPU kernel
 # ---------------------------------------------------------------------------------------------------------------
 
-_build_lock = threading.Lock()
-_cpu_status: Optional[bool] = None  # None: not tried yet
-_cpu_status_detail = "not tried yet"
-NO_BUILD_ENV = "FWP_KERNELS_NO_BUILD"  # "1": never build, always run the step loop on CPU
-BUILD_DIR_ENV = "FWP_KERNELS_BUILD_DIR"  # where builds are cached (default ~/.cache/fwp_kernels)
-
 try:  # inside a saved model folder the C++ source travels as a string (transformers copies only Python modules)
     from .rfwp_scan_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
 except ImportError:  # the installed package: the source is csrc/rfwp_scan.cpp
     _EMBEDDED_SOURCE = None
-
-
-def _cpp_source() -> Tuple[Optional[str], str]:
-    """``(C++ source text or None, where it came from)``: ``csrc/rfwp_scan.cpp`` of the package, a copy next to
-    this module (a saved model folder imported from where it lies), or the string of ``rfwp_scan_csrc.py`` (a
-    saved model folder loaded with ``trust_remote_code``, from transformers' module cache)."""
-    for path in (_SOURCE, Path(__file__).resolve().parent / _SOURCE.name):
-        if path.is_file():
-            return path.read_text(encoding="utf-8"), str(path)
-    if _EMBEDDED_SOURCE is not None:
-        return _EMBEDDED_SOURCE, "rfwp_scan_csrc.py"
-    return None, ""
-
-
-def _build_directory(source: str) -> Path:
-    """``$FWP_KERNELS_BUILD_DIR/<python>_<torch>/rfwp_scan_<source hash>``: one build per source version, shared by
-    the package and every saved model folder carrying the same source."""
-    source_hash = hashlib.sha1(source.encode("utf-8")).hexdigest()[:12]
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-    root = os.environ.get(BUILD_DIR_ENV) or Path.home() / ".cache" / "fwp_kernels"
-    return Path(root) / tag / f"rfwp_scan_{source_hash}"
-
-
-def _missing_toolchain() -> Optional[str]:
-    """What of the C++ toolchain (compiler, ninja) is missing, or None when both are there."""
-    from torch.utils.cpp_extension import is_ninja_available
-
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r} is not on PATH)"
-    if not is_ninja_available():
-        return "no ninja"
-    return None
+_CPU_KERNEL = CompiledCpuKernel(
+    _SOURCE, _EMBEDDED_SOURCE, "fwp_rfwp", "fast_rnn_forward", ["-O3", "-fopenmp-simd"],
+    "the PyTorch step loop (much slower)",
+)
 
 
 def cpu_kernel_status() -> str:
     """Which CPU path the scans take, for reports: ``"built"`` (the C++ ops), ``"disabled (...)"``,
     ``"unavailable (...)"`` (no toolchain or no source), ``"failed (...)"`` (the build failed) - all three run the
     step loop - or ``"not tried yet"`` (no scan has run on CPU in this process)."""
-    return _cpu_status_detail
+    return _CPU_KERNEL.status
 
 
 def cpu_kernel_available() -> bool:
-    """Builds (once per source version, cached on disk) and loads the C++ scans; False if that is not possible.
-
-    The step loop is used instead, silently when the build is disabled (``FWP_KERNELS_NO_BUILD=1``) or impossible
-    (no C++ compiler, no ninja, no source), with one warning when a build was tried and failed.
-    :func:`cpu_kernel_status` says which. The same holds inside a saved model folder, which carries the source.
+    """Builds (once per source version, cached on disk; see ``cpp_build``) and loads the C++ scans; False when it
+    cannot, and the step loop runs (silently when disabled or without a toolchain, with a warning on a failed build).
     """
-    global _cpu_status, _cpu_status_detail
-    if _cpu_status is not None:
-        return _cpu_status
-    with _build_lock:
-        if _cpu_status is not None:
-            return _cpu_status
-        source, origin = _cpp_source()
-        if os.environ.get(NO_BUILD_ENV) == "1":
-            _cpu_status, _cpu_status_detail = False, f"disabled ({NO_BUILD_ENV}=1)"
-            return False
-        if source is None:
-            _cpu_status, _cpu_status_detail = False, f"unavailable (no {_SOURCE.name} next to this copy of fwp_kernels)"
-            return False
-        missing = _missing_toolchain()
-        if missing is not None:
-            _cpu_status, _cpu_status_detail = False, f"unavailable ({missing})"
-            return False
-        try:
-            from torch.utils.cpp_extension import load
-
-            build_dir = _build_directory(source)
-            build_dir.mkdir(parents=True, exist_ok=True)
-            # Compiled from a copy inside the build folder, so that every caller with the same source (the package,
-            # saved folders) produces the same build file and reuses one build.
-            build_source = build_dir / _SOURCE.name
-            if not build_source.is_file() or build_source.read_text(encoding="utf-8") != source:
-                build_source.write_text(source, encoding="utf-8")
-            load(
-                name=f"fwp_rfwp_scan_{build_dir.name.rsplit('_', 1)[-1]}",
-                sources=[str(build_source)],
-                build_directory=str(build_dir),
-                extra_cflags=["-O3", "-fopenmp-simd"],
-                is_python_module=False,
-                verbose=False,
-            )
-            _cpu_status = hasattr(torch.ops.fwp_rfwp, "fast_rnn_forward")
-            _cpu_status_detail = "built" if _cpu_status else "failed (the built library registers no fwp_rfwp ops)"
-        except Exception as error:  # a failed build: the step loop still works
-            detail = " ".join(str(error).split())[:300]
-            warnings.warn(
-                f"fwp_kernels: building the C++ recurrent FWP scans from {origin} failed ({type(error).__name__}: "
-                f"{detail}); using the PyTorch step loop instead (much slower)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            _cpu_status, _cpu_status_detail = False, f"failed ({type(error).__name__}: {detail})"
-    return _cpu_status
+    return _CPU_KERNEL.available()
 
 
 def _cpu_ops():

@@ -145,6 +145,114 @@ def test_chunk_long_sequence_float32(rule, chunk_size):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The two CPU paths of mode="chunk": the C++ kernel (csrc/chunk_delta.cpp) and the PyTorch one, which
+# runs where the C++ one cannot be built. The tests above run whichever this machine has (C++ when a
+# compiler is there); these run both, explicitly.
+
+
+def _cpp_kernel_or_skip():
+    from fwp_kernels import chunk
+
+    if not chunk.cpu_kernel_available():
+        pytest.skip(f"the C++ chunk kernel is {chunk.cpu_kernel_status()}")
+    return chunk
+
+
+@pytest.fixture(params=["cpp", "pytorch"])
+def chunk_path(request, monkeypatch):
+    """Runs a test once with the C++ chunk kernel (skipped when it cannot be built) and once with the
+    PyTorch chunked kernel."""
+    from fwp_kernels import chunk
+
+    if request.param == "cpp":
+        _cpp_kernel_or_skip()
+    else:
+        monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("T,chunk_size", [(1, 64), (7, 4), (64, 16), (100, 32), (130, 64)])
+def test_chunk_paths_float64(chunk_path, rule, T, chunk_size):
+    inputs, ref = case(rule, 2, 3, T, 24, 40, torch.float64, seed=T)
+    assert_close(outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size), ref, TOL[torch.float64])
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunk_paths_float32_bfloat16(chunk_path, rule, dtype):
+    inputs, ref = case(rule, 2, 3, 100, 32, 24, dtype, seed=3)
+    got = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=32)
+    assert got["o"].dtype == dtype and got["final_state"].dtype == torch.float32
+    assert_close(got, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_cpp_kernel_agrees_with_pytorch_path(rule, monkeypatch):
+    """Same inputs through both paths, float32, T = 300 (no multiple of C), a leaf initial state; also
+    that the C++ forward leaves the caller's initial state untouched (it updates a copy in place)."""
+    from fwp_kernels import chunk
+
+    _cpp_kernel_or_skip()
+    inputs = make_inputs(rule, 2, 2, 300, 64, 64, torch.float32, seed=11)
+    state_before = inputs["initial_state"].detach().clone()
+    cpp = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=64)
+    assert torch.equal(inputs["initial_state"].detach(), state_before)
+    monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: False)
+    torch_path = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=64)
+    assert_close(cpp, torch_path, TOL[torch.float32])
+
+
+def test_cpp_kernel_threads_agree():
+    """One sequence per task of at::parallel_for: 1 and 2 threads give the same bits."""
+    _cpp_kernel_or_skip()
+    inputs = make_inputs("delta", 2, 3, 150, 32, 32, torch.float32, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = outputs_and_grads("delta", inputs, mode="chunk", chunk_size=32)
+        torch.set_num_threads(2)
+        two = outputs_and_grads("delta", inputs, mode="chunk", chunk_size=32)
+    finally:
+        torch.set_num_threads(threads)
+    for name in one:
+        assert torch.equal(one[name], two[name]), name
+
+
+def test_cpp_kernel_failed_build_falls_back(monkeypatch, tmp_path):
+    """A source that does not compile: one RuntimeWarning, status "failed (...)", and the PyTorch path runs."""
+    from fwp_kernels import chunk
+
+    from fwp_kernels.cpp_build import missing_toolchain
+
+    if missing_toolchain() is not None:
+        pytest.skip(f"no toolchain to fail with: {missing_toolchain()}")
+    kernel = chunk._CPU_KERNEL
+    monkeypatch.setattr(kernel, "_available", None)
+    monkeypatch.setattr(kernel, "status", "not tried yet")
+    monkeypatch.setattr(kernel, "source", lambda: ("this is not C++;\n", "test source"))
+    monkeypatch.setenv("FWP_KERNELS_BUILD_DIR", str(tmp_path))
+    monkeypatch.delenv("FWP_KERNELS_NO_BUILD", raising=False)
+    inputs, ref = case("delta", 1, 2, 40, 16, 16, torch.float64, seed=4)
+    with pytest.warns(RuntimeWarning, match="building the C\\+\\+ kernel chunk_delta.cpp"):
+        got = outputs_and_grads("delta", inputs, mode="chunk", chunk_size=16)
+    assert chunk.cpu_kernel_status().startswith("failed")
+    assert_close(got, ref, TOL[torch.float64])
+
+
+def test_cpp_kernel_disabled_by_environment(monkeypatch):
+    from fwp_kernels import chunk
+
+    monkeypatch.setattr(chunk._CPU_KERNEL, "_available", None)
+    monkeypatch.setattr(chunk._CPU_KERNEL, "status", "not tried yet")
+    monkeypatch.setenv("FWP_KERNELS_NO_BUILD", "1")
+    assert chunk.cpu_kernel_available() is False
+    assert chunk.cpu_kernel_status() == "disabled (FWP_KERNELS_NO_BUILD=1)"
+    inputs, ref = case("sum", 1, 2, 40, 16, 16, torch.float64, seed=4)
+    assert_close(outputs_and_grads("sum", inputs, mode="chunk", chunk_size=16), ref, TOL[torch.float64])
+
+
+# ---------------------------------------------------------------------------------------------------
 # State handling
 
 
@@ -229,6 +337,11 @@ def test_auto_mode_resolution():
     assert _resolve_mode("auto", 512, torch.device("cuda")) == "chunk"
     assert _resolve_mode("recurrent", 512, cpu) == "recurrent"
     assert _resolve_mode("chunk", 1, cpu) == "chunk"
+    # Two positions: chunkwise with the C++ chunk kernel (faster from T = 2 on), a step loop without it.
+    from fwp_kernels import chunk
+
+    assert _resolve_mode("auto", 2, cpu) == ("chunk" if chunk.cpu_kernel_available() else "recurrent")
+    assert _resolve_mode("auto", 4, cpu) == "chunk"
 
 
 # ---------------------------------------------------------------------------------------------------

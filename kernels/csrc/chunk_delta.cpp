@@ -1,0 +1,394 @@
+// Chunkwise fast weights on CPU: the delta rule (Schlag, Irie, Schmidhuber 2021, eqs. 17-20) and the sum
+// rule (eqs. 5-6), one (batch, head) sequence per task of at::parallel_for, its chunks in order.
+//
+// Built on first use by kernels/chunk.py with torch.utils.cpp_extension.load. The derivation, forward and
+// backward, is in kernels/README.md ("CPU kernel"). Per chunk of c rows, with the state S [Dv, Dk]
+// entering it (y = S q):
+//
+//   delta rule:  (I + A) U' = diag(beta) (V - K S^T),   A = strictly_lower(diag(beta) K K^T)
+//   sum rule:    U' = V
+//   both:        O = Q S^T + tril(Q K^T) U',            S <- S + U'^T K
+//
+// U' (the new values written to the state, "pseudo-values") comes from one triangular solve per chunk, so
+// the UT-transform matrix T = (I + A)^-1 and the WY factors are never formed. Every product is a call to
+// the BLAS that PyTorch links (sgemm_/dgemm_, strsm_/dtrsm_): one call per product and chunk, no tensor
+// allocation and no dispatcher in the loop. Matrices are row-major; `gemm_rm` maps a row-major product to
+// the column-major BLAS call by computing its transpose.
+//
+// The Python wrapper allocates every output and passes it in; this file only runs loops over raw pointers.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+extern "C" {
+// Fortran BLAS, LP64 (32-bit integers), as exported by the BLAS that libtorch_cpu links.
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc);
+void strsm_(const char* side, const char* uplo, const char* transa, const char* diag, const int* m, const int* n,
+            const float* alpha, const float* a, const int* lda, float* b, const int* ldb);
+void dtrsm_(const char* side, const char* uplo, const char* transa, const char* diag, const int* m, const int* n,
+            const double* alpha, const double* a, const int* lda, double* b, const int* ldb);
+}
+
+namespace {
+
+inline void blas_gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+                      int ldb, float beta, float* c, int ldc) {
+  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+inline void blas_gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda,
+                      const double* b, int ldb, double beta, double* c, int ldc) {
+  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+inline void blas_trsm(char side, char uplo, char ta, char diag, int m, int n, float alpha, const float* a, int lda,
+                      float* b, int ldb) {
+  strsm_(&side, &uplo, &ta, &diag, &m, &n, &alpha, a, &lda, b, &ldb);
+}
+inline void blas_trsm(char side, char uplo, char ta, char diag, int m, int n, double alpha, const double* a,
+                      int lda, double* b, int ldb) {
+  dtrsm_(&side, &uplo, &ta, &diag, &m, &n, &alpha, a, &lda, b, &ldb);
+}
+
+// Row-major C [m, n] = alpha op(A) op(B) + beta C, with op(A) [m, k] and op(B) [k, n]. A row-major matrix is
+// the column-major storage of its transpose, so this is the column-major C^T = op(B)^T op(A)^T.
+template <typename T>
+inline void gemm_rm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* A, int64_t lda,
+                    const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  blas_gemm(trans_b ? 'T' : 'N', trans_a ? 'T' : 'N', int(n), int(m), int(k), alpha, B, int(ldb), A, int(lda), beta,
+            C, int(ldc));
+}
+
+// X <- L^-1 X in place, for a row-major unit lower triangular L [c, c] (its diagonal and upper part are not
+// read) and a row-major X [c, n]. Column-major, that is X^T <- X^T (L^T)^-1 with L^T unit upper.
+template <typename T>
+inline void unit_lower_solve_rm(int64_t c, int64_t n, const T* L, T* X) {
+  blas_trsm('R', 'U', 'N', 'U', int(n), int(c), T(1), L, int(c), X, int(n));
+}
+
+// One sequence: q, k [L, Dk], v [L, Dv], beta [L] (nullptr: sum rule). S [Dv, Dk] holds the initial state
+// on entry and the final one on return. Writes o [L, Dv] (unless nullptr); optionally the state entering each chunk
+// (`entering` [N, Dv, Dk]) and the new values U' (`u_new` [L, Dv], delta rule) for the backward pass.
+// `work` holds chunk_workspace(C, Dk, Dv) elements.
+inline int64_t chunk_workspace(int64_t C, int64_t Dk, int64_t Dv) {
+  return 2 * C * Dk + Dk * C + 2 * C * C + 2 * C * Dv + C * Dv + Dk * Dv;
+}
+
+template <typename T>
+void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q, const T* k, const T* v,
+                       const T* beta, T* S, T* o, T* entering, T* u_new, T* work) {
+  // Inside the loop the state is kept transposed, St = S^T [Dk, Dv], and the chunk's queries and keys are
+  // stacked, X = [Q; K] [2c, Dk], with a transposed copy Kt = K^T [Dk, c]: then every product below is a
+  // plain row-major (no-transpose) product, and the four products with S or K^T are two calls.
+  T* X = work;              // [Q; K]                                                  [2c, Dk]
+  T* Kt = X + 2 * C * Dk;   // K^T                                                     [Dk, c]
+  T* G = Kt + Dk * C;       // [Q; K] K^T: P = tril(Q K^T) on top, then A = K K^T       [2c, c]
+  T* Y = G + 2 * C * C;     // [Q; K] S^T                                              [2c, Dv]
+  T* U_buf = Y + 2 * C * Dv;  // U' when the caller does not keep it                   [c, Dv]
+  T* St = U_buf + C * Dv;   // S^T                                                     [Dk, Dv]
+  for (int64_t i = 0; i < Dv; ++i)
+    for (int64_t j = 0; j < Dk; ++j) St[j * Dv + i] = S[i * Dk + j];
+  for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
+    const int64_t c = std::min(C, L - t0);
+    const T* V = v + t0 * Dv;
+    T* O = o != nullptr ? o + t0 * Dv : nullptr;
+    if (entering != nullptr) {
+      T* E = entering + n * Dv * Dk;
+      for (int64_t i = 0; i < Dv; ++i)
+        for (int64_t j = 0; j < Dk; ++j) E[i * Dk + j] = St[j * Dv + i];
+    }
+    // Without outputs to write (the backward's recomputation of the states) only the keys are stacked.
+    const int64_t cq = o != nullptr ? c : 0;
+    if (cq > 0) std::memcpy(X, q + t0 * Dk, sizeof(T) * c * Dk);
+    std::memcpy(X + cq * Dk, k + t0 * Dk, sizeof(T) * c * Dk);
+    const T* K = X + cq * Dk;
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t j = 0; j < Dk; ++j) Kt[j * c + i] = K[i * Dk + j];
+
+    // [Q; K] S^T: Q S^T is what the state entering the chunk returns for each query (eq. 20 with W = S)
+    // (the sum rule needs neither K S^T nor K K^T: only the Q rows)
+    const int64_t rows = cq + (beta != nullptr ? c : 0);
+    gemm_rm<T>(false, false, rows, Dv, Dk, T(1), X, Dk, St, Dv, T(0), Y, Dv);
+    // [Q; K] K^T
+    gemm_rm<T>(false, false, rows, c, Dk, T(1), X, Dk, Kt, c, T(0), G, c);
+    T* P = G;  // tril(Q K^T), diagonal included: position i reads the writes of positions j <= i
+    for (int64_t i = 0; i < cq; ++i) std::fill(P + i * c + i + 1, P + (i + 1) * c, T(0));
+
+    const T* U = V;  // sum rule: the values themselves are written (eq. 5)
+    if (beta != nullptr) {
+      // Delta rule within the chunk, u_i = beta_i (v_i - S_{i-1} k_i) with S_{i-1} = S + sum_{j<i} u_j k_j^T
+      // (eqs. 17-19), stacked: (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) (V - K S^T).
+      T* Un = u_new != nullptr ? u_new + t0 * Dv : U_buf;
+      const T* b = beta + t0;
+      const T* KS = Y + cq * Dv;
+      for (int64_t i = 0; i < c; ++i) {
+        const T bi = b[i];
+        for (int64_t j = 0; j < Dv; ++j) Un[i * Dv + j] = bi * (V[i * Dv + j] - KS[i * Dv + j]);
+      }
+      T* A = G + cq * c;  // I + strictly_lower(diag(beta) K K^T); the solver reads neither diagonal nor upper part
+      for (int64_t i = 1; i < c; ++i) {
+        T* row = A + i * c;
+        for (int64_t j = 0; j < i; ++j) row[j] *= b[i];
+      }
+      unit_lower_solve_rm<T>(c, Dv, A, Un);
+      U = Un;
+    }
+    // O = Q S^T + tril(Q K^T) U': the reads of the chunk's own writes
+    if (cq > 0) {
+      std::memcpy(O, Y, sizeof(T) * c * Dv);
+      gemm_rm<T>(false, false, c, Dv, c, T(1), P, c, U, Dv, T(1), O, Dv);
+    }
+    // S^T <- S^T + K^T U': the chunk's writes
+    gemm_rm<T>(false, false, Dk, Dv, c, T(1), Kt, c, U, Dv, T(1), St, Dv);
+  }
+  for (int64_t i = 0; i < Dv; ++i)
+    for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] = St[j * Dv + i];
+}
+
+// X <- L^-T X in place (row-major, L unit lower as above): column-major X^T <- X^T L^-1, L = (L^T)^T.
+template <typename T>
+inline void unit_lower_transposed_solve_rm(int64_t c, int64_t n, const T* L, T* X) {
+  blas_trsm('R', 'U', 'T', 'U', int(n), int(c), T(1), L, int(c), X, int(n));
+}
+
+inline int64_t chunk_backward_workspace(int64_t C, int64_t Dk, int64_t Dv) {
+  return 4 * C * C + 2 * C * Dv + 2 * C * Dk;
+}
+
+// The backward of one sequence, chunks from last to first. Given the state entering each chunk
+// (`entering` [N, Dv, Dk]) and U' (`u_new` [L, Dv]; delta rule) from `chunk_forward_seq`, the output
+// gradient do [L, Dv] and, in dS [Dv, Dk], the gradient of the final state (replaced by that of the
+// initial state). Per chunk, with S entering it and dS' the gradient of the state leaving it
+// (derivation: kernels/README.md, "Backward of the CPU kernel"):
+//   O = Q S^T + P U', P = tril(Q K^T), S' = S + U'^T K:
+//     dU' = K dS'^T + P^T dO,  dP = tril(dO U'^T),  dQ = dO S + dP K,  dK = U' dS' + dP^T Q,
+//     dS = dS' + dO^T Q
+//   delta rule, (I + A) U' = diag(beta) X, X = V - K S^T, A = strictly_lower(diag(beta) K K^T):
+//     dR = (I + A)^-T dU',  dV = diag(beta) dR,  dbeta = rowsum(dR * X) + rowsum((dA K) * K),
+//     dA = -strictly_lower(dR U'^T),  dK += -dV S + diag(beta) dA K + dA^T diag(beta) K,  dS -= dV^T K
+//   sum rule: dV = dU'.
+template <typename T>
+void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q, const T* k, const T* v,
+                        const T* beta, const T* entering, const T* u_new, const T* dout, T* dS, T* dq, T* dk,
+                        T* dv, T* dbeta, T* work) {
+  T* P = work;              // tril(Q K^T), then dP = tril(dO U'^T) is a separate buffer  [c, c]
+  T* A = P + C * C;         // I + strictly_lower(diag(beta) K K^T)                      [c, c]
+  T* dP = A + C * C;        //                                                           [c, c]
+  T* dA = dP + C * C;       //                                                           [c, c]
+  T* X = dA + C * C;        // V - K S^T                                                 [c, Dv]
+  T* dR = X + C * Dv;       // dU', then dR in place                                     [c, Dv]
+  T* M = dR + C * Dv;       // dA K                                                      [c, Dk]
+  T* bK = M + C * Dk;       // diag(beta) K                                              [c, Dk]
+  const int64_t N = (L + C - 1) / C;
+  for (int64_t n = N - 1; n >= 0; --n) {
+    const int64_t t0 = n * C, c = std::min(C, L - t0);
+    const T* Q = q + t0 * Dk;
+    const T* K = k + t0 * Dk;
+    const T* V = v + t0 * Dv;
+    const T* dO = dout + t0 * Dv;
+    const T* S = entering + n * Dv * Dk;
+    const T* U = beta != nullptr ? u_new + t0 * Dv : V;
+    T* dQ = dq + t0 * Dk;
+    T* dK = dk + t0 * Dk;
+    T* dV = dv + t0 * Dv;
+
+    gemm_rm<T>(false, true, c, c, Dk, T(1), Q, Dk, K, Dk, T(0), P, c);
+    for (int64_t i = 0; i < c; ++i) std::fill(P + i * c + i + 1, P + (i + 1) * c, T(0));
+    // dU' = K dS'^T + P^T dO   (into dV for the sum rule, where dV = dU')
+    T* dU = beta != nullptr ? dR : dV;
+    gemm_rm<T>(false, true, c, Dv, Dk, T(1), K, Dk, dS, Dk, T(0), dU, Dv);
+    gemm_rm<T>(true, false, c, Dv, c, T(1), P, c, dO, Dv, T(1), dU, Dv);
+    // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
+    gemm_rm<T>(false, false, c, Dk, Dv, T(1), U, Dv, dS, Dk, T(0), dK, Dk);
+    // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q;  dS = dS' + dO^T Q
+    gemm_rm<T>(false, true, c, c, Dv, T(1), dO, Dv, U, Dv, T(0), dP, c);
+    for (int64_t i = 0; i < c; ++i) std::fill(dP + i * c + i + 1, dP + (i + 1) * c, T(0));
+    gemm_rm<T>(false, false, c, Dk, Dv, T(1), dO, Dv, S, Dk, T(0), dQ, Dk);
+    gemm_rm<T>(false, false, c, Dk, c, T(1), dP, c, K, Dk, T(1), dQ, Dk);
+    gemm_rm<T>(true, false, c, Dk, c, T(1), dP, c, Q, Dk, T(1), dK, Dk);
+    gemm_rm<T>(true, false, Dv, Dk, c, T(1), dO, Dv, Q, Dk, T(1), dS, Dk);
+    if (beta == nullptr) continue;
+
+    const T* b = beta + t0;
+    // Recompute X = V - K S^T and A, then dR = (I + A)^-T dU'
+    std::memcpy(X, V, sizeof(T) * c * Dv);
+    gemm_rm<T>(false, true, c, Dv, Dk, T(-1), K, Dk, S, Dk, T(1), X, Dv);
+    gemm_rm<T>(false, true, c, c, Dk, T(1), K, Dk, K, Dk, T(0), A, c);
+    for (int64_t i = 1; i < c; ++i) {
+      T* row = A + i * c;
+      for (int64_t j = 0; j < i; ++j) row[j] *= b[i];
+    }
+    unit_lower_transposed_solve_rm<T>(c, Dv, A, dR);
+    // dV = diag(beta) dR;  dbeta = rowsum(dR * X)
+    for (int64_t i = 0; i < c; ++i) {
+      T acc = 0;
+      for (int64_t j = 0; j < Dv; ++j) {
+        acc += dR[i * Dv + j] * X[i * Dv + j];
+        dV[i * Dv + j] = b[i] * dR[i * Dv + j];
+      }
+      dbeta[t0 + i] = acc;
+    }
+    // dK -= dV S;  dS -= dV^T K
+    gemm_rm<T>(false, false, c, Dk, Dv, T(-1), dV, Dv, S, Dk, T(1), dK, Dk);
+    gemm_rm<T>(true, false, Dv, Dk, c, T(-1), dV, Dv, K, Dk, T(1), dS, Dk);
+    // dA = -strictly_lower(dR U'^T)
+    gemm_rm<T>(false, true, c, c, Dv, T(-1), dR, Dv, U, Dv, T(0), dA, c);
+    for (int64_t i = 0; i < c; ++i) std::fill(dA + i * c + i, dA + (i + 1) * c, T(0));
+    // M = dA K:  dK += diag(beta) M,  dbeta += rowsum(M * K);  dK += dA^T diag(beta) K
+    gemm_rm<T>(false, false, c, Dk, c, T(1), dA, c, K, Dk, T(0), M, Dk);
+    for (int64_t i = 0; i < c; ++i) {
+      T acc = 0;
+      for (int64_t j = 0; j < Dk; ++j) {
+        acc += M[i * Dk + j] * K[i * Dk + j];
+        dK[i * Dk + j] += b[i] * M[i * Dk + j];
+        bK[i * Dk + j] = b[i] * K[i * Dk + j];
+      }
+      dbeta[t0 + i] += acc;
+    }
+    gemm_rm<T>(true, false, c, Dk, c, T(1), dA, c, bK, Dk, T(1), dK, Dk);
+  }
+}
+
+// Runs f(begin, end) over the sequences: in parallel (one sequence per task) when there are at least as
+// many sequences as threads, else in the calling thread, where the BLAS may use the threads itself (few,
+// long sequences with large heads).
+template <typename F>
+void for_sequences(int64_t BH, const F& f) {
+  if (BH >= at::get_num_threads()) {
+    at::parallel_for(0, BH, 1, f);
+  } else {
+    f(0, BH);
+  }
+}
+
+void check(const at::Tensor& x, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == like.scalar_type() && x.is_contiguous(), "fwp_chunk: `",
+              name, "` must be a contiguous CPU tensor of dtype ", like.scalar_type());
+}
+
+// Sizes shared by forward and backward: BH sequences of L positions, heads Dk/Dv, N chunks of C positions.
+struct ChunkShapes {
+  int64_t BH, L, Dk, Dv, C, N;
+};
+
+static ChunkShapes chunk_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t chunk_size) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3, "fwp_chunk: q, k, v must be [BH, L, D]");
+  const int64_t BH = q.size(0), L = q.size(1), Dk = q.size(2), Dv = v.size(2);
+  TORCH_CHECK(chunk_size >= 1, "fwp_chunk: chunk_size must be positive");
+  const int64_t C = std::min(chunk_size, std::max<int64_t>(L, 1)), N = (L + C - 1) / C;
+  TORCH_CHECK(std::max({L * std::max(Dk, Dv), C * C, Dv * Dk}) < std::numeric_limits<int>::max(),
+              "fwp_chunk: sizes exceed the 32-bit BLAS interface");
+  return {BH, L, Dk, Dv, C, N};
+}
+
+// q, k [BH, L, Dk], v [BH, L, Dv], beta [BH, L] or None (sum rule); S [BH, Dv, Dk]: initial state in,
+// final state out; o [BH, L, Dv] optional (not computed when None); entering [BH, N, Dv, Dk] and u_new [BH, L, Dv] optional.
+void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const std::optional<at::Tensor>& beta, const at::Tensor& S, int64_t chunk_size,
+                   const std::optional<at::Tensor>& o, const std::optional<at::Tensor>& entering,
+                   const std::optional<at::Tensor>& u_new) {
+  const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
+  const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, C = shapes.C, N = shapes.N;
+  for (auto* x : {&k, &v, &S}) check(*x, q, "input");
+  TORCH_CHECK(v.size(0) == BH && v.size(1) == L && S.size(0) == BH && S.size(1) == Dv && S.size(2) == Dk,
+              "fwp_chunk: inconsistent shapes");
+  if (o.has_value()) {
+    check(*o, q, "o");
+    TORCH_CHECK(o->sizes() == v.sizes(), "fwp_chunk: o must be [BH, L, Dv]");
+  }
+  if (beta.has_value()) {
+    check(*beta, q, "beta");
+    TORCH_CHECK(beta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
+  }
+  if (entering.has_value()) {
+    check(*entering, q, "entering");
+    TORCH_CHECK(entering->numel() == BH * N * Dv * Dk, "fwp_chunk: entering must be [BH, N, Dv, Dk]");
+  }
+  if (u_new.has_value()) {
+    check(*u_new, q, "u_new");
+    TORCH_CHECK(u_new->numel() == BH * L * Dv, "fwp_chunk: u_new must be [BH, L, Dv]");
+  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_forward", [&] {
+    for_sequences(BH, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> work(chunk_workspace(C, Dk, Dv));
+      for (int64_t bh = begin; bh < end; ++bh) {
+        chunk_forward_seq<scalar_t>(
+            L, Dk, Dv, C, q.data_ptr<scalar_t>() + bh * L * Dk, k.data_ptr<scalar_t>() + bh * L * Dk,
+            v.data_ptr<scalar_t>() + bh * L * Dv, beta.has_value() ? beta->data_ptr<scalar_t>() + bh * L : nullptr,
+            S.data_ptr<scalar_t>() + bh * Dv * Dk, o.has_value() ? o->data_ptr<scalar_t>() + bh * L * Dv : nullptr,
+            entering.has_value() ? entering->data_ptr<scalar_t>() + bh * N * Dv * Dk : nullptr,
+            u_new.has_value() ? u_new->data_ptr<scalar_t>() + bh * L * Dv : nullptr, work.data());
+      }
+    });
+  });
+}
+
+// Gradients of chunk_forward. dS [BH, Dv, Dk]: the final state's gradient in, the initial state's out.
+// dq, dk [BH, L, Dk], dv [BH, L, Dv], dbeta [BH, L] (delta rule) are written. The states entering the
+// chunks and U' are recomputed per sequence (one state per chunk, in a per-thread buffer).
+void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const std::optional<at::Tensor>& beta, const at::Tensor& s0, int64_t chunk_size,
+                    const at::Tensor& dout, const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk,
+                    const at::Tensor& dv, const std::optional<at::Tensor>& dbeta) {
+  const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
+  const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, C = shapes.C, N = shapes.N;
+  for (auto* x : {&k, &v, &s0, &dout, &dS, &dq, &dk, &dv}) check(*x, q, "input");
+  TORCH_CHECK(v.size(0) == BH && v.size(1) == L && s0.numel() == BH * Dv * Dk && dS.numel() == BH * Dv * Dk &&
+                  dout.sizes() == v.sizes() && dv.sizes() == v.sizes() && dq.sizes() == q.sizes() &&
+                  dk.sizes() == q.sizes(),
+              "fwp_chunk: inconsistent shapes");
+  TORCH_CHECK(beta.has_value() == dbeta.has_value(), "fwp_chunk: beta and dbeta go together");
+  if (beta.has_value()) {
+    check(*beta, q, "beta");
+    check(*dbeta, q, "dbeta");
+    TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
+  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_backward", [&] {
+    for_sequences(BH, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> work(std::max(chunk_workspace(C, Dk, Dv), chunk_backward_workspace(C, Dk, Dv)));
+      std::vector<scalar_t> entering(N * Dv * Dk), state(Dv * Dk);
+      std::vector<scalar_t> u_new(beta.has_value() ? L * Dv : 0);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const scalar_t* qs = q.data_ptr<scalar_t>() + bh * L * Dk;
+        const scalar_t* ks = k.data_ptr<scalar_t>() + bh * L * Dk;
+        const scalar_t* vs = v.data_ptr<scalar_t>() + bh * L * Dv;
+        const scalar_t* bs = beta.has_value() ? beta->data_ptr<scalar_t>() + bh * L : nullptr;
+        std::memcpy(state.data(), s0.data_ptr<scalar_t>() + bh * Dv * Dk, sizeof(scalar_t) * Dv * Dk);
+        chunk_forward_seq<scalar_t>(L, Dk, Dv, C, qs, ks, vs, bs, state.data(), nullptr, entering.data(),
+                                    bs != nullptr ? u_new.data() : nullptr, work.data());
+        chunk_backward_seq<scalar_t>(
+            L, Dk, Dv, C, qs, ks, vs, bs, entering.data(), u_new.data(), dout.data_ptr<scalar_t>() + bh * L * Dv,
+            dS.data_ptr<scalar_t>() + bh * Dv * Dk, dq.data_ptr<scalar_t>() + bh * L * Dk,
+            dk.data_ptr<scalar_t>() + bh * L * Dk, dv.data_ptr<scalar_t>() + bh * L * Dv,
+            bs != nullptr ? dbeta->data_ptr<scalar_t>() + bh * L : nullptr, work.data());
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fwp_chunk, m) {
+  m.def(
+      "chunk_forward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor(a!) S, int chunk_size, Tensor(b!)? o, "
+      "Tensor(c!)? entering, Tensor(d!)? u_new) -> ()");
+  m.def(
+      "chunk_backward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor s0, int chunk_size, Tensor dout, "
+      "Tensor(a!) dS, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv, Tensor(e!)? dbeta) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fwp_chunk, CPU, m) {
+  m.impl("chunk_forward", &chunk_forward);
+  m.impl("chunk_backward", &chunk_backward);
+}
