@@ -45,6 +45,11 @@ def plot_capacity(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
     ax.set_xlabel("number of unique keys S")
     ax.set_ylabel("final held-out loss")
     ax.set_title(f"Capacity (setting 1), d_key = {rows[0]['d_key']}" if rows else "Capacity (setting 1)")
+    return _save(plt, fig, ax, path)
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
+    """Legend, layout, write `path` (creating its folder), close the figure."""
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,9 +76,4 @@ def plot_learning_curves(rows: List[Dict[str, Any]], path: Path) -> Optional[Pat
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out loss")
     ax.set_title("Update rules (setting 2)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
