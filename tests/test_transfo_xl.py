@@ -533,7 +533,7 @@ def test_residual_fwl_starts_as_the_base_model_and_continued_training_loads_it(t
         out_fwl = model(ids[:, start : start + 5], past_key_values=cache_fwl, use_cache=True)
         cache_base, cache_fwl = out_base.past_key_values, out_fwl.past_key_values
         torch.testing.assert_close(out_fwl.logits, out_base.logits, rtol=1e-5, atol=1e-5)
-    assert float(model.fwl_head.step_size("norm.weight")) == pytest.approx(0.05, rel=1e-5)
+    assert model.fwl_head.step_size("norm.weight").item() == pytest.approx(0.05, rel=1e-5)
     args.use_fwl = False  # an FWL checkpoint cannot be continued as a base model
     model.save_pretrained(tmp_path / "fwl")
     with pytest.raises(ValueError, match="--use_fwl"):
