@@ -46,3 +46,20 @@ def make_word_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+
+
+def triton_interpreted_results(test_file: str) -> dict:
+    """Runs ``python <test_file> --triton-worker`` with ``TRITON_INTERPRET=1`` (Triton kernels on CPU tensors, in a
+    fresh process: the interpreter must be chosen before triton is imported) and returns the JSON it prints last.
+    Skips when triton is not installed."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, test_file, "--triton-worker"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])

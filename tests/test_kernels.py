@@ -19,14 +19,13 @@ Inputs are what the models feed: k l2-normalised (delta rule) or non-negative an
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import triton_interpreted_results
 from fwp_kernels import delta_rule, linear_attention
 from fwp_kernels.dispatch import _resolve_mode
 
@@ -418,17 +417,7 @@ def _triton_errors(cases, device="cpu"):
 
 @pytest.fixture(scope="module")
 def triton_interpreted_errors():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    import json
-    import subprocess
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, __file__, "--triton-worker"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return triton_interpreted_results(__file__)
 
 
 @pytest.mark.triton

@@ -1,6 +1,4 @@
 """Recurrent Fast Weight Programmers (Irie et al. 2021): the scan kernels and the five model families."""
-import importlib.util
-import os
 import sys
 
 import pytest
@@ -19,7 +17,7 @@ from modeling_fwp import (
     RecurrentDeltaNetConfig,
 )
 
-from conftest import tiny_config, tiny_model
+from conftest import tiny_config, tiny_model, triton_interpreted_results
 
 needs_cpu_kernel = pytest.mark.skipif(
     not rfwp_scan.cpu_kernel_available(), reason="the C++ scans could not be built here (step loop only)"
@@ -221,17 +219,7 @@ def _triton_errors():
 
 @pytest.fixture(scope="module")
 def triton_interpreted_errors():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    import json
-    import subprocess
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, __file__, "--triton-worker"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return triton_interpreted_results(__file__)
 
 
 @pytest.mark.triton
