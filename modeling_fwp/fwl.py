@@ -405,12 +405,15 @@ class FWLHead(nn.Module):
             prev = {key[len("prev.") :]: t for key, t in state.items() if key.startswith("prev.") and key != "prev.mask"}
         keys: Dict[str, torch.Tensor] = {}
         values: Dict[str, torch.Tensor] = {}
+        if prev is not None:  # the previous position teaches only if it and this call's first position are tokens
+            prev_weights = state["prev.mask"].to(hidden_states.dtype)
+            if mask is not None:
+                prev_weights = prev_weights * mask[:, :1]
         if depth >= 0 and prev is not None and slow.merge_previous_position:
             # One backward for the positions [previous, 0, ..., T-2], whose labels are exactly input_ids: entry t of
             # every key and value then holds position t - 1 (the shift of `_shift_in`) without a second call.
-            prev_weights = state["prev.mask"].to(hidden_states.dtype)
-            weights = prev_weights * mask[:, :1] if mask is not None else prev_weights
-            weights = torch.cat([weights, mask[:, :-1] * mask[:, 1:] if mask is not None else weights.new_ones(B, T - 1)], 1)
+            new_weights = mask[:, :-1] * mask[:, 1:] if mask is not None else prev_weights.new_ones(B, T - 1)
+            weights = torch.cat([prev_weights, new_weights], 1)
             shifted = {key: _shift_in(t[:, :-1], prev[key]) for key, t in inter.items() if key in prev}
             grads = slow.per_token_gradients(shifted, input_ids, weights, depth, compute_dtype=compute_dtype)
             for name in self.fast_parameter_names:
@@ -425,9 +428,6 @@ class FWLHead(nn.Module):
             )
             prev_grads = None
             if prev is not None:
-                prev_weights = state["prev.mask"].to(hidden_states.dtype)
-                if mask is not None:
-                    prev_weights = prev_weights * mask[:, :1]
                 prev_grads = slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, depth, compute_dtype=compute_dtype)
             for name in self.fast_parameter_names:
                 key_name, value_name = GRADIENT_TERMS[name]
