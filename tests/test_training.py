@@ -19,12 +19,13 @@ from training import synthetic, train_lm
 
 
 def decoded(spec: synthetic.TaskSpec, n: int, seed: int):
-    """(tokens, answer tokens) of the first `n` examples of `spec` with `seed`."""
+    """(tokens, [(position, answer symbol)]) of the first `n` examples of `spec` with `seed`, read back from the
+    dataset's ``input_ids`` and ``labels``."""
     rows = []
     for ex in synthetic.generate_examples(spec, n, seed):
         tokens = spec.vocabulary.decode(ex["input_ids"])
-        answers = [(i, tokens[i]) for i, label in enumerate(ex["labels"]) if label != synthetic.IGNORE_INDEX]
-        assert all(ex["labels"][i] == ex["input_ids"][i] for i, _ in answers)
+        answers = [(i, spec.vocabulary.decode([label])[0]) for i, label in enumerate(ex["labels"])
+                   if label != synthetic.IGNORE_INDEX]
         rows.append((tokens, answers))
     return rows
 
@@ -62,27 +63,43 @@ def test_retrieval_setting_2_answer_is_the_latest_value():
 
 @pytest.mark.parametrize("num_variables", [3, 5])
 def test_code_answers_match_python_exec(num_variables):
-    spec = synthetic.build_task("code", num_variables=num_variables, num_statements=15, modulus=10)
+    """Each program, translated line by line to Python and run, prints exactly the answers; the answers never occur
+    in the input (the label after ``print x ;`` sits on the next statement's first token)."""
+    spec = synthetic.build_task("code", num_variables=num_variables, num_statements=40)
+    kinds = set()
     for tokens, answers in decoded(spec, 30, seed=1):
-        answer_at = {i for i, _ in answers}
+        assert tokens[-1] == "<eos>" and tokens[0] != "print"
         statements, current = [], []
-        for i, tok in enumerate(tokens):
-            if i in answer_at:
-                continue
+        for tok in tokens[:-1]:
+            current.append(tok)
             if tok == ";":
                 statements.append(current)
                 current = []
-            else:
-                current.append(tok)
-        lines = []
+        assert not current
+        lines, print_ends, position = [], [], 0
         for st in statements:
+            position += len(st)
+            prefix = ""
+            if st[0] == "if":  # if x > 3 : <statement>
+                prefix, st = f"if {st[1]} {st[2]} {st[3]}: ", st[5:]
+                kinds.add("if")
             if st[0] == "print":
-                lines.append(f"out({st[1]})")
-            else:  # x = expr ; arithmetic modulo 10
-                lines.append(f"{st[0]} = ({' '.join(st[2:])}) % 10")
+                lines.append(prefix + f"out({st[1]})")
+                print_ends.append(position)
+            elif st[1] in ("++", "--"):
+                lines.append(prefix + f"{st[0]} {st[1][0]}= 1")
+            else:
+                assert st[1] == "=" and len(st) == 4
+                lines.append(prefix + f"{st[0]} = {int(st[2])}")
+            kinds.add(st[1] if st[0] != "print" else "print")
         printed = []
         exec("\n".join(lines), {"__builtins__": {}, "out": printed.append})  # noqa: S102
-        assert [int(tok) for _, tok in answers] == printed
+        assert [int(tok) for _, tok in answers] == printed and printed
+        assert all(-8 <= v <= 16 for v in printed)
+        # each answer is predicted right after a print that ran, i.e. at the position after its ";"
+        assert {p for p, _ in answers} <= set(print_ends)
+        assert statements[-1][0] == "print" and answers[-1][0] == len(tokens) - 1
+    assert kinds == {"if", "=", "++", "--", "print"}
 
 
 def _eval_listops(tokens):
@@ -109,7 +126,7 @@ def test_listops_answers_match_an_independent_evaluator():
         value, end, depth = _eval_listops(tokens)
         assert tokens[end] == "=" and end + 2 == len(tokens)
         assert depth == 10
-        assert answers == [(len(tokens) - 1, str(value))]
+        assert answers == [(len(tokens) - 1, str(value))] and tokens[-1] == str(value)
 
 
 def test_build_task_rejects_bad_options():

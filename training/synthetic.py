@@ -10,9 +10,9 @@ Tasks (every example is a token sequence; the loss is on the answer tokens only,
   the delta rule keeps working).
 - ``retrieval_replace`` (setting 2): ``num_pairs`` (40) pairs whose keys are drawn with replacement from
   ``num_keys`` (20) keys; the query is a key that occurs; predict its latest value.
-- ``code`` (Irie et al. 2021 appendix B.1): straight-line programs over 3 or 5 variables: ``x = 3 ;``,
-  ``x = y ;``, ``x = y + 2 ;``, ``x = y - 1 ;`` and ``print x ;`` statements; predict every printed value
-  (values modulo ``modulus``, so one token each).
+- ``code`` (Irie et al. 2021 appendix B.1): programs over 3 or 5 variables of assignments ``x = 3 ;``,
+  increments ``x ++ ;`` / ``x -- ;``, conditionals ``if x > 3 : x -- ;`` and ``print x ;`` statements; predict
+  every printed value (in -8..16, one token each), which the input never shows.
 - ``listops`` (appendix B.4): a prefix ListOps expression of nesting depth exactly ``depth`` (10) over MIN, MAX, MED
   (lower median) and SM (sum modulo 10) on digits; predict its value.
 
@@ -86,8 +86,9 @@ class Vocabulary:
 
 
 # --------------------------------------------------------------------------------------------------
-# Task generators: each yields (tokens, answer_positions): the answer tokens are tokens[p] for p in answer_positions,
-# and the model predicts tokens[p] from tokens[:p].
+# Task generators: each yields (tokens, answers), answers a list of (p, symbol): the model predicts `symbol` from
+# tokens[:p] (the label at position p). In the retrieval and ListOps tasks the symbol is tokens[p] itself; in code
+# execution it is not part of the input (the program never shows what it prints).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -104,7 +105,7 @@ def pair_symbol(key: int, value: int) -> str:
 
 
 def retrieval_example(rng: np.random.Generator, num_pairs: int, num_keys: int, num_values: int,
-                      replace: bool) -> Tuple[List[str], List[int]]:
+                      replace: bool) -> Tuple[List[str], List[Tuple[int, str]]]:
     """``k3:v7 k1:v2 ... ? k3 -> v7``: S key-value pairs, one token each (key and value are given at the same step,
     as in Schlag et al. 2021 sec. 6.1, where the layer receives the key and value vectors directly), then ``?`` and
     the query key; the answer is its value. Setting 1: keys without replacement; setting 2 (`replace`): with
@@ -117,47 +118,60 @@ def retrieval_example(rng: np.random.Generator, num_pairs: int, num_keys: int, n
     latest = {int(k): int(v) for k, v in zip(keys, values)}
     tokens = [pair_symbol(int(k), int(v)) for k, v in zip(keys, values)]
     tokens += ["?", key_symbol(query), value_symbol(latest[query])]
-    return tokens, [len(tokens) - 1]
+    return tokens, [(len(tokens) - 1, tokens[-1])]
 
 
-def code_example(rng: np.random.Generator, num_variables: int, num_statements: int, modulus: int,
-                 num_prints: int) -> Tuple[List[str], List[int]]:
-    """A straight-line program over `num_variables` variables; after each ``print x ;`` the next token is x's value.
+CODE_MIN_VALUE, CODE_MAX_VALUE = -8, 16  # variables stay in this range (Irie et al. 2021, appendix B.1)
 
-    Every variable is first assigned a constant; then random statements ``x = c``, ``x = y``, ``x = y + c``,
-    ``x = y - c`` (c in 1..9 for +/-, values modulo `modulus`) with `num_prints` prints at random places.
+
+def code_example(rng: np.random.Generator, num_variables: int, num_statements: int) -> Tuple[List[str], List[Tuple[int, str]]]:
+    """A program of `num_statements` statements over `num_variables` variables, the code execution task
+    of Irie et al. 2021 (appendix B.1, after Fan et al. 2020). Statements, drawn uniformly:
+
+        x = 7 ;           assignment of a constant in 0..9 (the first statement is one)
+        x ++ ;  x -- ;    increment / decrement of an assigned variable (flipped when it would leave [-8, 16])
+        print x ;         of an assigned variable: the model must output its value (the last statement is one)
+        if x > 3 : S      (or ``<``) S one of the statements above, run only when the condition holds
+
+    The printed values are the answers, predicted right after each ``print x ;``; they are never part of the input
+    (the label at that position is the value, the input is the next statement's first token, or ``<eos>`` at the end).
     """
     names = [chr(ord("a") + i) for i in range(num_variables)]
     env: Dict[str, int] = {}
     tokens: List[str] = []
-    answers: List[int] = []
-    for name in names:
-        value = int(rng.integers(0, modulus))
-        env[name] = value
-        tokens += [name, "=", str(value), ";"]
-    print_at = set(rng.choice(num_statements, size=min(num_prints, num_statements), replace=False).tolist())
+    printed: List[Tuple[int, str]] = []  # (index of the print's ";", value)
+
+    def simple(kind: int, run: bool) -> None:
+        if kind == 0 or not env:  # assignment (the only statement possible before any variable exists)
+            name, value = names[int(rng.integers(num_variables))], int(rng.integers(10))
+            tokens.extend([name, "=", str(value), ";"])
+            if run:
+                env[name] = value
+        elif kind == 1:  # increment / decrement, kept inside the value range
+            name = sorted(env)[int(rng.integers(len(env)))]
+            step = 1 if rng.integers(2) else -1
+            if not CODE_MIN_VALUE <= env[name] + step <= CODE_MAX_VALUE:
+                step = -step
+            tokens.extend([name, "++" if step > 0 else "--", ";"])
+            if run:
+                env[name] += step
+        else:  # print
+            name = sorted(env)[int(rng.integers(len(env)))]
+            tokens.extend(["print", name, ";"])
+            if run:
+                printed.append((len(tokens) - 1, str(env[name])))
+
     for step in range(num_statements):
-        if step in print_at:
-            name = names[int(rng.integers(num_variables))]
-            tokens += ["print", name, ";"]
-            answers.append(len(tokens))
-            tokens.append(str(env[name]))
-            continue
-        target, source = names[int(rng.integers(num_variables))], names[int(rng.integers(num_variables))]
-        kind = int(rng.integers(4))
-        if kind == 0:
-            value = int(rng.integers(0, modulus))
-            tokens += [target, "=", str(value), ";"]
-        elif kind == 1:
-            value = env[source]
-            tokens += [target, "=", source, ";"]
+        kind = 0 if step == 0 else 2 if step == num_statements - 1 else int(rng.integers(4))
+        if kind == 3:  # conditional: a comparison of an assigned variable, then one simple statement
+            name, op, bound = sorted(env)[int(rng.integers(len(env)))], "<>"[int(rng.integers(2))], int(rng.integers(10))
+            tokens.extend(["if", name, op, str(bound), ":"])
+            holds = env[name] < bound if op == "<" else env[name] > bound
+            simple(int(rng.integers(3)), run=holds)
         else:
-            const = int(rng.integers(1, 10))
-            op = "+" if kind == 2 else "-"
-            value = (env[source] + const if op == "+" else env[source] - const) % modulus
-            tokens += [target, "=", source, op, str(const), ";"]
-        env[target] = value
-    return tokens, answers
+            simple(kind, run=True)
+    tokens.append("<eos>")
+    return tokens, [(at + 1, value) for at, value in printed]
 
 
 LISTOPS_OPERATORS = ("MIN", "MAX", "MED", "SM")
@@ -175,7 +189,7 @@ def listops_value(op: str, args: List[int]) -> int:
     raise ValueError(f"unknown ListOps operator {op!r}")
 
 
-def listops_example(rng: np.random.Generator, depth: int, max_args: int) -> Tuple[List[str], List[int]]:
+def listops_example(rng: np.random.Generator, depth: int, max_args: int) -> Tuple[List[str], List[Tuple[int, str]]]:
     """``[ OP a b [ OP c d ] ... ] = value``: a random prefix expression whose nesting depth is exactly `depth`."""
 
     def build(level: int) -> Tuple[List[str], int]:
@@ -195,7 +209,7 @@ def listops_example(rng: np.random.Generator, depth: int, max_args: int) -> Tupl
 
     tokens, value = build(1)
     tokens += ["=", str(value)]
-    return tokens, [len(tokens) - 1]
+    return tokens, [(len(tokens) - 1, tokens[-1])]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,7 +223,7 @@ class TaskSpec:
 
     name: str
     vocabulary: Vocabulary
-    make: Callable[[np.random.Generator], Tuple[List[str], List[int]]]
+    make: Callable[[np.random.Generator], Tuple[List[str], List[Tuple[int, str]]]]
     setting: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -230,15 +244,16 @@ def build_task(task: str, **options: Any) -> TaskSpec:
         setting = {"num_pairs": num_pairs, "num_keys": num_keys, "num_values": num_values}
     elif task == "code":
         num_variables = options.pop("num_variables", 3)
-        num_statements = options.pop("num_statements", 20)
-        modulus = options.pop("modulus", 10)
-        num_prints = options.pop("num_prints", 4)
+        num_statements = options.pop("num_statements", 30)
         if not 1 <= num_variables <= 26:
             raise ValueError(f"`num_variables` must be in 1..26, got {num_variables}")
+        if num_statements < 2:
+            raise ValueError(f"`num_statements` must be >= 2 (an assignment first, a print last), got {num_statements}")
         names = [chr(ord("a") + i) for i in range(num_variables)]
-        vocab = Vocabulary(specials + names + [str(i) for i in range(max(modulus, 10))])
-        make = lambda rng: code_example(rng, num_variables, num_statements, modulus, num_prints)  # noqa: E731
-        setting = {"num_variables": num_variables, "num_statements": num_statements, "modulus": modulus}
+        values = [str(v) for v in range(CODE_MIN_VALUE, CODE_MAX_VALUE + 1)]
+        vocab = Vocabulary(specials + ["if", "<", ">", ":", "++", "--", "<eos>"] + names + values)
+        make = lambda rng: code_example(rng, num_variables, num_statements)  # noqa: E731
+        setting = {"num_variables": num_variables, "num_statements": num_statements}
     elif task == "listops":
         depth = options.pop("depth", 10)
         max_args = options.pop("max_args", 3)
@@ -263,8 +278,8 @@ def generate_examples(spec: TaskSpec, num_examples: int, seed: int) -> Iterator[
         tokens, answers = spec.make(rng)
         ids = spec.vocabulary.encode(tokens)
         labels = [IGNORE_INDEX] * len(ids)
-        for p in answers:
-            labels[p] = ids[p]
+        for p, symbol in answers:
+            labels[p] = spec.vocabulary.index[symbol]
         yield {"input_ids": ids, "labels": labels}
 
 
@@ -329,18 +344,22 @@ def build_model(name: str, vocab_size: int, hidden_size: int, num_layers: int, n
 
 @torch.no_grad()
 def answer_metrics(model: torch.nn.Module, dataset: datasets.Dataset, batch_size: int = 64) -> Dict[str, float]:
-    """Mean cross entropy and accuracy over the answer tokens of `dataset`."""
+    """Mean cross entropy and accuracy over the answer tokens of `dataset` (token level), and the fraction of
+    examples whose answers are all right (sequence level; the same as token level for one answer per example)."""
     model.eval()
-    total_loss, correct, count = 0.0, 0, 0
+    total_loss, correct, count, sequences_correct = 0.0, 0, 0, 0
     for start in range(0, len(dataset), batch_size):
         batch = pad_collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
         labels = batch["labels"][:, 1:]
         mask = labels != IGNORE_INDEX
+        right = (logits.argmax(-1) == labels) & mask
         total_loss += torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
-        correct += (logits[mask].argmax(-1) == labels[mask]).sum().item()
+        correct += int(right.sum())
         count += int(mask.sum())
-    return {"loss": total_loss / max(count, 1), "accuracy": correct / max(count, 1), "answers": count}
+        sequences_correct += int((right.sum(-1) == mask.sum(-1)).sum())
+    return {"loss": total_loss / max(count, 1), "accuracy": correct / max(count, 1), "answers": count,
+            "sequence_accuracy": sequences_correct / max(len(dataset), 1)}
 
 
 def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_dir: Path) -> Dict[str, Any]:
@@ -370,7 +389,8 @@ def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_
         "model": model_name, "task": spec.name, **spec.setting,
         "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
         "steps": args.steps, "final_train_loss": final_train, "test_loss": metrics["loss"],
-        "test_accuracy": metrics["accuracy"], "test_answers": metrics["answers"], "seconds": seconds,
+        "test_accuracy": metrics["accuracy"], "test_sequence_accuracy": metrics["sequence_accuracy"],
+        "test_answers": metrics["answers"], "seconds": seconds,
         "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
     }
 
@@ -478,9 +498,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         spec = build_task(args.task, **options)
         for model_name in args.model:
             row = train_one(spec, model_name, args, out / "trainer")
-            logger.info("%s %s %s: final train loss %.3f, test loss %.3f, accuracy %.3f (%.0f s)", args.task,
-                        spec.setting, model_name, row["final_train_loss"], row["test_loss"], row["test_accuracy"],
-                        row["seconds"])
+            logger.info("%s %s %s: final train loss %.3f, test loss %.3f, accuracy %.3f (sequences %.3f) (%.0f s)",
+                        args.task, spec.setting, model_name, row["final_train_loss"], row["test_loss"],
+                        row["test_accuracy"], row["test_sequence_accuracy"], row["seconds"])
             rows.append(row)
     results = {"task": args.task, "args": vars(args), "results": rows}
     (out / f"{args.task}.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
