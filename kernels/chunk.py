@@ -360,5 +360,35 @@ def linear_attention_chunk(
 
     Args and returns as in :func:`delta_rule_chunk`, without `beta`.
     """
+    if q.shape[2] <= chunk_size:
+        return linear_attention_one_chunk(q, k, v, initial_state, output_final_state)
     o, final = ChunkFastWeightFunction.apply(q, k, v, None, initial_state, chunk_size)
     return o, (final if output_final_state else None)
+
+
+def linear_attention_one_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Sum rule over a sequence that fits in one chunk, in closed form: with ``S_0`` the initial state,
+
+        o = tril(Q K^T) V + Q S_0^T,        S_T = S_0 + V^T K
+
+    three batched matmuls (and autograd's for the backward), no chunk loop: what short segments (Transformer-XL
+    segments, the FWL's fast pass over them) and decoding of a few tokens cost. Same args and returns as
+    :func:`linear_attention_chunk`; accumulates in float32 (float64 for float64 inputs).
+    """
+    acc = _acc_dtype(q, k, v, None, initial_state)
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    o = torch.matmul(torch.matmul(qa, ka.transpose(-1, -2)).tril(), va)
+    if initial_state is not None:
+        o = o + torch.matmul(qa, initial_state.to(acc).transpose(-1, -2))
+    final = None
+    if output_final_state:
+        final = torch.matmul(va.transpose(-1, -2), ka)
+        if initial_state is not None:
+            final = final + initial_state.to(acc)
+    return o.to(q.dtype), final

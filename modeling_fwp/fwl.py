@@ -26,8 +26,9 @@ next token arrives.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Dict, Iterable, Optional, Tuple, Union
+from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -247,7 +248,7 @@ class _FastUpdates:
         """Turns a slow output into the fast one, at the positions `keep`: for a fast matrix (``y = M q``, query
         ``[B, T, Dk]``) ``x - alpha * sum_{j<t} (q_t . k_j) v_j``, for a fast vector ``x - alpha * sum_{j<t} g_j``;
         x itself for a slow parameter."""
-        if name not in self.head.fast_parameter_names:
+        if name not in self.head._active:
             return x
         return x - self._correction(name, query)[:, keep]
 
@@ -342,9 +343,24 @@ class FWLHead(nn.Module):
         self.gradient_dtype = dtype
         # alpha = softplus(raw), one per fast parameter tensor
         self.raw_step_size = nn.Parameter(torch.full((len(fast_parameters),), _inverse_softplus(step_size_init)))
-        self._value_names = {GRADIENT_TERMS[name][1] for name in self.fast_parameter_names}
+        self._set_active(self.fast_parameter_names)
+
+    def _set_active(self, names: Tuple[str, ...]) -> None:
+        """The parameters whose fast values the forward computes (all fast ones, or none inside ``slow_only``)."""
+        self._active = names
+        self._value_names = {GRADIENT_TERMS[name][1] for name in names}
         self._gradient_depth = max((_GRADIENT_DEPTH[v] for v in self._value_names), default=-1)
-        self._fast_hidden = any(name in _HIDDEN_PARAMETERS for name in self.fast_parameter_names)
+        self._fast_hidden = any(name in _HIDDEN_PARAMETERS for name in names)
+
+    @contextlib.contextmanager
+    def slow_only(self) -> Iterator["FWLHead"]:
+        """Inside this context the head runs with its slow weights only (no per-token gradients, no fast pass): the
+        ablation that tells the fast weights' share of a trained FWL's gain from its slow head's."""
+        self._set_active(())
+        try:
+            yield self
+        finally:
+            self._set_active(self.fast_parameter_names)
 
     def step_size(self, name: str) -> torch.Tensor:
         """The learned step size alpha (a positive scalar tensor) of fast parameter `name`."""
@@ -383,7 +399,7 @@ class FWLHead(nn.Module):
         mask = None if attention_mask is None else attention_mask[:, -T:].to(hidden_states.dtype)
         slow = self.slow
         inter = slow.hidden_intermediates(hidden_states)  # slow pass (eq. 1)
-        fast_output = self._fast_hidden or "output_embedding.weight" in self.fast_parameter_names
+        fast_output = self._fast_hidden or "output_embedding.weight" in self._active
         keep = _keep_index(logits_to_keep, T)
         # Outside autograd (fp32/fp64) the slow logits become their gradient in place, and when every position's fast
         # logits are wanted (scoring) they are written into the same [B, T, V] buffer: as many such tensors as the

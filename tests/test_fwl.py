@@ -316,8 +316,14 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
         assert saved[stage]["tokens_first"] + saved[stage]["tokens_repeated"] == saved[stage]["tokens"]
         assert saved[stage]["tokens_repeated"] > 0 and math.isfinite(saved[stage]["ppl"])
     assert set(saved["fwl_vs_finetuned"]) == {"ppl_ratio", "ppl_first_ratio", "ppl_repeated_ratio"}
+    assert set(saved["fwl_fast_weight_gain"]) == {"ppl_ratio", "ppl_first_ratio", "ppl_repeated_ratio"}
     assert saved["sample"]["cached_equals_uncached"] is True and saved["world_size"] == 1
     assert "(3) fine-tuned + FWL" in finetune_fwl.report(saved)
+    # the slow-head ablation of (3): same tokens, and the fast weights' share of the gain is reported
+    assert saved["base_fwl_slow_only"]["tokens"] == saved["base_fwl"]["tokens"]
+    assert saved["fwl_fast_weight_gain"]["ppl_ratio"] == pytest.approx(
+        saved["base_fwl"]["ppl"] / saved["base_fwl_slow_only"]["ppl"])
+    assert "fast updates off" in finetune_fwl.report(saved)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "base_fwl" / "final")
     assert isinstance(loaded, FWLForCausalLM)
     # rerunning resumes: the finished stages are loaded, not retrained, and give the same numbers
@@ -341,6 +347,20 @@ def test_bf16_gradient_option_approximates_the_exact_head():
     torch.testing.assert_close(prefix, fast[:, :6])  # still causal: a prefix gives the same logits
     with pytest.raises(ValueError, match="fwl_gradient_dtype"):
         FWLConfig(text_config=tiny_llama_config(), fwl_gradient_dtype="bf16")
+
+
+def test_slow_only_runs_the_slow_head_and_restores_the_fast_weights():
+    """``FWLHead.slow_only()``: the logits become exactly ``head.slow`` of the base's hidden states (the ablation the
+    fine-tuning report uses); on leaving, the fast forward is back."""
+    model = tiny_fwl("llama", fwl_fast_parameters=ALL_FAST)
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        fast = model(ids).logits
+        slow = model.fwl_head.slow(model.language_model.model(ids).last_hidden_state)
+        with model.fwl_head.slow_only():
+            torch.testing.assert_close(model(ids).logits, slow, rtol=0, atol=0)
+        torch.testing.assert_close(model(ids).logits, fast, rtol=0, atol=0)
+    assert (fast - slow).abs().max() > 1e-3  # the fast weights do change the logits here
 
 
 @pytest.mark.parametrize("use_cache", [False, True])

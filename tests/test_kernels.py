@@ -186,6 +186,22 @@ def test_chunk_paths_float32_bfloat16(chunk_path, rule, dtype):
     assert_close(got, ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_linear_attention_one_chunk_closed_form(dtype, monkeypatch):
+    """A sequence that fits in one chunk takes the closed form (tril(QK^T)V + QS0^T, S0 + V^TK) and matches the
+    step loop in outputs, final state and every gradient (initial state included)."""
+    from fwp_kernels import chunk
+
+    calls = []
+    closed_form = chunk.linear_attention_one_chunk
+    monkeypatch.setattr(chunk, "linear_attention_one_chunk", lambda *a: calls.append(1) or closed_form(*a))
+    inputs, ref = case("sum", 2, 3, 48, 24, 40, dtype, seed=5)
+    got = outputs_and_grads("sum", inputs, mode="chunk", chunk_size=64)
+    assert calls and got["o"].dtype == dtype
+    assert got["final_state"].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close(got, ref, TOL[dtype])
+
+
 @pytest.mark.parametrize("rule", RULES)
 def test_cpp_kernel_agrees_with_pytorch_path(rule, monkeypatch):
     """Same inputs through both paths, float32, T = 300 (no multiple of C), a leaf initial state; also

@@ -3,7 +3,9 @@
 Three validation perplexities, on the same blocks:
   (1) the base model as it is;
   (2) the base model fine-tuned without FWL for the same steps, data and hyperparameters (the fair baseline);
-  (3) base + FWL (``FWLForCausalLM``), fine-tuned.
+  (3) base + FWL (``FWLForCausalLM``), fine-tuned;
+  (3') the same model with its fast updates off (``FWLHead.slow_only``: its slow head alone), which separates the
+       fast weights' share of (3)'s gain from the extra slow parameters';
 and (3) vs (2) broken down by first-occurrence vs repeated target tokens (a target is "repeated" when it already
 occurred earlier in its block), as in the paper's Figure 2: fast weights should help most on repeated tokens.
 
@@ -310,11 +312,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
             fwl_config["fwl_intermediate_size"] = args.fwl_intermediate_size
         model = FWLForCausalLM.from_base_pretrained(args.model, freeze_base=args.freeze_base, **fwl_config)
     results["base_fwl"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
+    # (3) with its fast updates off (the slow head alone): how much of (3)'s gain the fast weights make
+    with model.fwl_head.slow_only():
+        results["base_fwl_slow_only"] = run_stage(stage, model, blocks, tokenizer, args, train=False)
 
-    base_ft, fwl = results["base_finetuned"], results["base_fwl"]
-    results["fwl_vs_finetuned"] = {
-        f"ppl{part}_ratio": fwl[f"ppl{part}"] / base_ft[f"ppl{part}"] for part in ("", "_first", "_repeated")
-    }
+    def ratios(a: Dict[str, float], b: Dict[str, float]) -> Dict[str, float]:
+        return {f"ppl{part}_ratio": a[f"ppl{part}"] / b[f"ppl{part}"] for part in ("", "_first", "_repeated")}
+
+    results["fwl_vs_finetuned"] = ratios(results["base_fwl"], results["base_finetuned"])
+    results["fwl_fast_weight_gain"] = ratios(results["base_fwl"], results["base_fwl_slow_only"])
     from modeling_fwp.hub import args_without_secrets, push_if_requested
 
     results["settings"] = args_without_secrets(args)
@@ -349,18 +355,22 @@ def generate_sample(model, tokenizer, block_ids: List[int], args) -> Dict[str, o
 
 def report(results: Dict[str, Dict[str, float]]) -> str:
     """The perplexity table (Clark et al.'s comparison and Figure 2 breakdown) and the generated sample, as text."""
-    names = {"base": "(1) base model", "base_finetuned": "(2) fine-tuned, no FWL", "base_fwl": "(3) fine-tuned + FWL"}
+    names = {"base": "(1) base model", "base_finetuned": "(2) fine-tuned, no FWL", "base_fwl": "(3) fine-tuned + FWL",
+             "base_fwl_slow_only": "(3') (3), fast updates off"}
+    width = 30
     lines = [
         f"Validation perplexity ({results['base']['tokens']} tokens; first occurrence / repeated in their block):",
-        f"  {'model':<26}{'all':>10}{'first':>10}{'repeated':>10}",
+        f"  {'model':<{width}}{'all':>10}{'first':>10}{'repeated':>10}",
     ]
     for stage, label in names.items():
-        r = results[stage]
-        lines.append(f"  {label:<26}{r['ppl']:>10.3f}{r['ppl_first']:>10.3f}{r['ppl_repeated']:>10.3f}")
-    ratio = results["fwl_vs_finetuned"]
-    lines.append(
-        f"  {'(3) / (2)':<26}{ratio['ppl_ratio']:>10.4f}{ratio['ppl_first_ratio']:>10.4f}{ratio['ppl_repeated_ratio']:>10.4f}"
-    )
+        if stage in results:
+            r = results[stage]
+            lines.append(f"  {label:<{width}}{r['ppl']:>10.3f}{r['ppl_first']:>10.3f}{r['ppl_repeated']:>10.3f}")
+    for key, label in (("fwl_vs_finetuned", "(3) / (2)"), ("fwl_fast_weight_gain", "(3) / (3'): fast weights")):
+        if key in results:
+            ratio = results[key]
+            lines.append(f"  {label:<{width}}{ratio['ppl_ratio']:>10.4f}{ratio['ppl_first_ratio']:>10.4f}"
+                         f"{ratio['ppl_repeated_ratio']:>10.4f}")
     lines.append(f"  tokens: {results['base']['tokens_first']} first occurrences, {results['base']['tokens_repeated']} repeated")
     sample = results.get("sample")
     if sample:
