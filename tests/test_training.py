@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from pathlib import Path
 
@@ -233,4 +232,31 @@ def test_synthetic_tasks_train(task, tmp_path):
                               "--hidden_size", "16", "--layers", "1", "--eval_examples", "4",
                               "--output_dir", str(tmp_path)])
     assert (tmp_path / f"{task}.json").is_file() and len(results["results"]) == 1
-    assert re.match(r"^\d", str(results["results"][0]["test_accuracy"]))
+    row = results["results"][0]
+    assert 0 <= row["test_sequence_accuracy"] <= 1 and 0 <= row["test_accuracy"] <= 1
+    if task != "code":  # one answer per example: both levels agree
+        assert row["test_sequence_accuracy"] == row["test_accuracy"]
+    table = (tmp_path / f"{task}.md").read_text()
+    assert table.startswith("| ") and f"| {row['model']} | {row['test_accuracy']:.3f} |" in table
+
+
+def test_answer_metrics_token_and_sequence_level():
+    """An oracle that knows every answer but one: token accuracy counts answers, sequence accuracy examples."""
+    spec = synthetic.build_task("code", num_statements=12)
+    data = synthetic.make_dataset(spec, 6, seed=0)
+    vocab = len(spec.vocabulary)
+
+    class Oracle(torch.nn.Module):
+        def forward(self, input_ids):
+            batch = synthetic.pad_collator([data[i] for i in range(len(data))])
+            labels = batch["labels"][:, 1:].clamp_min(0)
+            logits = torch.nn.functional.one_hot(labels, vocab).float()
+            logits[0, (batch["labels"][0, 1:] >= 0).nonzero()[0, 0]] = 0  # the first answer of example 0: wrong
+            logits = torch.cat([logits, logits[:, -1:]], 1)
+            return type("Out", (), {"logits": logits})()
+
+    metrics = synthetic.answer_metrics(Oracle(), data, batch_size=len(data))
+    answers = sum(sum(label >= 0 for label in ex) for ex in data["labels"])
+    assert metrics["answers"] == answers
+    assert metrics["accuracy"] == pytest.approx((answers - 1) / answers)
+    assert metrics["sequence_accuracy"] == pytest.approx(5 / 6)

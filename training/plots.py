@@ -77,3 +77,35 @@ def plot_learning_curves(rows: List[Dict[str, Any]], path: Path) -> Optional[Pat
     ax.set_ylabel("held-out loss")
     ax.set_title("Update rules (setting 2)")
     return _save(plt, fig, ax, path)
+
+
+def plot_final_loss(rows: List[Dict[str, Any]], x_key: str, path: Path) -> Optional[Path]:
+    """Final held-out loss against the swept setting `x_key`, one line per model (``training.synthetic`` rows:
+    keys ``model``, `x_key`, ``test_loss``)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        points = sorted((r[x_key], r["test_loss"]) for r in rows if r["model"] == model)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=model)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("final loss (held-out answers)")
+    return _save(plt, fig, ax, path)
+
+
+def plot_training_loss(rows: List[Dict[str, Any]], x_key: str, path: Path, title: str) -> Optional[Path]:
+    """Training loss on the answers against steps, one line per model and setting (``training.synthetic`` rows:
+    keys ``model``, `x_key`, ``loss_curve``)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for row in rows:
+        curve = row["loss_curve"]
+        ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=f"{row['model']} ({x_key}={row[x_key]})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training loss (answers)")
+    ax.set_title(title)
+    return _save(plt, fig, ax, path)
+

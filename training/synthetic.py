@@ -26,7 +26,8 @@ the value read-out, no LM around it: ``training/associative_retrieval.py``) runs
     python -m training.synthetic --task capacity --memory linear dpfp1 softmax --num_keys 8 16 32 --d_key 16
 
 (``OMP_NUM_THREADS=1`` is much faster for these tiny models on a busy CPU.) Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accuracy per model and setting) and, when
-matplotlib is installed, ``<output_dir>/<task>.png`` (final loss against the swept setting, one line per model).
+matplotlib is installed, ``<output_dir>/<task>.png`` (retrieval: final loss against the swept setting, one line per model;
+code and ListOps: training curves), and ``<output_dir>/<task>.md``, the accuracy table (token and sequence level).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArgu
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 
-from . import associative_retrieval  # noqa: E402
+from . import associative_retrieval, plots  # noqa: E402
 
 logger = logging.getLogger("training.synthetic")
 
@@ -395,27 +396,14 @@ def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_
     }
 
 
-def plot_results(rows: List[Dict[str, Any]], x_key: str, path: Path) -> Optional[Path]:
-    """Final loss against `x_key`, one line per model (the papers' capacity plot). None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot (pip install matplotlib)")
-        return None
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for model in dict.fromkeys(r["model"] for r in rows):
-        points = sorted((r[x_key], r["test_loss"]) for r in rows if r["model"] == model)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=model)
-    ax.set_xlabel(x_key)
-    ax.set_ylabel("final loss (held-out answers)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+def accuracy_table(rows: List[Dict[str, Any]], x_key: str) -> str:
+    """The runs as a markdown table: setting, model, held-out token- and sequence-level accuracy, loss, cost."""
+    lines = [f"| {x_key} | model | token accuracy | sequence accuracy | test loss | steps | seconds |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r[x_key]} | {r['model']} | {r['test_accuracy']:.3f} | {r['test_sequence_accuracy']:.3f} | "
+                     f"{r['test_loss']:.3f} | {r['steps']} | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -504,7 +492,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             rows.append(row)
     results = {"task": args.task, "args": vars(args), "results": rows}
     (out / f"{args.task}.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    plot = plot_results(rows, SWEEPS[args.task], out / f"{args.task}.png")
+    (out / f"{args.task}.md").write_text(accuracy_table(rows, SWEEPS[args.task]), encoding="utf-8")
+    if args.task in ("retrieval", "retrieval_replace"):  # the capacity-style sweep
+        plot = plots.plot_final_loss(rows, SWEEPS[args.task], out / f"{args.task}.png")
+    else:
+        plot = plots.plot_training_loss(rows, SWEEPS[args.task], out / f"{args.task}.png", title=f"{args.task}")
     results["plot"] = str(plot) if plot else None
     return results
 
