@@ -471,9 +471,16 @@ class FWLHead(nn.Module):
         if reuse_buffer:
             logits = slow.output_logits(o, out=inter["logits"])
         elif fast_output:
-            logits = slow.output_logits(o[:, keep])
-            if output_state:  # the last position's slow logits, for its gradient in the next call
-                last_slow_logits = slow.output_logits(inter["o"][:, -1:])
+            o_keep = o[:, keep]
+            if output_state and o_keep.shape[1] == 1:
+                # A decode step: the fast logits and the last position's slow logits (for its gradient in the next
+                # call) in one matmul, so that E is read from memory once for both.
+                both = slow.output_logits(torch.cat([o_keep, inter["o"][:, -1:]], 1))
+                logits, last_slow_logits = both[:, :1].contiguous(), both[:, 1:]
+            else:
+                logits = slow.output_logits(o_keep)
+                if output_state:  # the last position's slow logits, for its gradient in the next call
+                    last_slow_logits = slow.output_logits(inter["o"][:, -1:])
             logits = updates.subtract(logits, "output_embedding.weight", o, keep)
         else:
             logits = inter["logits"][:, keep]
