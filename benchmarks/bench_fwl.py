@@ -36,6 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from modeling_fwp import FWLForCausalLM  # noqa: E402
+from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -98,15 +99,15 @@ def decode_step_times(models: dict, prompt: torch.Tensor, steps: int) -> dict[st
     state = {}
     for name, model in models.items():
         out = model(prompt, use_cache=True)
-        state[name] = (out.past_key_values, out.logits[:, -1:].argmax(-1))
+        state[name] = (output_cache(out), out.logits[:, -1:].argmax(-1))
     times = {name: [] for name in models}
     for _ in range(steps + 2):  # the first two steps are warm-up
         for name, model in models.items():
             cache, token = state[name]
             with Timer() as timer:
-                out = model(token, past_key_values=cache, use_cache=True)
+                out = model(token, use_cache=True, **{CACHE_ARGUMENT: cache})
             times[name].append(timer)
-            state[name] = (out.past_key_values, out.logits[:, -1:].argmax(-1))
+            state[name] = (output_cache(out), out.logits[:, -1:].argmax(-1))
     return {name: t[2:] for name, t in times.items()}
 
 

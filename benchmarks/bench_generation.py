@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import modeling_fwp  # noqa: E402
 from modeling_fwp import DeltaNetConfig, DeltaNetForCausalLM  # noqa: E402
+from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
 
 
 def cache_nbytes(cache) -> int:
@@ -38,8 +39,8 @@ def prefill(model, context: int, vocab: int, chunk: int = 2048):
     ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
     cache = None
     for start in range(0, context, chunk):
-        out = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(ids[:, start : start + chunk], use_cache=True, **{CACHE_ARGUMENT: cache})
+        cache = output_cache(out)
     return cache, out.logits[:, -1:].argmax(-1)
 
 
@@ -56,9 +57,9 @@ def decode_latencies(model, contexts: list[int], steps: int, vocab: int) -> list
     for step in range(steps + 4):
         for i in range(len(contexts)):
             t0 = time.perf_counter()
-            out = model(tokens[i], past_key_values=caches[i], use_cache=True)
+            out = model(tokens[i], use_cache=True, **{CACHE_ARGUMENT: caches[i]})
             times[i].append(time.perf_counter() - t0)
-            caches[i], tokens[i] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            caches[i], tokens[i] = output_cache(out), out.logits[:, -1:].argmax(-1)
     return [(statistics.median(t[4:]), cache_nbytes(c)) for t, c in zip(times, caches)]
 
 

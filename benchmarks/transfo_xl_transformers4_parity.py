@@ -60,6 +60,7 @@ def check(folder: Path, output: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from modeling_fwp import convert_transfo_xl_checkpoint
+    from modeling_fwp.cache_fwp import output_cache
 
     report = {}
     for name in VARIANTS:
@@ -67,8 +68,8 @@ def check(folder: Path, output: Path) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder / f"{name}_converted").eval()
         expected = torch.load(folder / name / "expected.pt", weights_only=True)
         with torch.no_grad():
-            first = model(expected["ids"], past_key_values=model.init_memories(2))
-            second = model(expected["ids2"], past_key_values=first.past_key_values)
+            first = model(expected["ids"], cache=model.init_memories(2))
+            second = model(expected["ids2"], cache=output_cache(first))
         report[name] = {
             "max_abs_diff_segment_1": (first.logits - expected["scores1"]).abs().max().item(),
             "max_abs_diff_segment_2": (second.logits - expected["scores2"]).abs().max().item(),

@@ -13,8 +13,29 @@ from typing import Dict, Optional
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .remote_code import FastWeightHubMixin
+
+
+# transformers 5.24 renamed the cache argument of `forward` and the cache field of model outputs from `past_key_values`
+# to `cache` (the old name stays accepted, with a deprecation warning, until 5.40). Our models take both names; this is
+# the one the installed transformers uses, for outputs and for calling its models.
+CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def resolve_cache_argument(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
+    """The cache a caller passed as ``cache`` (transformers >= 5.24) or ``past_key_values`` (the older name)."""
+    if past_key_values is None:
+        return cache
+    if cache is not None and cache is not past_key_values:
+        raise ValueError("Pass the cache as `cache` or as `past_key_values` (its older name), not both")
+    return past_key_values
+
+
+def output_cache(outputs) -> Optional[Cache]:
+    """The cache of a model output, whichever name the installed transformers gives that field."""
+    return outputs.get(CACHE_ARGUMENT)
 
 
 class FastWeightCacheLayer(CacheLayerMixin):
@@ -159,7 +180,7 @@ class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
     Hub (``FastWeightHubMixin``)."""
 
     supports_gradient_checkpointing = True
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _is_stateful = True
 
     @classmethod

@@ -50,7 +50,7 @@ class FWLConfig(PreTrainedConfig):
     """
 
     model_type = "fwp_fwl"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
 
     text_config: dict | PreTrainedConfig | None = None

@@ -32,7 +32,7 @@ class FastWeightConfig(PreTrainedConfig):
     """
 
     model_type = "fwp_fast_weight"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     # The feature maps this family's fast-weight layer implements (a class attribute, not a config field).
     supported_feature_maps = FEATURE_MAPS
 

@@ -56,7 +56,7 @@ class TransfoXLConfig(PreTrainedConfig):
     """
 
     model_type = "fwp_transfo_xl"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     attribute_map = {
         "d_model": "hidden_size",
         "d_embed": "embedding_size",

@@ -29,6 +29,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .cache_fwp import CACHE_ARGUMENT, output_cache
+
 Params = Dict[str, torch.Tensor]
 
 
@@ -108,13 +110,13 @@ def segment_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, 
     stream cut into segments has every token scored exactly once. ``params`` replaces the model's parameters.
     """
     kwargs = dict(
-        input_ids=inputs, labels=inputs, shift_labels=targets, num_items_in_batch=1, past_key_values=cache, use_cache=True
+        input_ids=inputs, labels=inputs, shift_labels=targets, num_items_in_batch=1, use_cache=True, **{CACHE_ARGUMENT: cache}
     )
     if getattr(model, "loss_covers_all_positions", False):
         kwargs["logits_to_keep"] = 1  # the loss does not need [B, T, V] logits (Transformer-XL's adaptive softmax)
     with swapped_parameters(model, params):
         out = model(**kwargs)
-    return out.loss, out.past_key_values
+    return out.loss, output_cache(out)
 
 
 def _segments(num_tokens: int, segment_length: int) -> Iterator[tuple]:

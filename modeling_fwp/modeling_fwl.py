@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_fwl import FWLConfig
 from .fwl import FWLCache, FWLHead, FWLSlowHead, _inverse_softplus
-from .cache_fwp import StatefulPreTrainedModel
+from .cache_fwp import CACHE_ARGUMENT, StatefulPreTrainedModel, output_cache, resolve_cache_argument
 
 # Keyword arguments that belong to the loss (Trainer passes them), not to the base model.
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
@@ -142,26 +142,28 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[FWLCache] = None,
+        cache: Optional[FWLCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        past_key_values: Optional[FWLCache] = None,
         **kwargs,
     ) -> Union[CausalLMOutputWithPast, Tuple]:
         """
         Args:
             input_ids: ``[B, T]`` token ids. Required: the FWL learns from each position's next token.
             attention_mask: ``[B, T]`` or ``[B, past + T]`` padding mask; padded positions neither learn nor teach.
-            past_key_values: an ``FWLCache`` (base model cache + FWL state) to continue from; updated in place.
+            cache: an ``FWLCache`` (base model cache + FWL state) to continue from, updated in place
+                (``past_key_values``, its name before transformers 5.24, works too).
             labels: ``[B, T]`` ids (shifted inside; -100 ignored); with ``num_items_in_batch`` (Trainer) the loss is
                 the token sum divided by that count.
             logits_to_keep: an int n keeps the last n positions' logits (0 keeps all), a tensor selects positions.
             Other arguments go to the base model.
         Returns:
-            ``CausalLMOutputWithPast(loss, logits [B, T', V], past_key_values, hidden_states)``.
+            ``CausalLMOutputWithPast(loss, logits [B, T', V], cache, hidden_states)``.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -170,28 +172,26 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
                 "FWLForCausalLM needs `input_ids` (not only `inputs_embeds`): the FWL head learns from each position's "
                 "next token"
             )
-        if past_key_values is not None and not isinstance(past_key_values, FWLCache):
-            raise ValueError(
-                f"`past_key_values` must be an FWLCache (or None), got {type(past_key_values).__name__}"
-            )
+        cache = resolve_cache_argument(cache, past_key_values)
+        if cache is not None and not isinstance(cache, FWLCache):
+            raise ValueError(f"`cache` (`past_key_values`) must be an FWLCache (or None), got {type(cache).__name__}")
         loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
         base_kwargs = dict(kwargs)
         if output_hidden_states:
             base_kwargs["output_hidden_states"] = True
+        base_kwargs[CACHE_ARGUMENT] = cache.base_cache if cache is not None else None
         outputs = self.language_model.base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values.base_cache if past_key_values is not None else None,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **base_kwargs,
         )
         hidden_states = outputs[0]
 
-        cache = past_key_values
         if use_cache and cache is None:
-            cache = FWLCache(getattr(outputs, "past_key_values", None))
+            cache = FWLCache(output_cache(outputs))
         state = cache.get_state() if cache is not None else None
         if state is not None:
             state = {name: t.detach() for name, t in state.items()}  # gradients stop at segment boundaries
@@ -214,7 +214,7 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=cache,
             hidden_states=getattr(outputs, "hidden_states", None),
+            **{CACHE_ARGUMENT: cache},
         )
         return output if return_dict else output.to_tuple()

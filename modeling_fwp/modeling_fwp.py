@@ -17,7 +17,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_fwp import FastWeightCache, StatefulPreTrainedModel
+from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, StatefulPreTrainedModel, output_cache, resolve_cache_argument
 from .configuration_fwp import (
     DeltaDeltaNetConfig,
     DeltaLSTMConfig,
@@ -135,22 +135,24 @@ class FastWeightModel(FastWeightPreTrainedModel):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[FastWeightCache] = None,
+        cache: Optional[FastWeightCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        past_key_values: Optional[FastWeightCache] = None,
         **kwargs,
     ) -> Union[BaseModelOutputWithPast, Tuple]:
         """
         Args:
             input_ids: ``[B, T]`` token ids in ``[0, vocab_size)`` (or ``inputs_embeds [B, T, D]``).
             attention_mask: ``[B, T]`` or ``[B, past + T]`` padding mask (1 = token, 0 = padding).
-            past_key_values: a ``FastWeightCache`` to continue from; it is updated in place and returned.
-                Its state is detached: gradients stop at segment boundaries.
-            use_cache: return a cache (a new one when ``past_key_values`` is None).
+            cache: a ``FastWeightCache`` to continue from (``past_key_values``, its name before transformers 5.24,
+                works too); it is updated in place and returned. Its state is detached: gradients stop at segment
+                boundaries.
+            use_cache: return a cache (a new one when ``cache`` is None).
         Returns:
-            ``BaseModelOutputWithPast(last_hidden_state [B, T, D], past_key_values, hidden_states)``.
+            ``BaseModelOutputWithPast(last_hidden_state [B, T, D], cache, hidden_states)``.
         """
         config = self.config
         output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
@@ -168,19 +170,20 @@ class FastWeightModel(FastWeightPreTrainedModel):
                 )
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len = inputs_embeds.shape[:2]
+        cache = resolve_cache_argument(cache, past_key_values)
 
-        if past_key_values is not None and not isinstance(past_key_values, FastWeightCache):
+        if cache is not None and not isinstance(cache, FastWeightCache):
             raise ValueError(
-                f"`past_key_values` must be a FastWeightCache (or None), got {type(past_key_values).__name__}"
+                f"`cache` (`past_key_values`) must be a FastWeightCache (or None), got {type(cache).__name__}"
             )
-        if past_key_values is not None and past_key_values.batch_size not in (-1, batch_size):
+        if cache is not None and cache.batch_size not in (-1, batch_size):
             raise ValueError(
-                f"`past_key_values` holds a state for batch size {past_key_values.batch_size}, but the input has "
+                f"`cache` (`past_key_values`) holds a state for batch size {cache.batch_size}, but the input has "
                 f"batch size {batch_size}"
             )
-        if past_key_values is None and use_cache:
-            past_key_values = FastWeightCache(config.num_hidden_layers)
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cache is None and use_cache:
+            cache = FastWeightCache(config.num_hidden_layers)
+        past_len = cache.get_seq_length() if cache is not None else 0
         token_mask = self._token_mask(attention_mask, batch_size, seq_len, past_len)
 
         if self.training and past_len == 0:
@@ -193,7 +196,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
         hidden_states = inputs_embeds
         if config.position_embedding_type != "none":
             if position_ids is None:
-                position_ids = self._positions(token_mask, past_key_values, batch_size, seq_len, hidden_states.device)
+                position_ids = self._positions(token_mask, cache, batch_size, seq_len, hidden_states.device)
             if config.position_embedding_type == "learned":
                 if int(position_ids.max()) >= config.max_position_embeddings:
                     raise ValueError(
@@ -211,25 +214,25 @@ class FastWeightModel(FastWeightPreTrainedModel):
         for layer_idx, block in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            state = past_key_values.get_state(layer_idx) if past_key_values is not None else None
+            state = cache.get_state(layer_idx) if cache is not None else None
             if state is not None:
                 state = {name: t.detach() for name, t in state.items()}
             hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
-            if past_key_values is not None:
-                past_key_values.set_state(layer_idx, new_state, seq_len)
+            if cache is not None:
+                cache.set_state(layer_idx, new_state, seq_len)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
 
-        if past_key_values is not None:
+        if cache is not None:
             new_tokens = token_mask.sum(-1).long() if token_mask is not None else torch.full(
                 (batch_size,), seq_len, dtype=torch.long, device=hidden_states.device
             )
-            counts = past_key_values.token_counts
-            past_key_values.token_counts = new_tokens if counts is None else counts + new_tokens
+            counts = cache.token_counts
+            cache.token_counts = new_tokens if counts is None else counts + new_tokens
 
         output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_ARGUMENT: cache}
         )
         return output if return_dict else output.to_tuple()
 
@@ -263,13 +266,14 @@ class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[FastWeightCache] = None,
+        cache: Optional[FastWeightCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        past_key_values: Optional[FastWeightCache] = None,
         **kwargs,
     ) -> Union[CausalLMOutputWithPast, Tuple]:
         """
@@ -279,14 +283,14 @@ class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
             logits_to_keep: an int n keeps the last n positions' logits (0 keeps all), a tensor selects positions.
             Other arguments as in ``FastWeightModel.forward``.
         Returns:
-            ``CausalLMOutputWithPast(loss, logits [B, T', V], past_key_values, hidden_states)``.
+            ``CausalLMOutputWithPast(loss, logits [B, T', V], cache, hidden_states)``.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=resolve_cache_argument(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -304,7 +308,7 @@ class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
         output = CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, **{CACHE_ARGUMENT: output_cache(outputs)}
         )
         return output if return_dict else output.to_tuple()
 

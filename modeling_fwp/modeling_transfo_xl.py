@@ -25,7 +25,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_fwp import FastWeightCache, StatefulPreTrainedModel
+from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, StatefulPreTrainedModel, output_cache, resolve_cache_argument
 from .configuration_transfo_xl import TransfoXLConfig
 from .fwl import _HIDDEN_PARAMETERS, FWLHead, FWLSlowHead, _inverse_softplus
 from .modeling_fwp import FeedForward, sinusoidal_position_embedding
@@ -547,7 +547,7 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
 
     def init_memories(self, batch_size: int) -> TransfoXLCache:
         """A cache holding ``mem_len`` all-zero memories: transformers-4's ``init_mems``, whose first segment attends to
-        zero states. Pass it as ``past_key_values`` to reproduce a transformers-4 run exactly; by default (no cache) the
+        zero states. Pass it as ``cache`` to reproduce a transformers-4 run exactly; by default (no cache) the
         first segment has no memory, as in the original implementation (kimiyoung/transformer-xl)."""
         param = self.word_embeddings.layers[0].weight
         cache = TransfoXLCache(self.config.num_hidden_layers, use_fwl=self.config.use_fwl)
@@ -575,11 +575,12 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
-        past_key_values: Optional[TransfoXLCache] = None,
+        cache: Optional[TransfoXLCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        past_key_values: Optional[TransfoXLCache] = None,
         **kwargs,
     ) -> Union[BaseModelOutputWithPast, Tuple]:
         """
@@ -587,11 +588,12 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             input_ids: ``[B, T]`` token ids in ``[0, vocab_size)`` (or ``inputs_embeds [B, T, D]``, as returned by
                 ``get_input_embeddings()``, i.e. already scaled by sqrt(D)).
             attention_mask: ``[B, T]`` or ``[B, past + T]`` padding mask (1 = token, 0 = left padding).
-            past_key_values: a ``TransfoXLCache`` of memories to continue from (updated in place and returned).
-            use_cache: return a cache (a new one when ``past_key_values`` is None); training with memories across
+            cache: a ``TransfoXLCache`` of memories to continue from (updated in place and returned);
+                ``past_key_values``, its name before transformers 5.24, works too.
+            use_cache: return a cache (a new one when ``cache`` is None); training with memories across
                 segments passes the returned cache to the next segment (gradients stop at the boundary).
         Returns:
-            ``BaseModelOutputWithPast(last_hidden_state [B, T, D], past_key_values, hidden_states)``; hidden_states are
+            ``BaseModelOutputWithPast(last_hidden_state [B, T, D], cache, hidden_states)``; hidden_states are
             the inputs of every layer and the final output.
         """
         config = self.config
@@ -604,21 +606,22 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             check_token_ids(input_ids, config.vocab_size, "input_ids")
             inputs_embeds = self.word_embeddings(input_ids)
         B, T = inputs_embeds.shape[:2]
-        if past_key_values is not None and not isinstance(past_key_values, TransfoXLCache):
+        cache = resolve_cache_argument(cache, past_key_values)
+        if cache is not None and not isinstance(cache, TransfoXLCache):
             raise ValueError(
-                f"`past_key_values` must be a TransfoXLCache (or None), got {type(past_key_values).__name__}"
+                f"`cache` (`past_key_values`) must be a TransfoXLCache (or None), got {type(cache).__name__}"
             )
-        if past_key_values is not None and past_key_values.batch_size not in (-1, B):
+        if cache is not None and cache.batch_size not in (-1, B):
             raise ValueError(
-                f"`past_key_values` holds memories for batch size {past_key_values.batch_size}, but the input has "
+                f"`cache` (`past_key_values`) holds memories for batch size {cache.batch_size}, but the input has "
                 f"batch size {B}"
             )
-        if past_key_values is None and use_cache:
-            past_key_values = TransfoXLCache(config.num_hidden_layers, use_fwl=config.use_fwl)
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        M = past_key_values.memory_length() if past_key_values is not None else 0
+        if cache is None and use_cache:
+            cache = TransfoXLCache(config.num_hidden_layers, use_fwl=config.use_fwl)
+        past_len = cache.get_seq_length() if cache is not None else 0
+        M = cache.memory_length() if cache is not None else 0
         token_mask = padding_mask(attention_mask, B, T, past_len)
-        memory_mask = past_key_values.get_memory(0)[1] if M else None
+        memory_mask = cache.get_memory(0)[1] if M else None
         if token_mask is None and memory_mask is not None and not bool(memory_mask.all()):
             token_mask = inputs_embeds.new_ones(B, T)
         allowed = self._attention_pattern(token_mask, memory_mask, T, M, inputs_embeds.device)
@@ -634,21 +637,21 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
         shared = (self.r_w_bias, self.r_r_bias) if not config.untie_r else (None, None)
         for layer_idx, block in enumerate(self.layers):
             layer_inputs.append(hidden_states)
-            memory = past_key_values.get_memory(layer_idx)[0] if M else None
+            memory = cache.get_memory(layer_idx)[0] if M else None
             hidden_states = block(hidden_states, memory, pos_emb, allowed, *shared)
         hidden_states = self.dropout(hidden_states)
 
-        if past_key_values is not None:
+        if cache is not None:
             mask = token_mask if token_mask is not None else inputs_embeds.new_ones(B, T)
             for layer_idx, layer_input in enumerate(layer_inputs):
-                past_key_values.update_memory(layer_idx, layer_input, mask, config.mem_len)
-            counts = past_key_values.token_counts
+                cache.update_memory(layer_idx, layer_input, mask, config.mem_len)
+            counts = cache.token_counts
             new_tokens = mask.sum(-1).long()
-            past_key_values.token_counts = new_tokens if counts is None else counts + new_tokens
+            cache.token_counts = new_tokens if counts is None else counts + new_tokens
 
         all_hidden_states = tuple(layer_inputs) + (hidden_states,) if output_hidden_states else None
         output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_ARGUMENT: cache}
         )
         return output if return_dict else output.to_tuple()
 
@@ -793,13 +796,14 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
-        past_key_values: Optional[TransfoXLCache] = None,
+        cache: Optional[TransfoXLCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        past_key_values: Optional[TransfoXLCache] = None,
         **kwargs,
     ) -> Union[CausalLMOutputWithPast, Tuple]:
         """
@@ -811,13 +815,13 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
                 positions. ``logits_to_keep=1`` with ``labels`` scores a segment without materialising ``[B, T, V]``.
             Other arguments as in ``TransfoXLModel.forward``.
         Returns:
-            ``CausalLMOutputWithPast(loss, logits [B, T', V] (log-probabilities), past_key_values, hidden_states)``.
+            ``CausalLMOutputWithPast(loss, logits [B, T', V] (log-probabilities), cache, hidden_states)``.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=resolve_cache_argument(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -829,12 +833,12 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
         )
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         if self.config.use_fwl:  # the adaptive softmax reads the FWL's fast f(h) instead of h
-            hidden_states = self._fwl_hidden_states(hidden_states, input_ids, attention_mask, outputs.past_key_values)
+            hidden_states = self._fwl_hidden_states(hidden_states, input_ids, attention_mask, output_cache(outputs))
         logits = self.lm_head.log_prob(hidden_states[:, keep])
         loss = None
         if labels is not None:
             loss = self.causal_lm_loss(labels, hidden_states=hidden_states, **loss_kwargs)
         output = CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, **{CACHE_ARGUMENT: output_cache(outputs)}
         )
         return output if return_dict else output.to_tuple()

@@ -399,6 +399,7 @@ def test_finetune_script_under_accelerate_launch_two_processes(tmp_path, word_to
     optimizer steps as one process with batch 2 (the mean over the same 2 blocks), so the perplexities agree."""
     import json
     import os
+    import socket
     import subprocess
     import sys
     from pathlib import Path
@@ -412,8 +413,11 @@ def test_finetune_script_under_accelerate_launch_two_processes(tmp_path, word_to
     argv[argv.index("--output_dir") + 1] = str(tmp_path / "out_ddp")
     launcher = Path(sys.executable).with_name("accelerate")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with socket.socket() as probe:  # a free port: a fixed one may still be held by an earlier run
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
     command = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
                "-m", "training.finetune_fwl", *argv]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,6 +16,7 @@ import model_cards
 import modeling_fwp
 from model_cards.__main__ import main as model_cards_main
 from modeling_fwp import FastWeightCache, hub
+from modeling_fwp.cache_fwp import CACHE_ARGUMENT
 from modeling_fwp.remote_code import check_remote_code_imports, remote_code_sources
 
 from conftest import make_word_tokenizer, tiny_config
@@ -432,7 +433,7 @@ def assert_generates_with_cache(model, prompt, new_tokens=6):
     forward = model.forward
 
     def spy(*args, **kwargs):
-        calls.append((kwargs.get("use_cache"), kwargs.get("past_key_values"), kwargs["input_ids"].shape[1]))
+        calls.append((kwargs.get("use_cache"), kwargs.get(CACHE_ARGUMENT), kwargs["input_ids"].shape[1]))
         return forward(*args, **kwargs)
 
     model.forward = spy

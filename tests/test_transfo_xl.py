@@ -385,8 +385,12 @@ def test_save_load_round_trip_keeps_ties_and_untied_variants(tmp_path):
         model.save_pretrained(tmp_path / str(len(overrides)))
         loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / str(len(overrides)), output_loading_info=True)
         assert not any(info.values())
+        reference = model.state_dict()
+        assert all(torch.equal(t, reference[name]) for name, t in loaded.state_dict().items())
         ids = ids_of(2, 6)
-        assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
+        # Equal weights, but transformers >= 5.24 loads them zero-copy at unaligned addresses, where BLAS may round
+        # differently: the logits agree to float32 rounding.
+        torch.testing.assert_close(loaded.eval()(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
         tied = loaded.lm_head.projections[2].weight.data_ptr() == loaded.model.word_embeddings.projections[2].weight.data_ptr()
         assert tied
         tied_words = loaded.lm_head.layers[0].weight.data_ptr() == loaded.model.word_embeddings.layers[0].weight.data_ptr()

@@ -7,7 +7,7 @@ followed by the tokenizer's eos), cut into fixed-length segments of ``--segment_
 - With ``--carry_state`` ("full context" training) the stream is cut into ``world_size * batch_size`` parallel
   streams, and batch row ``b`` of step ``i`` holds segment ``i`` of stream ``b``: the data are read in order (no
   shuffling) and the fast-weight state of each row is carried from one step to the next through
-  ``past_key_values``, detached at every segment boundary (truncated back-propagation). The state is reset at the
+  ``cache``, detached at every segment boundary (truncated back-propagation). The state is reset at the
   start of every epoch and when resuming from a checkpoint.
 
 Evaluation (valid and test) reports both protocols: perplexity with the state carried over the whole split (batch 1,
@@ -64,6 +64,7 @@ from transformers import (  # noqa: E402
 )
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
+from modeling_fwp.cache_fwp import output_cache  # noqa: E402
 from modeling_fwp.hub import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 
 from .data import prepare_wiki  # noqa: E402
@@ -235,7 +236,7 @@ def segment_dataset(ids: torch.Tensor, segment_length: int, num_streams: int = 1
 
 
 class StateCarryingTrainer(Trainer):
-    """``Trainer`` that reads the train set in order and passes each step's final state (``past_key_values``,
+    """``Trainer`` that reads the train set in order and passes each step's final state (``cache``,
     detached) to the next step. Only meaningful with ``segment_dataset(..., num_streams=world_size * batch)``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -250,9 +251,9 @@ class StateCarryingTrainer(Trainer):
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         state = self.carried_state
-        outputs = model(**inputs, past_key_values=state, use_cache=True, num_items_in_batch=num_items_in_batch)
+        outputs = model(**inputs, cache=state, use_cache=True, num_items_in_batch=num_items_in_batch)
         # Stop gradients at the segment boundary; the graph of this step is already built.
-        self.carried_state = detach_state(outputs.past_key_values)
+        self.carried_state = detach_state(output_cache(outputs))
         loss = outputs.loss
         if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # as Trainer.compute_loss does

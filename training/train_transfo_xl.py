@@ -35,6 +35,7 @@ from typing import Dict, List, Optional  # noqa: E402
 import torch  # noqa: E402
 
 from modeling_fwp import TransfoXLConfig, TransfoXLForCausalLM  # noqa: E402
+from modeling_fwp.cache_fwp import output_cache  # noqa: E402
 from modeling_fwp.convert_transfo_xl import build_word_level_tokenizer  # noqa: E402
 
 logger = logging.getLogger("training.train_transfo_xl")
@@ -158,8 +159,8 @@ def train(
         scale = min(1.0, (step + 1) / warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
             group["lr"] = lr * scale * group["lr_scale"]
-        out = model(x, labels=x, shift_labels=y, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        out = model(x, labels=x, shift_labels=y, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = output_cache(out)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
