@@ -13,8 +13,22 @@ Recurrent FWP scans (rfwp_scan.py; Irie et al. 2021), same layout, states in a `
     fast_rnn_scan(z, k, v, beta, *, cell="rnn_b", initial_state=None, mask=None, output_final_state=False, mode="auto")
     recurrent_delta_rule(q, k, v, beta, r_q, r_k, r_v, r_beta, *, initial_state=None, mask=None,
                          output_final_state=False, mode="auto")
+
+Vocabulary-sized products of the Fast Weight Layers (dense.py; Clark et al. 2022)::
+
+    dense_linear(x, weight, bias=None)                                  # x W^T + b, oneDNN on CPU
+    linear_cross_entropy_input_gradient(x, weight, bias, target, scale=None)   # scale (softmax(x W^T + b) - onehot) W
 """
+from .dense import dense_linear, linear_cross_entropy_input_gradient
 from .dispatch import delta_rule, linear_attention
 from .rfwp_scan import ScanState, fast_rnn_scan, recurrent_delta_rule
 
-__all__ = ["delta_rule", "linear_attention", "ScanState", "fast_rnn_scan", "recurrent_delta_rule"]
+__all__ = [
+    "delta_rule",
+    "linear_attention",
+    "ScanState",
+    "fast_rnn_scan",
+    "recurrent_delta_rule",
+    "dense_linear",
+    "linear_cross_entropy_input_gradient",
+]

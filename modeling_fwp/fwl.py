@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache
 
 from .cache_fwp import FastWeightCacheLayer
 from .configuration_fwl import DEFAULT_FAST_PARAMETERS
-from .kernel_api import linear_attention
+from .kernel_api import dense_linear, linear_attention, linear_cross_entropy_input_gradient
 
 # For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
 # its upstream gradient = the value). Names are those of `FWLSlowHead.named_parameters()`.
@@ -144,25 +144,20 @@ class FWLSlowHead(nn.Module):
             o = o + h
         return {"h": h, "r": r, "s": s, "n": n, "rstd": rstd, "o": o}
 
-    def output_logits(
-        self, o: torch.Tensor, out: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None
-    ) -> torch.Tensor:
-        """``o E^T + c`` (plus E's own bias if the base model's output embedding has one), one fused matmul;
-        written into `out` (a contiguous ``[B, T, V]`` tensor, outside autograd) when given, computed in `dtype`
-        when given."""
+    def output_logits(self, o: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``o E^T + c`` (plus E's own bias if the base model's output embedding has one), one fused matmul
+        (``fwp_kernels.dense_linear``: oneDNN on CPU outside autograd), computed in `dtype` when given."""
+        weight, bias = self._output_layer(dtype)
+        return dense_linear(o if dtype is None else o.to(dtype), weight, bias)
+
+    def _output_layer(self, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(E [V, D], the total output bias [V] or None), cast to `dtype` when given."""
         weight, bias = self.output_embedding.weight, self.output_embedding.bias
         if self.output_bias is not None:
             bias = self.output_bias if bias is None else bias + self.output_bias
         if dtype is not None and dtype != weight.dtype:
-            o, weight, bias = o.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-        if out is None:
-            return F.linear(o, weight, bias)
-        o2d, out2d = o.reshape(-1, o.shape[-1]), out.view(-1, out.shape[-1])
-        if bias is None:
-            torch.mm(o2d, weight.t(), out=out2d)
-        else:
-            torch.addmm(bias, o2d, weight.t(), out=out2d)
-        return out
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return weight, bias
 
     def per_token_gradients(
         self,
@@ -170,6 +165,7 @@ class FWLSlowHead(nn.Module):
         labels: torch.Tensor,
         weights: Optional[torch.Tensor],
         depth: int,
+        logits_gradient: bool = True,
         overwrite_logits: bool = False,
         compute_dtype: Optional[torch.dtype] = None,
     ) -> Dict[str, torch.Tensor]:
@@ -180,36 +176,49 @@ class FWLSlowHead(nn.Module):
             labels: ``[B, T]`` ids (any value where the weight is 0).
             weights: ``[B, T]`` 0/1 loss weights, or None for all ones.
             depth: how far back to go (0: logits only ... 3: down to z1, see ``_GRADIENT_DEPTH``).
+            logits_gradient: also return dCE/dlogits ``[B, T, V]`` (a fast output bias or embedding needs it). When
+                False and the intermediates hold no logits, dCE/df comes from
+                ``fwp_kernels.linear_cross_entropy_input_gradient``: outside autograd in row blocks, without any
+                ``[B, T, V]`` tensor.
             overwrite_logits: outside autograd, turn the logits (``inter["logits"]`` or the ones computed here) into
                 their gradient in place: no second ``[B, T, V]`` tensor.
             compute_dtype: dtype of the vocabulary-sized part (logits, softmax, ``dlogits E``); None: that of the
                 intermediates. ``torch.bfloat16`` is an approximation that runs on CPU matrix units.
         Returns:
-            a dict of ``[B, T, *]`` tensors: logits (dCE/dlogits, in `compute_dtype`), f (dCE/df), gain (df * n), z2,
-            z1. Each row only depends on its own position, so the per-token gradient of a parameter is read off
-            without any sum.
+            a dict of ``[B, T, *]`` tensors: logits (dCE/dlogits, in `compute_dtype`, if asked for), f (dCE/df),
+            gain (df * n), z2, z1. Each row only depends on its own position, so the per-token gradient of a
+            parameter is read off without any sum.
         """
         dtype = compute_dtype or inter["o"].dtype
-        logits = inter["logits"].to(dtype) if "logits" in inter else self.output_logits(inter["o"], dtype=dtype)
-        # dCE/dlogits = softmax(logits) - onehot(label)
-        if overwrite_logits:  # nothing else reads these logits: softmax in place
-            grad = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-            grad = grad.div_(grad.sum(-1, keepdim=True))
-        else:
-            grad = torch.softmax(logits, dim=-1)
-            if torch.is_grad_enabled() and grad.requires_grad:
-                grad = grad.clone()  # softmax's backward needs its own output unmodified
-        if weights is not None:
-            weights = weights[..., None].to(dtype)
-            grad = grad.mul_(weights)
-        minus_one = -weights if weights is not None else grad.new_full((*labels.shape, 1), -1.0)
-        index = labels.clamp(0, logits.shape[-1] - 1)[..., None]
-        grad = grad.scatter_add_(-1, index, minus_one)
-        grads = {"logits": grad}
+        grads: Dict[str, torch.Tensor] = {}
+        if logits_gradient or "logits" in inter or depth < 1:
+            logits = inter["logits"].to(dtype) if "logits" in inter else self.output_logits(inter["o"], dtype=dtype)
+            # dCE/dlogits = softmax(logits) - onehot(label)
+            if overwrite_logits:  # nothing else reads these logits: softmax in place
+                grad = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+                grad = grad.div_(grad.sum(-1, keepdim=True))
+            else:
+                grad = torch.softmax(logits, dim=-1)
+                if torch.is_grad_enabled() and grad.requires_grad:
+                    grad = grad.clone()  # softmax's backward needs its own output unmodified
+            if weights is not None:
+                grad = grad.mul_(weights[..., None].to(dtype))
+            minus_one = -weights[..., None].to(dtype) if weights is not None else grad.new_full((*labels.shape, 1), -1.0)
+            index = labels.clamp(0, logits.shape[-1] - 1)[..., None]
+            grads["logits"] = grad = grad.scatter_add_(-1, index, minus_one)
+            if depth >= 1:
+                # dCE/do = dlogits E
+                df = dense_linear(grad, self.output_embedding.weight.to(dtype).t())
+        elif depth >= 1:
+            # dCE/do = w (softmax(o E^T + c) - onehot(label)) E, without materialising dlogits
+            o = inter["o"]
+            weight, bias = self._output_layer(dtype)
+            rows = o.reshape(-1, o.shape[-1]).to(dtype)
+            scale = None if weights is None else weights.reshape(-1)
+            df = linear_cross_entropy_input_gradient(rows, weight, bias, labels.reshape(-1), scale).view(o.shape)
         if depth >= 1:
-            # dCE/do = dlogits E ; o = f (+ h): dCE/df = dCE/do
-            df = (grad @ self.output_embedding.weight.to(dtype)).to(inter["o"].dtype)
-            grads["f"] = df
+            # o = f (+ h): dCE/df = dCE/do
+            grads["f"] = df = df.to(inter["o"].dtype)
             grads["gain"] = df * inter["n"]
         if depth >= 2:
             # LayerNorm backward: dz2 = rstd (dn - mean(dn) - n mean(dn n)), dn = df * gain
@@ -401,16 +410,13 @@ class FWLHead(nn.Module):
         inter = slow.hidden_intermediates(hidden_states)  # slow pass (eq. 1)
         fast_output = self._fast_hidden or "output_embedding.weight" in self._active
         keep = _keep_index(logits_to_keep, T)
-        # Outside autograd (fp32/fp64) the slow logits become their gradient in place, and when every position's fast
-        # logits are wanted (scoring) they are written into the same [B, T, V] buffer: as many such tensors as the
-        # base model's own LM head uses.
         compute_dtype = self.gradient_dtype if self.gradient_dtype not in (None, hidden_states.dtype) else None
+        # The slow logits of every position exist only where they are needed as such: as the output when only
+        # output-side parameters are fast, or as the value of a fast output bias / embedding (dCE/dlogits; outside
+        # autograd computed in place). Otherwise the per-token gradients go straight to dCE/df in row blocks.
+        logits_gradient = "logits" in self._value_names
         in_place = fast_output and not torch.is_grad_enabled() and (compute_dtype or hidden_states.dtype) in (torch.float32, torch.float64)
-        every_position = isinstance(keep, slice) and keep == slice(None)
-        reuse_buffer = (
-            in_place and compute_dtype is None and not output_state and every_position and "logits" not in self._value_names
-        )
-        if not fast_output or reuse_buffer:
+        if not fast_output:
             inter["logits"] = slow.output_logits(inter["o"])  # every position's slow logits
 
         # Per-token gradients (eq. 2) of the positions whose label is known: the previous call's last position
@@ -431,7 +437,9 @@ class FWLHead(nn.Module):
             new_weights = mask[:, :-1] * mask[:, 1:] if mask is not None else prev_weights.new_ones(B, T - 1)
             weights = torch.cat([prev_weights, new_weights], 1)
             shifted = {key: _shift_in(t[:, :-1], prev[key]) for key, t in inter.items() if key in prev}
-            grads = slow.per_token_gradients(shifted, input_ids, weights, depth, compute_dtype=compute_dtype)
+            grads = slow.per_token_gradients(
+                shifted, input_ids, weights, depth, logits_gradient=logits_gradient, compute_dtype=compute_dtype
+            )
             for name in self.fast_parameter_names:
                 key_name, value_name = GRADIENT_TERMS[name]
                 values.setdefault(value_name, grads[value_name].to(hidden_states.dtype))
@@ -440,11 +448,14 @@ class FWLHead(nn.Module):
         elif depth >= 0:
             weights = None if mask is None else mask[:, :-1] * mask[:, 1:]
             grads = slow.per_token_gradients(
-                _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, overwrite_logits=in_place, compute_dtype=compute_dtype
+                _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, logits_gradient=logits_gradient,
+                overwrite_logits=in_place, compute_dtype=compute_dtype,
             )
             prev_grads = None
             if prev is not None:
-                prev_grads = slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, depth, compute_dtype=compute_dtype)
+                prev_grads = slow.per_token_gradients(
+                    prev, input_ids[:, :1], prev_weights, depth, logits_gradient=logits_gradient, compute_dtype=compute_dtype
+                )
             for name in self.fast_parameter_names:
                 key_name, value_name = GRADIENT_TERMS[name]
                 if value_name not in values:
@@ -468,9 +479,7 @@ class FWLHead(nn.Module):
         else:  # only output parameters are fast: the hidden layer is the slow one
             o = inter["o"]
         last_slow_logits = None
-        if reuse_buffer:
-            logits = slow.output_logits(o, out=inter["logits"])
-        elif fast_output:
+        if fast_output:
             o_keep = o[:, keep]
             if output_state and o_keep.shape[1] == 1:
                 # A decode step: the fast logits and the last position's slow logits (for its gradient in the next

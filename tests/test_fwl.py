@@ -82,6 +82,24 @@ def test_contract_fast_logits_are_one_gradient_step_on_earlier_losses(fast_param
         torch.testing.assert_close(head(hidden, ids, torch.ones_like(ids)), fast, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("fast_parameters", [None, ALL_FAST])
+def test_float32_scoring_outside_autograd_equals_the_differentiable_forward(monkeypatch, fast_parameters):
+    """Outside autograd the per-token gradients run in row blocks through oneDNN (fwp_kernels.dense) with no slow
+    [B, T, V] logits; with autograd, whole and differentiable: the same fast logits to float32 rounding."""
+    from fwp_kernels import dense
+
+    monkeypatch.setattr(dense, "BLOCK_BYTES", VOCAB * 3 * 4)  # several row blocks
+    model = tiny_fwl(fwl_fast_parameters=fast_parameters)
+    head = model.fwl_head
+    ids = random_ids(2, 17)
+    hidden = torch.randn(2, 17, 32, generator=torch.Generator().manual_seed(2))
+    tracked = head(hidden.requires_grad_(True), ids)
+    assert tracked.requires_grad
+    with torch.no_grad():
+        scored = head(hidden, ids)
+    torch.testing.assert_close(scored, tracked.detach(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("base", ["llama", "delta_net", "gpt2"])
 def test_no_leakage_of_future_tokens(base):
     model = tiny_fwl(base, fwl_fast_parameters=ALL_FAST)

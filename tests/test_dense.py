@@ -1,0 +1,91 @@
+"""fwp_kernels.dense: the vocabulary-sized products of the Fast Weight Layers against plain autograd."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fwp_kernels import dense, dense_linear, linear_cross_entropy_input_gradient
+
+
+def ce_input_gradient_by_autograd(x, weight, bias, target, scale):
+    """Row n of d/dx sum_n scale_n CE(x_n W^T + b, target_n): each row's loss only depends on its own input."""
+    x = x.detach().requires_grad_(True)
+    losses = F.cross_entropy(F.linear(x, weight, bias), target, reduction="none")
+    (grad,) = torch.autograd.grad((losses * scale).sum(), x)
+    return grad
+
+
+def random_layer(dtype, N=23, K=12, V=37, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, K, generator=gen, dtype=dtype)
+    weight = torch.randn(V, K, generator=gen, dtype=dtype)
+    bias = torch.randn(V, generator=gen, dtype=dtype)
+    target = torch.randint(0, V, (N,), generator=gen)
+    scale = (torch.rand(N, generator=gen) > 0.3).to(dtype)  # some rows do not count
+    return x, weight, bias, target, scale
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("block_bytes", [37 * 5 * 8, dense.BLOCK_BYTES])  # several row blocks (5 or 10 rows) / one
+@pytest.mark.parametrize("with_bias,with_scale", [(True, True), (False, False)])
+def test_ce_input_gradient_outside_autograd_matches_autograd(monkeypatch, dtype, tol, block_bytes, with_bias, with_scale):
+    monkeypatch.setattr(dense, "BLOCK_BYTES", block_bytes)
+    x, weight, bias, target, scale = random_layer(dtype)
+    bias = bias if with_bias else None
+    scale = scale if with_scale else None
+    expected = ce_input_gradient_by_autograd(x, weight, bias, target, scale if scale is not None else torch.ones_like(x[:, 0]))
+    with torch.no_grad():
+        got = linear_cross_entropy_input_gradient(x, weight, bias, target, scale)
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    if scale is not None:
+        assert torch.equal(got[scale == 0], torch.zeros_like(got[scale == 0]))  # rows that do not count: exactly 0
+
+
+def test_ce_input_gradient_is_differentiable_to_second_order():
+    """With autograd the gradient is a differentiable function of x, W and b: its own gradients match double
+    backward through F.cross_entropy (the FWL trains through its per-token gradients)."""
+    x, weight, bias, target, scale = random_layer(torch.float64)
+    probe = torch.randn_like(x)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+    got = torch.autograd.grad((linear_cross_entropy_input_gradient(*leaves, target, scale) * probe).sum(), leaves)
+    leaves2 = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+    losses = F.cross_entropy(F.linear(*leaves2), target, reduction="none")
+    (dx,) = torch.autograd.grad((losses * scale).sum(), leaves2[0], create_graph=True)
+    expected = torch.autograd.grad((dx * probe).sum(), leaves2)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_ce_input_gradient_clamps_targets_of_rows_that_do_not_count():
+    x, weight, bias, target, scale = random_layer(torch.float32)
+    target = torch.where(scale == 0, torch.full_like(target, -100), target)  # ignore_index-style ids
+    with torch.no_grad():
+        got = linear_cross_entropy_input_gradient(x, weight, bias, target, scale)
+    assert torch.isfinite(got).all() and torch.equal(got[scale == 0], torch.zeros_like(got[scale == 0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dense_linear_matches_f_linear(dtype):
+    x, weight, bias, _, _ = random_layer(dtype, N=64, K=40, V=300)
+    x = x.view(4, 16, 40)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    with torch.no_grad():
+        for b in (bias, None):
+            torch.testing.assert_close(dense_linear(x, weight, b), F.linear(x, weight, b), rtol=tol, atol=tol)
+        # a transposed view as the weight: P @ E
+        probs = torch.softmax(F.linear(x, weight), -1)
+        torch.testing.assert_close(dense_linear(probs, weight.t()), probs @ weight, rtol=tol, atol=tol)
+
+
+def test_dense_linear_uses_onednn_only_outside_autograd():
+    if not dense.onednn_linear_available():
+        pytest.skip("PyTorch has no oneDNN here")
+    x, weight, bias, _, _ = random_layer(torch.float32)
+    assert dense._use_onednn(x, weight, bias)
+    leaf = weight.clone().requires_grad_(True)
+    assert not dense._use_onednn(x, leaf, bias)  # tracked: F.linear, which has a backward
+    out = dense_linear(x, leaf, bias)
+    out.sum().backward()
+    torch.testing.assert_close(leaf.grad, x.sum(0).expand_as(leaf).contiguous(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert dense._use_onednn(x, leaf, bias)
+    assert not dense._use_onednn(x.double(), weight.double(), None)  # float64: F.linear (the exact references)
