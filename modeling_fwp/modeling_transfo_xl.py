@@ -28,6 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, StatefulPreTrainedModel, output_cache, resolve_cache_argument
 from .configuration_transfo_xl import TransfoXLConfig
 from .fwl import _HIDDEN_PARAMETERS, FWLHead, FWLSlowHead, _inverse_softplus
+from .kernel_api import dense_linear
 from .modeling_fwp import FeedForward, sinusoidal_position_embedding
 
 
@@ -93,7 +94,7 @@ class Projection(nn.Module):
         return F.linear(x, self.weight)
 
     def reverse(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states @ self.weight
+        return dense_linear(hidden_states, self.weight.t())
 
 
 def cluster_bounds(vocab_size: int, cutoffs: List[int]) -> List[Tuple[int, int]]:
@@ -155,7 +156,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
     with ``head(h) = (h P_0) [W_0; W_c]^T + [b_0; b_c]`` and ``tail_i(h) = (h P_i) W_i^T + b_i``. ``layers[i]`` holds W_i,
     b_i (div_val 1: one ``[V, d_embed]`` layer sliced per cluster), ``cluster_weight`` / ``cluster_bias`` W_c, b_c,
-    ``projections[i]`` P_i (None when div_val is 1 and ``d_embed == D``).
+    ``projections[i]`` P_i (None when div_val is 1 and ``d_embed == D``). Its products go through
+    ``fwp_kernels.dense_linear`` (oneDNN on CPU outside autograd), for the base model and the FWL alike.
     """
 
     def __init__(self, config: TransfoXLConfig) -> None:
@@ -190,9 +192,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         """Logits of cluster i, the head followed by one entry per tail cluster: ``[..., D] -> [..., size_i (+ n)]``."""
         projected = self._project(hidden_states, i)
         weight, bias = self._cluster_weight(i)
-        logits = F.linear(projected, weight, bias)
+        logits = dense_linear(projected, weight, bias)
         if i == 0 and self.num_clusters:  # concatenating the small logits, not the [size_0, d] weights
-            logits = torch.cat([logits, F.linear(projected, self.cluster_weight, self.cluster_bias)], dim=-1)
+            logits = torch.cat([logits, dense_linear(projected, self.cluster_weight, self.cluster_bias)], dim=-1)
         return logits
 
     def log_prob(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -264,10 +266,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         dlogits = dlogits.scatter_add_(-1, target[:, None], minus)
         weight, _ = self._cluster_weight(i)
         size = weight.shape[0]
-        dproj = dlogits[:, :size] @ weight
+        dproj = dense_linear(dlogits[:, :size], weight.t())
         if i == 0 and self.num_clusters:
-            dproj = dproj + dlogits[:, size:] @ self.cluster_weight
-        return F.linear(dproj, self.projections[i].weight) if self.projections is not None else dproj
+            dproj = dproj + dense_linear(dlogits[:, size:], self.cluster_weight.t())
+        return dense_linear(dproj, self.projections[i].weight) if self.projections is not None else dproj
 
 
 # ---------------------------------------------------------------------------------------------------------------
