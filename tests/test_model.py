@@ -339,6 +339,33 @@ def test_bad_forward_inputs_raise_naming_the_argument():
         model(ids, past_key_values=cache)
 
 
+@pytest.mark.parametrize("family", ["delta_net", "transfo_xl", "fwl"])
+def test_cache_argument_under_both_names(family):
+    """transformers 5.24 calls the cache `cache` (the output field too); `past_key_values`, its older name, still works:
+    both continue a segment identically, and giving two different caches is an error naming both."""
+    from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
+
+    if family == "delta_net":
+        model = tiny_model(DeltaNetConfig)
+    elif family == "transfo_xl":
+        model = modeling_fwp.TransfoXLForCausalLM(modeling_fwp.TransfoXLConfig(
+            vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=8, intermediate_size=64,
+            cutoffs=[20], div_val=2, mem_len=8)).eval()
+    else:
+        model = modeling_fwp.FWLForCausalLM(modeling_fwp.FWLConfig(text_config=tiny_config(DeltaNetConfig))).eval()
+    ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = model(ids[:, :5], use_cache=True)
+        assert CACHE_ARGUMENT in first and output_cache(first) is first[CACHE_ARGUMENT]
+        new_name = model(ids[:, 5:], cache=copy.deepcopy(output_cache(first)), use_cache=True).logits
+        old_name = model(ids[:, 5:], past_key_values=copy.deepcopy(output_cache(first)), use_cache=True).logits
+        torch.testing.assert_close(new_name, old_name, rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat([first.logits, new_name], 1), model(ids).logits, rtol=1e-4, atol=1e-5)
+        other = model(ids[:, :5], use_cache=True)
+        with pytest.raises(ValueError, match="`cache` or as `past_key_values`"):
+            model(ids[:, 5:], cache=output_cache(first), past_key_values=output_cache(other))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # transformers integration: pipeline and Trainer
 # ---------------------------------------------------------------------------------------------------------------
