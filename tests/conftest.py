@@ -63,3 +63,22 @@ def triton_interpreted_results(test_file: str) -> dict:
     proc = subprocess.run([sys.executable, test_file, "--triton-worker"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+def accelerate_launch_two_processes(module: str, argv: list, cwd) -> "subprocess.CompletedProcess":
+    """Runs ``accelerate launch --multi_gpu --num_processes 2 -m <module> <argv>`` on CPU (torchrun with gloo) on a
+    free port, one thread per process, and returns the finished process (its output captured)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launcher = Path(sys.executable).with_name("accelerate")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with socket.socket() as probe:  # a free port: a fixed one may still be held by an earlier run
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    command = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
+               "-m", module, *map(str, argv)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=cwd)

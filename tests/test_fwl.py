@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaFor
 
 from modeling_fwp import FWLCache, FWLConfig, FWLForCausalLM, FWLHead
 
-from conftest import tiny_config
+from conftest import accelerate_launch_two_processes, tiny_config
 
 VOCAB = 61
 ALL_FAST = [
@@ -416,11 +416,6 @@ def test_finetune_script_under_accelerate_launch_two_processes(tmp_path, word_to
     """`accelerate launch --multi_gpu --num_processes 2` on CPU (gloo): two processes with batch 1 each take the same
     optimizer steps as one process with batch 2 (the mean over the same 2 blocks), so the perplexities agree."""
     import json
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
 
     fast_learning = ["--learning_rate", "1e-2", "--fwl_learning_rate", "1e-2"]  # so that the 3 steps move the models
     single = tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=2) + fast_learning
@@ -429,15 +424,7 @@ def test_finetune_script_under_accelerate_launch_two_processes(tmp_path, word_to
     alone = finetune_fwl.main(single)
     argv = tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=1) + fast_learning
     argv[argv.index("--output_dir") + 1] = str(tmp_path / "out_ddp")
-    launcher = Path(sys.executable).with_name("accelerate")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    with socket.socket() as probe:  # a free port: a fixed one may still be held by an earlier run
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    command = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
-               "-m", "training.finetune_fwl", *argv]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = accelerate_launch_two_processes("training.finetune_fwl", argv, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     ddp = json.loads((tmp_path / "out_ddp" / "results.json").read_text())
     assert ddp["world_size"] == 2

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import accelerate_launch_two_processes
 from training import synthetic, train_lm
 
 
@@ -195,6 +196,29 @@ def test_train_lm_smoke_carry_state_and_resume(tiny_corpus, tmp_path):
 
     resumed = train_lm.main(common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"])
     assert resumed["training"]["steps"] == 3
+
+
+def test_train_lm_under_accelerate_launch_two_processes_equals_one_process(tiny_corpus, tmp_path):
+    """Full-context training under `accelerate launch --multi_gpu --num_processes 2` (gloo): rank r reads stream r, so
+    two processes with batch 1 take the same steps as one process with batch 2 over the same 2 streams."""
+    def argv(out, batch_size):
+        return ["--train_file", tiny_corpus / "train.txt", "--validation_file", tiny_corpus / "valid.txt",
+                "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2", "--lr", "3e-3",
+                "--batch_size", batch_size, "--segment_length", "16", "--vocab_size", "300", "--carry_state",
+                "--output_dir", out, "--save_steps", "100", "--logging_steps", "1", "--warmup_steps", "0",
+                "--eval_max_tokens", "300", "--max_steps", "4"]
+
+    alone = train_lm.main([str(a) for a in argv(tmp_path / "one", 2)])
+    done = accelerate_launch_two_processes("training.train_lm", argv(tmp_path / "two", 1), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ddp = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert ddp["training"]["world_size"] == 2 and ddp["training"]["num_streams"] == 2
+    assert ddp["training"]["tokens_seen"] == alone["training"]["tokens_seen"]
+    losses = [[h["loss"] for h in run["training"]["loss_curve"]] for run in (alone, ddp)]
+    assert losses[0][0] != pytest.approx(losses[0][-1], rel=1e-3)  # training moved the model
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    for one, two in zip(alone["evaluation"], ddp["evaluation"]):
+        assert two["perplexity"] == pytest.approx(one["perplexity"], rel=1e-3), one["protocol"]
 
 
 def test_state_is_carried_between_steps(tiny_corpus, tmp_path):

@@ -4,3 +4,15 @@
 - `training.tokenizer`: a byte-level BPE trained on the train split, and GPT-2's BPE from local files.
 - `training.demo`: the main job (`python -m training.demo`, `make demo`).
 """
+
+
+def leave_process_group() -> None:
+    """End of a script under `accelerate launch`: every rank waits for the others (rank 0 may still be generating,
+    writing results or pushing), then leaves the gloo/NCCL group. A rank whose interpreter exits while the group is
+    alive can abort in the backend's teardown ("terminate called without an active exception"), failing the launch
+    even though the work is done. Does nothing in a single process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from training import leave_process_group
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEFAULT_MODEL = "checkpoints/smollm2-135m"
@@ -334,6 +336,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
         print(report(results))
         base_model = SMOLLM2_HUB_NAME if args.model == DEFAULT_MODEL else args.model
         push_if_requested(args, model, tokenizer, out, results=out / "results.json", base_model=base_model)
+    leave_process_group()
     return results
 
 

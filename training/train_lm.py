@@ -67,6 +67,7 @@ import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 from modeling_fwp.cache_fwp import output_cache  # noqa: E402
 from modeling_fwp.hub import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 
+from . import leave_process_group  # noqa: E402
 from .data import prepare_wiki  # noqa: E402
 from .demo import evaluate_loss, valid_blocks  # noqa: E402
 from .eval_lm import score_split  # noqa: E402
@@ -422,7 +423,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         for entry in evaluation:
             logger.info("%s perplexity %.2f (%d tokens)", entry["name"], entry["perplexity"], entry["scored_tokens"])
         push_if_requested(args, model, tokenizer, out_dir, results=[out_dir / "results.json"])
-    trainer.accelerator.wait_for_everyone()
+    leave_process_group()
     return results
 
 
