@@ -138,6 +138,17 @@ def test_build_task_rejects_bad_options():
         synthetic.build_task("sorting")
 
 
+def test_sweep_settings_take_the_task_options_and_reject_others():
+    args = synthetic.parse_args(["--task", "listops", "--depth", "4", "6", "--max_args", "2"])
+    assert synthetic.task_settings(args) == [{"depth": 4, "max_args": 2}, {"depth": 6, "max_args": 2}]
+    args = synthetic.parse_args(["--task", "code", "--num_variables", "3", "--num_statements", "12"])
+    assert synthetic.task_settings(args) == [{"num_variables": 3, "num_statements": 12}]
+    with pytest.raises(ValueError, match="--max_args does not apply to --task code"):
+        synthetic.task_settings(synthetic.parse_args(["--task", "code", "--max_args", "2"]))
+    with pytest.raises(ValueError, match="--num_keys does not apply to --task listops"):
+        synthetic.task_settings(synthetic.parse_args(["--task", "listops", "--num_keys", "20"]))
+
+
 # --------------------------------------------------------------------------------------------------
 # train_lm pieces
 # --------------------------------------------------------------------------------------------------

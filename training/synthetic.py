@@ -440,6 +440,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--num_variables", type=int, nargs="+", default=None, help="code: 3 or 5 in the paper")
     g.add_argument("--num_statements", type=int, default=None)
     g.add_argument("--depth", type=int, nargs="+", default=None, help="listops: nesting depth (10 in the paper)")
+    g.add_argument("--max_args", type=int, default=None, help="listops: at most this many arguments per operator (3)")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "eval_examples"):
         if getattr(args, name) <= 0:
@@ -456,11 +457,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+# options held fixed over a sweep, and the tasks they apply to
+FIXED_OPTIONS = {"num_keys": ("retrieval", "retrieval_replace"), "num_values": ("retrieval", "retrieval_replace"),
+                 "num_statements": ("code",), "max_args": ("listops",)}
+
+
 def task_settings(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """One options dict per run of the sweep (the swept option's values; the others fixed)."""
-    fixed = {k: getattr(args, k) for k in ("num_keys", "num_values", "num_statements") if getattr(args, k) is not None}
-    fixed = {k: v for k, v in fixed.items()
-             if (k == "num_statements") == (args.task == "code")}
+    fixed = {}
+    for name, tasks in FIXED_OPTIONS.items():
+        if getattr(args, name) is not None:
+            if args.task not in tasks:
+                raise ValueError(f"--{name} does not apply to --task {args.task}")
+            fixed[name] = getattr(args, name)
     sweep = SWEEPS[args.task]
     values = getattr(args, sweep)
     for other in set(SWEEPS.values()) - {sweep}:
