@@ -295,3 +295,18 @@ def test_answer_metrics_token_and_sequence_level():
     assert metrics["answers"] == answers
     assert metrics["accuracy"] == pytest.approx((answers - 1) / answers)
     assert metrics["sequence_accuracy"] == pytest.approx(5 / 6)
+
+
+def test_plots_cli_draws_the_curves_of_several_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from training import plots
+
+    curve = [{"step": s, "loss": 2.0 / s} for s in (1, 2, 3)]
+    for model in ("linear_transformer", "delta_net"):
+        (tmp_path / f"{model}.json").write_text(json.dumps(
+            {"results": [{"model": model, "num_statements": 30, "loss_curve": curve}]}))
+    runs = [str(tmp_path / f"{m}.json") for m in ("linear_transformer", "delta_net")]
+    path = plots.main(["--x_key", "num_statements", "--output", str(tmp_path / "code.png"), *runs])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):  # a setting the runs do not have
+        plots.main(["--x_key", "depth", "--output", str(tmp_path / "x.png"), *runs])

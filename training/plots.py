@@ -109,3 +109,32 @@ def plot_training_loss(rows: List[Dict[str, Any]], x_key: str, path: Path, title
     ax.set_title(title)
     return _save(plt, fig, ax, path)
 
+
+
+def main(argv: Optional[List[str]] = None) -> Path:
+    """Training-loss curves of several ``training.synthetic`` runs in one figure:
+
+        python -m training.plots --x_key num_statements --title "code execution" --output docs/figures/code.png \\
+            outputs/synthetic_code/*/code.json
+    """
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("results", nargs="+", help="JSON files written by training.synthetic")
+    p.add_argument("--x_key", required=True, help="the setting that labels each curve (e.g. num_statements, depth)")
+    p.add_argument("--title", default="")
+    p.add_argument("--output", required=True)
+    args = p.parse_args(argv)
+    rows = [row for name in args.results for row in json.loads(Path(name).read_text())["results"]]
+    missing = [row["model"] for row in rows if args.x_key not in row]
+    if missing:
+        p.error(f"--x_key {args.x_key!r} is not a setting of the runs of {missing}")
+    path = plot_training_loss(rows, args.x_key, Path(args.output), args.title)
+    if path is None:
+        p.error("matplotlib is not installed")
+    return path
+
+
+if __name__ == "__main__":
+    print(main())
