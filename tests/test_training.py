@@ -310,3 +310,31 @@ def test_plots_cli_draws_the_curves_of_several_runs(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):  # a setting the runs do not have
         plots.main(["--x_key", "depth", "--output", str(tmp_path / "x.png"), *runs])
+
+
+def test_shortcut_accuracy_of_the_trivial_rules():
+    import datasets
+
+    def dataset(spec, programs):
+        rows = []
+        for tokens, answers in programs:
+            labels = [synthetic.IGNORE_INDEX] * len(tokens)
+            for at, value in answers:
+                labels[at] = spec.vocabulary.index[value]
+            rows.append({"input_ids": spec.vocabulary.encode(tokens), "labels": labels})
+        return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "labels")})
+
+    code = synthetic.build_task("code", num_variables=2, num_statements=3)
+    programs = [("a = 3 ; a ++ ; print a ; <eos>".split(), [(10, "4")]),  # the rule says 3: wrong
+                ("a = 3 ; b = 5 ; print a ; <eos>".split(), [(11, "3")]),  # right
+                ("b = 1 ; if b > 0 : b = 2 ; print b ; <eos>".split(), [(16, "2")])]  # right
+    assert synthetic.shortcut_accuracy(code, dataset(code, programs)) == pytest.approx(2 / 3)
+    # the generator's answers sit where the rule reads them: a generated program's answers all follow "print x ;"
+    generated = synthetic.make_dataset(code, 50, seed=0)
+    assert 0.3 < synthetic.shortcut_accuracy(code, generated) < 1.0
+
+    listops = synthetic.build_task("listops", depth=1, max_args=2)
+    programs = [("[ MAX 1 3 ] = 3".split(), [(6, "3")]), ("[ MIN 3 4 ] = 3".split(), [(6, "3")]),
+                ("[ SM 2 3 ] = 5".split(), [(6, "5")])]
+    assert synthetic.shortcut_accuracy(listops, dataset(listops, programs)) == pytest.approx(2 / 3)
+    assert synthetic.shortcut_accuracy(synthetic.build_task("retrieval"), generated) is None
