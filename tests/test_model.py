@@ -8,6 +8,7 @@ import torch
 
 import modeling_fwp
 from modeling_fwp import DeltaNetConfig, DeltaNetForCausalLM, FastWeightCache, LinearTransformerConfig
+from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
 from modeling_fwp.feature_maps import dpfp_feature_map
 
 from conftest import tiny_config, tiny_model
@@ -117,11 +118,11 @@ def test_continue_generation_from_returned_cache():
     model = tiny_model(DeltaNetConfig)
     ids = torch.randint(3, 61, (1, 5))
     first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    cache = first.past_key_values
+    cache = output_cache(first)
     assert isinstance(cache, FastWeightCache)
     extra = torch.randint(3, 61, (1, 2))
     prompt2 = torch.cat([first.sequences, extra], 1)
-    continued = model.generate(prompt2, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    continued = model.generate(prompt2, **{CACHE_ARGUMENT: cache}, max_new_tokens=4, do_sample=False)
     fresh = model.generate(prompt2, max_new_tokens=4, do_sample=False)
     assert torch.equal(continued, fresh)
 
