@@ -202,8 +202,9 @@ class FWLSlowHead(nn.Module):
                 if torch.is_grad_enabled() and grad.requires_grad:
                     grad = grad.clone()  # softmax's backward needs its own output unmodified
             if weights is not None:
-                grad = grad.mul_(weights[..., None].to(dtype))
-            minus_one = -weights[..., None].to(dtype) if weights is not None else grad.new_full((*labels.shape, 1), -1.0)
+                row_weights = weights[..., None].to(dtype)
+                grad = grad.mul_(row_weights)
+            minus_one = -row_weights if weights is not None else grad.new_full((*labels.shape, 1), -1.0)
             index = labels.clamp(0, logits.shape[-1] - 1)[..., None]
             grads["logits"] = grad = grad.scatter_add_(-1, index, minus_one)
             if depth >= 1:
