@@ -344,8 +344,6 @@ def test_bad_forward_inputs_raise_naming_the_argument():
 def test_cache_argument_under_both_names(family):
     """transformers 5.24 calls the cache `cache` (the output field too); `past_key_values`, its older name, still works:
     both continue a segment identically, and giving two different caches is an error naming both."""
-    from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
-
     if family == "delta_net":
         model = tiny_model(DeltaNetConfig)
     elif family == "transfo_xl":

@@ -110,7 +110,6 @@ def plot_training_loss(rows: List[Dict[str, Any]], x_key: str, path: Path, title
     return _save(plt, fig, ax, path)
 
 
-
 def main(argv: Optional[List[str]] = None) -> Path:
     """Training-loss curves of several ``training.synthetic`` runs in one figure:
 

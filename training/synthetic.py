@@ -372,7 +372,7 @@ def shortcut_accuracy(spec: TaskSpec, dataset: datasets.Dataset) -> Optional[flo
     None for the retrieval tasks (chance is their reference)."""
     if spec.name not in ("code", "listops"):
         return None
-    answers = []  # (tokens, position of the answer label)
+    answers = []  # (the example's tokens, position of an answer label, the answer)
     for ex in dataset:
         tokens = spec.vocabulary.decode(list(ex["input_ids"]))
         answers += [(tokens, i, spec.vocabulary.decode([int(label)])[0]) for i, label in enumerate(ex["labels"])
