@@ -136,6 +136,44 @@ def test_memory_matches_step_loop(memory, path):
         torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-10)
 
 
+def test_fwm_rule_is_the_delta_rule_inside_the_unit_ball():
+    """While ||W||_F stays below 1 the FWM rule is the delta rule (our kernel) on unnormalised phi, read through LN."""
+    torch.manual_seed(0)
+    fwm = ar.RetrievalMemoryModel(ar.parse_memory("fwm-dpfp1"), num_keys=9, d_key=6).double()
+    delta = ar.RetrievalMemoryModel(ar.parse_memory("delta-dpfp1-nosumnorm"), num_keys=9, d_key=6).double()
+    with torch.no_grad():
+        fwm.key_proj.weight.mul_(0.2)  # small keys: the memory stays inside the unit ball
+        fwm.beta_proj.bias.fill_(1.5)
+    delta.load_state_dict(fwm.state_dict())
+    keys, values, queries, _ = ar.retrieval_batch(np.random.default_rng(2), 3, 9, 14, True, num_queries=5).tensors()
+    x = torch.cat([fwm.value_codes[values], fwm.key_embedding(keys)], dim=-1)
+    phi_k = fwm.feature_map(fwm.key_proj(x)[:, None])[:, 0]
+    memory = ar.fast_weight_memory_rule(phi_k, fwm.value_codes[values], torch.sigmoid(fwm.beta_proj(x)).squeeze(-1))
+    assert memory.flatten(1).norm(dim=-1).max() < 0.9
+    torch.testing.assert_close(fwm(keys, values, queries),
+                               torch.nn.functional.layer_norm(delta(keys, values, queries), (9,)),
+                               rtol=1e-9, atol=1e-10)
+
+
+def test_fwm_rule_rescales_to_the_unit_ball():
+    """Large writes: every step ends with ||W_t||_F <= 1 (= 1 once it was exceeded), checked against numpy."""
+    rng = np.random.default_rng(3)
+    phi_k = torch.as_tensor(rng.uniform(0, 2, (2, 7, 5)))
+    v = torch.as_tensor(np.eye(4)[rng.integers(0, 4, (2, 7))])
+    beta = torch.as_tensor(rng.uniform(0.2, 1, (2, 7)))
+    for b in range(2):
+        W = np.zeros((4, 5))
+        for t in range(7):
+            k = phi_k[b, t].numpy()
+            W = W + beta[b, t].item() * np.outer(v[b, t].numpy() - W @ k, k)
+            W = W / max(1.0, np.linalg.norm(W))
+        got = ar.fast_weight_memory_rule(phi_k[b:b + 1, :7], v[b:b + 1], beta[b:b + 1])[0].numpy()
+        np.testing.assert_allclose(got, W, rtol=1e-12, atol=1e-14)
+        assert abs(np.linalg.norm(got) - 1) < 1e-12  # these writes are large enough to need the rescaling
+    with pytest.raises(ValueError, match="unknown ablation"):
+        ar.parse_memory("fwm-dpfp1-beta1")
+
+
 def test_softmax_memory_is_softmax_attention():
     torch.manual_seed(0)
     model = ar.RetrievalMemoryModel(ar.parse_memory("softmax"), num_keys=7, d_key=5).double()
@@ -176,11 +214,12 @@ def test_capacity_smoke(tmp_path):
 
 
 def test_update_rules_smoke_through_synthetic_cli(tmp_path):
-    results = synthetic.main(["--task", "update_rules", "--memory", "sum-dpfp1", "delta-dpfp1-beta1", "--num_keys",
-                              "4", "--d_key", "4", "--max_steps", "2", "--eval_every", "1", "--eval_sequences", "4",
-                              "--output_dir", str(tmp_path)])
+    results = synthetic.main(["--task", "update_rules", "--memory", "sum-dpfp1", "delta-dpfp1-beta1", "fwm-dpfp1",
+                              "--num_keys", "4", "--d_key", "4", "--max_steps", "2", "--eval_every", "1",
+                              "--eval_sequences", "4", "--output_dir", str(tmp_path)])
     saved = json.loads((tmp_path / "update_rules.json").read_text())
-    assert [(r["memory"], r["seq_len"]) for r in saved["results"]] == [("sum-dpfp1", 8), ("delta-dpfp1-beta1", 8)]
+    assert [(r["memory"], r["seq_len"]) for r in saved["results"]] == [
+        ("sum-dpfp1", 8), ("delta-dpfp1-beta1", 8), ("fwm-dpfp1", 8)]
     plot = ar.main(["plot", "update_rules", str(tmp_path / "update_rules.json"), "--out", str(tmp_path / "c.png")])
     pytest.importorskip("matplotlib")
     assert Path(results["plot"]).is_file() and Path(plot["plot"]).is_file()

@@ -11,6 +11,11 @@ queries present a key alone, and the memory must return its value.
 - Fast weights (our ``FeatureMap`` and ``fwp_kernels``): sum rule ``W_t = W_{t-1} + v_t phi(k_t)^T`` (eq. 5) read
   with attention normalisation ``W q / (z . q)`` (eqs. 26-28), or the delta rule
   ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T`` (eq. 19) with sum-normalised phi (eq. 29).
+- The FWM rule (Schlag, Munkhdalai, Schmidhuber 2021, the third rule of Figure 3): the delta rule on unnormalised
+  phi(k), ``W'_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T``, then ``W_t = W'_t / max(1, ||W'_t||_F)``,
+  read through a LayerNorm without affine parameters, ``y = LN(W_T phi(q))`` (eps 1e-5: the memory can learn to
+  stay so small that eps dominates and LN acts as a scaled mean subtraction, which is how the paper's runs reach
+  loss 0.04; the zero mean bounds the loss below by ``0.5 / S``).
 - Query: ``q = W_q E a_query``; the read-out ``y = W_S phi(q)`` is compared with ``onehot(b)``:
   loss ``0.5 * ||onehot(b) - y||^2`` (summed over the S value dimensions, averaged over queries), accuracy =
   argmax. A memory that returns the mean value scores ``0.5 * (1 - 1/S)`` ("chance").
@@ -21,14 +26,14 @@ Setting 2 (``update_rules``): sequence length 2 S (40) with keys drawn with repl
 too); the answer is the latest value of the queried key.
 
 Memories are named ``[rule-]phi[-ablation...]``: ``softmax``; ``linear`` (ELU+1), ``dpfp<nu>``, ``favor<m>``,
-optionally prefixed by ``sum-`` (default) or ``delta-``; ablations ``sumnorm`` (sum normalisation, eq. 29, for the
-sum rule instead of attention normalisation), ``nosumnorm`` (delta rule without eq. 29), ``beta1`` (delta rule
-with a fixed beta = 1 instead of the learned one).
+optionally prefixed by ``sum-`` (default), ``delta-`` or ``fwm-``; ablations ``sumnorm`` (sum normalisation,
+eq. 29, for the sum rule instead of attention normalisation), ``nosumnorm`` (delta rule without eq. 29), ``beta1``
+(delta rule with a fixed beta = 1 instead of the learned one).
 
     python -m training.associative_retrieval capacity --d_key 16 --num_keys 8 16 32 64 \\
         --memory softmax linear dpfp1 dpfp2 --output_dir outputs/synthetic_capacity
     python -m training.associative_retrieval update_rules --d_key 16 \\
-        --memory sum-dpfp1 delta-dpfp1 --output_dir outputs/synthetic_update_rules
+        --memory sum-dpfp1 delta-dpfp1 fwm-dpfp1 --output_dir outputs/synthetic_update_rules
     python -m training.associative_retrieval plot capacity outputs/synthetic_capacity/*.json --out docs/figures/x.png
 
 Each run writes ``<output_dir>/<setting>.json`` (per memory and S: final held-out loss, accuracy, learning curve)
@@ -163,14 +168,14 @@ _PHI = re.compile(r"^(linear|dpfp(\d+)|favor(\d+))$")
 
 
 def parse_memory(name: str) -> MemorySpec:
-    """``softmax`` or ``[sum-|delta-]phi[-sumnorm|-nosumnorm|-beta1]`` (see the module docstring)."""
+    """``softmax`` or ``[sum-|delta-|fwm-]phi[-sumnorm|-nosumnorm|-beta1]`` (see the module docstring)."""
     if name == "softmax":
         return MemorySpec(name, attention="softmax")
     parts = name.split("-")
-    rule = parts.pop(0) if parts and parts[0] in ("sum", "delta") else "sum"
+    rule = parts.pop(0) if parts and parts[0] in ("sum", "delta", "fwm") else "sum"
     match = _PHI.match(parts.pop(0)) if parts else None
     if match is None:
-        raise ValueError(f"`memory` must be 'softmax' or '[sum-|delta-](linear|dpfp<nu>|favor<m>)[-ablation]', "
+        raise ValueError(f"`memory` must be 'softmax' or '[sum-|delta-|fwm-](linear|dpfp<nu>|favor<m>)[-ablation]', "
                          f"got {name!r}")
     spec = MemorySpec(name, update_rule=rule)
     if match.group(2):
@@ -191,7 +196,7 @@ def parse_memory(name: str) -> MemorySpec:
             spec.learned_beta = False
         else:
             raise ValueError(f"`memory` {name!r}: unknown ablation {ablation!r} for the {rule} rule "
-                             "(sum: sumnorm; delta: nosumnorm, beta1)")
+                             "(sum: sumnorm; delta: nosumnorm, beta1; fwm: none)")
     return spec
 
 
@@ -223,7 +228,8 @@ class RetrievalMemoryModel(nn.Module):
         self.key_proj = nn.Linear(num_keys + embedding_size, d_key)  # W_k, sees key and value
         self.query_proj = nn.Linear(embedding_size, d_key)  # W_q, sees the key only
         self.beta_proj = (nn.Linear(num_keys + embedding_size, 1)
-                          if spec.update_rule == "delta" and spec.learned_beta and spec.attention != "softmax" else None)
+                          if spec.update_rule in ("delta", "fwm") and spec.learned_beta and spec.attention != "softmax"
+                          else None)
         self.feature_map = None
         if spec.attention != "softmax":
             self.feature_map = FeatureMap(SimpleNamespace(
@@ -247,6 +253,9 @@ class RetrievalMemoryModel(nn.Module):
             return torch.einsum("bqt,bts->bqs", scores.softmax(-1), v)
         phi_k = self.feature_map(k[:, None])  # [B, 1, T, F]
         phi_q = self.feature_map(q[:, None])  # [B, 1, Q, F]
+        if self.spec.update_rule == "fwm":
+            memory = fast_weight_memory_rule(phi_k[:, 0], v, torch.sigmoid(self.beta_proj(x)).squeeze(-1))
+            return F.layer_norm(torch.einsum("bsf,bqf->bqs", memory, phi_q[:, 0]), (v.shape[-1],))  # y = LN(W_T phi(q))
         if self.spec.attention_normalization:
             # eqs. 26-28: y = W_T phi(q) / (z_T . phi(q)), z_T = sum_t phi(k_t); z is written as one more value row.
             v = torch.cat([v, v.new_ones(B, T, 1)], dim=-1)
@@ -277,6 +286,29 @@ class RetrievalMemoryModel(nn.Module):
         else:
             out, _ = linear_attention(q_all, k_all, v_all)  # eq. 5
         return out[:, 0, T:]
+
+
+def fast_weight_memory_rule(phi_k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """The FWM update rule (Schlag, Munkhdalai, Schmidhuber 2021), written step by step; returns the last memory.
+
+    ``W'_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T`` (the delta rule, keys not normalised), then
+    ``W_t = W'_t / max(1, ||W'_t||_F)``, from ``W_0 = 0``. (The paper's experiment code skips the rescaling at the
+    first step; this follows the equation.)
+
+    Args:
+        phi_k: ``[B, T, F]`` mapped keys.
+        v: ``[B, T, Dv]`` values.
+        beta: ``[B, T]`` write strengths in (0, 1).
+    Returns:
+        ``W_T``: ``[B, Dv, F]``.
+    """
+    memory = v.new_zeros(v.shape[0], v.shape[-1], phi_k.shape[-1])
+    for t in range(phi_k.shape[1]):
+        k_t = phi_k[:, t]
+        retrieved = torch.einsum("bsf,bf->bs", memory, k_t)  # W_{t-1} phi(k_t)
+        memory = memory + torch.einsum("bs,bf->bsf", beta[:, t, None] * (v[:, t] - retrieved), k_t)
+        memory = memory / memory.flatten(1).norm(dim=-1).clamp(min=1.0)[:, None, None]
+    return memory
 
 
 def retrieval_loss(prediction: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
