@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from conftest import accelerate_launch_two_processes
 from training import synthetic, train_lm
@@ -273,6 +274,40 @@ def test_synthetic_tasks_train(task, tmp_path):
         assert row["test_sequence_accuracy"] == row["test_accuracy"]
     table = (tmp_path / f"{task}.md").read_text()
     assert table.startswith("| ") and f"| {row['model']} | {row['test_accuracy']:.3f} |" in table
+
+
+def test_synthetic_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    """A run interrupted after its step-2 checkpoint and continued with --resume ends exactly where a run without a
+    break ends: same data order, optimiser state and learning curve."""
+    common = ["--task", "code", "--model", "delta_net", "--num_statements", "6", "--steps", "4", "--batch_size", "3",
+              "--hidden_size", "16", "--layers", "1", "--heads", "2", "--eval_examples", "8", "--lr", "3e-3"]
+    straight = synthetic.main(common + ["--output_dir", str(tmp_path / "straight")])["results"][0]
+
+    class Interrupted(Exception):
+        pass
+
+    class StopsAfterStep2(transformers.Trainer):
+        def training_step(self, *args, **kwargs):
+            if self.state.global_step == 2:
+                raise Interrupted
+            return super().training_step(*args, **kwargs)
+
+    out = tmp_path / "interrupted"
+    args = common + ["--save_steps", "2", "--resume", "--output_dir", str(out)]
+    with monkeypatch.context() as patch:
+        patch.setattr(synthetic, "Trainer", StopsAfterStep2)
+        with pytest.raises(Interrupted):
+            synthetic.main(args)  # no checkpoint yet: starts from scratch, saves at step 2, then dies
+    run_dir = out / "trainer" / "delta_net_num_variables3_num_statements6"
+    assert [p.name for p in run_dir.glob("checkpoint-*")] == ["checkpoint-2"]
+    resumed = synthetic.main(args)["results"][0]
+    assert resumed["resumed_from"] == str(run_dir / "checkpoint-2")
+    assert [h["step"] for h in resumed["loss_curve"]] == [1, 2, 3, 4]
+    assert resumed["loss_curve"] == straight["loss_curve"]
+    assert resumed["test_loss"] == straight["test_loss"] and resumed["test_accuracy"] == straight["test_accuracy"]
+    assert [p.name for p in run_dir.glob("checkpoint-*")] == ["checkpoint-4"]  # only the latest is kept
+    with pytest.raises(SystemExit):
+        synthetic.parse_args(common + ["--save_steps", "0"])
 
 
 def test_answer_metrics_token_and_sequence_level():

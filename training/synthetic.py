@@ -25,7 +25,9 @@ the value read-out, no LM around it: ``training/associative_retrieval.py``) runs
 
     python -m training.synthetic --task capacity --memory linear dpfp1 softmax --num_keys 8 16 32 --d_key 16
 
-(``OMP_NUM_THREADS=1`` is much faster for these tiny models on a busy CPU.) Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accuracy per model and setting) and, when
+(``OMP_NUM_THREADS=1`` is much faster for these tiny models on a busy CPU.) Long runs can save Trainer checkpoints
+(``--save_steps``, under ``<output_dir>/trainer/<model>_<setting>/``); the same command with ``--resume`` continues
+each run from its latest checkpoint, with the same data and the same result as an uninterrupted run. Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accuracy per model and setting) and, when
 matplotlib is installed, ``<output_dir>/<task>.png`` (retrieval: final loss against the swept setting, one line per model;
 code and ListOps: training curves), and ``<output_dir>/<task>.md``, the accuracy table (token and sequence level).
 """
@@ -50,6 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 
@@ -391,7 +394,10 @@ def shortcut_accuracy(spec: TaskSpec, dataset: datasets.Dataset) -> Optional[flo
 
 
 def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_dir: Path) -> Dict[str, Any]:
-    """Trains `model_name` on `spec` for ``args.steps`` steps on fresh data and returns its metrics."""
+    """Trains `model_name` on `spec` for ``args.steps`` steps on fresh data and returns its metrics.
+
+    Checkpoints (``args.save_steps``) go to `output_dir`; with ``args.resume`` the run continues from the latest one
+    there. ``seconds`` is this process's training time."""
     set_seed(args.seed)
     train = make_dataset(spec, args.steps * args.batch_size, seed=args.seed)
     test = make_dataset(spec, args.eval_examples, seed=args.seed + 1)
@@ -402,13 +408,17 @@ def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_
     training_args = TrainingArguments(
         output_dir=str(output_dir), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
         learning_rate=args.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=min(100, args.steps // 10),
-        max_grad_norm=1.0, logging_steps=max(1, args.steps // 20), save_strategy="no", eval_strategy="no",
-        report_to="none", use_cpu=not torch.cuda.is_available(), seed=args.seed, remove_unused_columns=False,
+        max_grad_norm=1.0, logging_steps=max(1, args.steps // 20), eval_strategy="no", report_to="none",
+        **(dict(save_strategy="steps", save_steps=args.save_steps, save_total_limit=1) if args.save_steps
+           else dict(save_strategy="no")), use_cpu=not torch.cuda.is_available(), seed=args.seed, remove_unused_columns=False,
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=pad_collator)
+    resume = get_last_checkpoint(str(output_dir)) if args.resume and output_dir.is_dir() else None
+    if args.resume:
+        logger.info("%s: %s", output_dir, f"resuming from {resume}" if resume else "no checkpoint, starting")
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - start
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     final_train = float(np.mean(losses[-3:])) if losses else float("nan")
@@ -419,6 +429,7 @@ def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_
         "steps": args.steps, "final_train_loss": final_train, "test_loss": metrics["loss"],
         "test_accuracy": metrics["accuracy"], "test_sequence_accuracy": metrics["sequence_accuracy"],
         "test_answers": metrics["answers"], "shortcut_accuracy": shortcut_accuracy(spec, test), "seconds": seconds,
+        "resumed_from": resume,
         "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
     }
 
@@ -462,6 +473,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval_examples", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/synthetic")
+    p.add_argument("--save_steps", type=int, default=None,
+                   help="save a Trainer checkpoint every N steps (the latest one is kept), for --resume")
+    p.add_argument("--resume", action="store_true",
+                   help="continue each run from its latest checkpoint under --output_dir (a run without one starts)")
     g = p.add_argument_group("sweeps (several values: one run per value)")
     g.add_argument("--num_pairs", type=int, nargs="+", default=None, help="retrieval: S (pairs per sequence)")
     g.add_argument("--num_keys", type=int, default=None, help="retrieval: key vocabulary size")
@@ -474,6 +489,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "eval_examples"):
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.save_steps is not None and args.save_steps <= 0:
+        p.error(f"--save_steps must be positive, got {args.save_steps}")
     if args.d_key is not None:
         if args.d_key <= 0 or args.hidden_size % args.d_key:
             p.error(f"--d_key must divide --hidden_size ({args.hidden_size}), got {args.d_key}")
@@ -523,7 +540,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     for options in task_settings(args):
         spec = build_task(args.task, **options)
         for model_name in args.model:
-            row = train_one(spec, model_name, args, out / "trainer")
+            run_name = "_".join([model_name] + [f"{k}{v}" for k, v in spec.setting.items()])
+            row = train_one(spec, model_name, args, out / "trainer" / run_name)
             logger.info("%s %s %s: final train loss %.3f, test loss %.3f, accuracy %.3f (sequences %.3f) (%.0f s)",
                         args.task, spec.setting, model_name, row["final_train_loss"], row["test_loss"],
                         row["test_accuracy"], row["test_sequence_accuracy"], row["seconds"])
