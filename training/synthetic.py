@@ -25,11 +25,14 @@ the value read-out, no LM around it: ``training/associative_retrieval.py``) runs
 
     python -m training.synthetic --task capacity --memory linear dpfp1 softmax --num_keys 8 16 32 --d_key 16
 
-(``OMP_NUM_THREADS=1`` is much faster for these tiny models on a busy CPU.) Long runs can save Trainer checkpoints
-(``--save_steps``, under ``<output_dir>/trainer/<model>_<setting>/``); the same command with ``--resume`` continues
-each run from its latest checkpoint, with the same data and the same result as an uninterrupted run. Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accuracy per model and setting) and, when
-matplotlib is installed, ``<output_dir>/<task>.png`` (retrieval: final loss against the swept setting, one line per model;
-code and ListOps: training curves), and ``<output_dir>/<task>.md``, the accuracy table (token and sequence level).
+(``OMP_NUM_THREADS=1`` is much faster for these tiny models on a busy CPU.)
+
+Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accuracy per model and setting),
+``<output_dir>/<task>.md`` (the accuracy table, token and sequence level) and, when matplotlib is installed,
+``<output_dir>/<task>.png`` (retrieval: final loss against the swept setting, one line per model; code and ListOps:
+training curves). Long runs can save Trainer checkpoints (``--save_steps``, under
+``<output_dir>/trainer/<model>_<setting>/``); the same command with ``--resume`` continues each run from its latest
+checkpoint, with the same data and the same result as an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -405,13 +408,14 @@ def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_
     model = build_model(model_name, len(spec.vocabulary), args.hidden_size, args.layers, args.heads, max_length,
                         args.overrides)
     model.config.use_cache = False
+    checkpointing = (dict(save_strategy="steps", save_steps=args.save_steps, save_total_limit=1) if args.save_steps
+                     else dict(save_strategy="no"))
     training_args = TrainingArguments(
         output_dir=str(output_dir), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
         learning_rate=args.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=min(100, args.steps // 10),
         max_grad_norm=1.0, logging_steps=max(1, args.steps // 20), eval_strategy="no", report_to="none",
-        **(dict(save_strategy="steps", save_steps=args.save_steps, save_total_limit=1) if args.save_steps
-           else dict(save_strategy="no")), use_cpu=not torch.cuda.is_available(), seed=args.seed, remove_unused_columns=False,
-        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(), seed=args.seed, remove_unused_columns=False, disable_tqdm=True,
+        **checkpointing,
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=pad_collator)
     resume = get_last_checkpoint(str(output_dir)) if args.resume and output_dir.is_dir() else None
