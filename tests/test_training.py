@@ -345,6 +345,10 @@ def test_plots_cli_draws_the_curves_of_several_runs(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):  # a setting the runs do not have
         plots.main(["--x_key", "depth", "--output", str(tmp_path / "x.png"), *runs])
+    rows = [{"model": "delta_net", "depth": 10, "seed": seed, "steps": 10} for seed in (0, 1)]
+    assert plots.run_labels(rows, "depth") == ["delta_net (depth=10, seed 0)", "delta_net (depth=10, seed 1)"]
+    rows[1].update(seed=0, steps=20)
+    assert plots.run_labels(rows, "depth") == ["delta_net (depth=10, steps 10)", "delta_net (depth=10, steps 20)"]
 
 
 def test_shortcut_accuracy_of_the_trivial_rules():

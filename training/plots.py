@@ -94,16 +94,23 @@ def plot_final_loss(rows: List[Dict[str, Any]], x_key: str, path: Path) -> Optio
     return _save(plt, fig, ax, path)
 
 
+def run_labels(rows: List[Dict[str, Any]], x_key: str) -> List[str]:
+    """One legend label per run: ``model (x_key=value)``, plus the seed and the step count where the runs differ."""
+    varying = [key for key in ("seed", "steps") if len({row.get(key) for row in rows}) > 1]
+    return [f"{row['model']} (" + ", ".join([f"{x_key}={row[x_key]}"] + [f"{key} {row.get(key)}" for key in varying])
+            + ")" for row in rows]
+
+
 def plot_training_loss(rows: List[Dict[str, Any]], x_key: str, path: Path, title: str) -> Optional[Path]:
     """Training loss on the answers against steps, one line per model and setting (``training.synthetic`` rows:
-    keys ``model``, `x_key`, ``loss_curve``)."""
+    keys ``model``, `x_key`, ``loss_curve``; ``seed`` and ``steps`` join the labels when the runs differ in them)."""
     plt = _pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for row in rows:
+    for row, label in zip(rows, run_labels(rows, x_key)):
         curve = row["loss_curve"]
-        ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=f"{row['model']} ({x_key}={row[x_key]})")
+        ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=label)
     ax.set_xlabel("training step")
     ax.set_ylabel("training loss (answers)")
     ax.set_title(title)
@@ -125,7 +132,10 @@ def main(argv: Optional[List[str]] = None) -> Path:
     p.add_argument("--title", default="")
     p.add_argument("--output", required=True)
     args = p.parse_args(argv)
-    rows = [row for name in args.results for row in json.loads(Path(name).read_text())["results"]]
+    rows = []
+    for name in args.results:
+        run = json.loads(Path(name).read_text())
+        rows += [{"seed": run.get("args", {}).get("seed"), **row} for row in run["results"]]
     missing = [row["model"] for row in rows if args.x_key not in row]
     if missing:
         p.error(f"--x_key {args.x_key!r} is not a setting of the runs of {missing}")

@@ -430,7 +430,7 @@ def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_
     return {
         "model": model_name, "task": spec.name, **spec.setting,
         "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-        "steps": args.steps, "final_train_loss": final_train, "test_loss": metrics["loss"],
+        "steps": args.steps, "seed": args.seed, "final_train_loss": final_train, "test_loss": metrics["loss"],
         "test_accuracy": metrics["accuracy"], "test_sequence_accuracy": metrics["sequence_accuracy"],
         "test_answers": metrics["answers"], "shortcut_accuracy": shortcut_accuracy(spec, test), "seconds": seconds,
         "resumed_from": resume,
