@@ -49,8 +49,13 @@ def plot_capacity(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
 
 
 def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
-    """Legend, layout, write `path` (creating its folder), close the figure."""
-    ax.legend(fontsize=7)
+    """Legend (beside the axes when it has more than 6 entries), layout, write `path` (creating its folder), close
+    the figure."""
+    if len(ax.get_lines()) > 6:
+        fig.set_figwidth(fig.get_figwidth() + 4)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
