@@ -11,11 +11,11 @@ queries present a key alone, and the memory must return its value.
 - Fast weights (our ``FeatureMap`` and ``fwp_kernels``): sum rule ``W_t = W_{t-1} + v_t phi(k_t)^T`` (eq. 5) read
   with attention normalisation ``W q / (z . q)`` (eqs. 26-28), or the delta rule
   ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T`` (eq. 19) with sum-normalised phi (eq. 29).
-- The FWM rule (Schlag, Munkhdalai, Schmidhuber 2021, the third rule of Figure 3): the delta rule on unnormalised
-  phi(k), ``W'_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T``, then ``W_t = W'_t / max(1, ||W'_t||_F)``,
-  read through a LayerNorm without affine parameters, ``y = LN(W_T phi(q))`` (eps 1e-5: the memory can learn to
-  stay so small that eps dominates and LN acts as a scaled mean subtraction, which is how the paper's runs reach
-  loss 0.04; the zero mean bounds the loss below by ``0.5 / S``).
+- The FWM rule (Schlag, Munkhdalai, Schmidhuber 2021; the paper's code runs it in setting 2): the delta rule on
+  unnormalised phi(k), ``W'_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T``, then
+  ``W_t = W'_t / max(1, ||W'_t||_F)``, read through a LayerNorm without affine parameters, ``y = LN(W_T phi(q))``
+  (eps 1e-5: the memory can learn to stay so small that eps dominates and LN acts as a scaled mean subtraction,
+  which is how the paper's runs reach loss 0.04; the zero mean bounds the loss below by ``0.5 / S``).
 - Query: ``q = W_q E a_query``; the read-out ``y = W_S phi(q)`` is compared with ``onehot(b)``:
   loss ``0.5 * ||onehot(b) - y||^2`` (summed over the S value dimensions, averaged over queries), accuracy =
   argmax. A memory that returns the mean value scores ``0.5 * (1 - 1/S)`` ("chance").
