@@ -203,8 +203,9 @@ class FWLSlowHead(nn.Module):
                     grad = grad.clone()  # softmax's backward needs its own output unmodified
             if weights is not None:
                 row_weights = weights[..., None].to(dtype)
-                grad = grad.mul_(row_weights)
-            minus_one = -row_weights if weights is not None else grad.new_full((*labels.shape, 1), -1.0)
+                grad, minus_one = grad.mul_(row_weights), -row_weights
+            else:
+                minus_one = grad.new_full((*labels.shape, 1), -1.0)
             index = labels.clamp(0, logits.shape[-1] - 1)[..., None]
             grads["logits"] = grad = grad.scatter_add_(-1, index, minus_one)
             if depth >= 1:
