@@ -4,6 +4,18 @@
 - `training.tokenizer`: a byte-level BPE trained on the train split, and GPT-2's BPE from local files.
 - `training.demo`: the main job (`python -m training.demo`, `make demo`).
 """
+import os
+from typing import Optional, Union
+
+
+def latest_checkpoint(directory: Union[str, os.PathLike]) -> Optional[str]:
+    """The newest Trainer checkpoint (``checkpoint-<step>``) under `directory` (a path), None when there is none or
+    the directory does not exist: what ``trainer.train(resume_from_checkpoint=...)`` continues from."""
+    from pathlib import Path
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(directory)) if Path(directory).is_dir() else None
 
 
 def leave_process_group() -> None:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training import leave_process_group
+from training import latest_checkpoint, leave_process_group
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -200,9 +200,7 @@ class Stage:
         return (self.final / "config.json").exists()
 
     def last_checkpoint(self) -> Optional[str]:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        return get_last_checkpoint(str(self.directory)) if self.directory.is_dir() else None
+        return latest_checkpoint(self.directory)
 
 
 def training_arguments(args, output_dir: Path, train: bool):

@@ -55,11 +55,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 
-from . import associative_retrieval, plots  # noqa: E402
+from . import associative_retrieval, latest_checkpoint, plots  # noqa: E402
 
 logger = logging.getLogger("training.synthetic")
 
@@ -418,7 +417,7 @@ def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_
         **checkpointing,
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=pad_collator)
-    resume = get_last_checkpoint(str(output_dir)) if args.resume and output_dir.is_dir() else None
+    resume = latest_checkpoint(output_dir) if args.resume else None
     if args.resume:
         logger.info("%s: %s", output_dir, f"resuming from {resume}" if resume else "no checkpoint, starting")
     start = time.perf_counter()
