@@ -98,8 +98,27 @@ def _delta_write(R: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.
     return R + (beta.unsqueeze(-1) * (v - v_old)).unsqueeze(-1) * k.unsqueeze(-2)
 
 
-def fast_rnn_scan_reference(z, k, v, beta, cell, R, y, c, mask=None):
-    """Step loop of :func:`fast_rnn_scan` in the accumulation dtype; returns ``(y [B, H, T, D], R_T, c_T)``."""
+def fast_rnn_scan_reference(
+    z: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    cell: str,
+    R: torch.Tensor,
+    y: torch.Tensor,
+    c: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step loop of :func:`fast_rnn_scan` in the accumulation dtype.
+
+    Args:
+        z, k, v: ``[B, H, G, T, D]``; beta: ``[B, H, G, T]`` (as in :func:`fast_rnn_scan`).
+        cell: one of ``CELLS``.
+        R: ``[B, H, G, D, D]`` initial fast weights; y: ``[B, H, D]`` initial output; c: ``[B, H, D]`` initial cell.
+        mask: ``[B, T]``, 0 at padded positions (every state carries through them).
+    Returns:
+        ``(y [B, H, T, D], R_T [B, H, G, D, D], c_T [B, H, D])`` (``y_T`` is ``y[:, :, -1]``).
+    """
     T = z.shape[3]
     softmax_input = cell not in ("rnn_a", "lstm_a")
     outputs = []
@@ -128,8 +147,29 @@ def fast_rnn_scan_reference(z, k, v, beta, cell, R, y, c, mask=None):
     return torch.stack(outputs, dim=2), R, c
 
 
-def recurrent_delta_rule_reference(q, k, v, beta, r_q, r_k, r_v, r_beta, W, y, mask=None):
-    """Step loop of :func:`recurrent_delta_rule` in the accumulation dtype; returns ``(y [B, H, T, D], W_T)``."""
+def recurrent_delta_rule_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    r_q: torch.Tensor,
+    r_k: torch.Tensor,
+    r_v: torch.Tensor,
+    r_beta: torch.Tensor,
+    W: torch.Tensor,
+    y: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step loop of :func:`recurrent_delta_rule` in the accumulation dtype.
+
+    Args:
+        q, k, v: ``[B, H, T, D]``; beta: ``[B, H, T]``; r_q, r_k, r_v: ``[H, D, D]``; r_beta: ``[H, D]``
+            (as in :func:`recurrent_delta_rule`).
+        W: ``[B, H, D, D]`` initial fast weights; y: ``[B, H, D]`` initial output.
+        mask: ``[B, T]``, 0 at padded positions.
+    Returns:
+        ``(y [B, H, T, D], W_T [B, H, D, D])``.
+    """
     outputs = []
     for t in range(q.shape[2]):
         h = torch.tanh(y)  # [B, H, D]

@@ -11,6 +11,8 @@ final fast weights and undo one delta rule write per step, as the C++ kernel doe
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -350,11 +352,21 @@ def _block(D: int) -> int:
     return max(triton.next_power_of_2(D), 2)
 
 
-def _mask(mask, B: int, L: int, like: torch.Tensor) -> torch.Tensor:
+def _mask(mask: Optional[torch.Tensor], B: int, L: int, like: torch.Tensor) -> torch.Tensor:
     return mask if mask is not None else like.new_ones(B, L)
 
 
-def fast_rnn_forward(z, k, v, beta, R, y0, c0, mask, cell, y, c, act, v_old) -> None:
+def fast_rnn_forward(
+    z: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, R: torch.Tensor, y0: torch.Tensor, c0: torch.Tensor, mask: Optional[torch.Tensor], cell: int,
+    y: torch.Tensor, c: torch.Tensor, act: torch.Tensor, v_old: torch.Tensor,
+) -> None:
+    """``torch.ops.fwp_rfwp.fast_rnn_forward`` on CUDA (or the interpreter); outputs are written in place.
+
+    Shapes: z, k, v ``[B, H, G, T, D]``, beta ``[B, H, G, T]``, R ``[B, H, G, D, D]`` (in: initial, out: final fast
+    weights), y0, c0 ``[B, H, D]``, mask ``[B, T]`` or None, cell the index into ``CELLS``; out: y, c ``[B, H, T, D]``,
+    act ``[B, H, 3, T, D]`` (the LSTM gates after their activation; c and act are empty for the RNN cells), v_old
+    ``[B, H, G, T, D]`` (``R_{t-1} k_t``).
+    """
     B, H, G, L, D = z.shape
     lstm = cell >= 2
     _fast_rnn_fwd_kernel[(B * H,)](
@@ -363,7 +375,17 @@ def fast_rnn_forward(z, k, v, beta, R, y0, c0, mask, cell, y, c, act, v_old) -> 
     )
 
 
-def fast_rnn_backward(gy, gc, k, v, beta, R, dR, y0, c0, mask, y, c, act, v_old, cell, gz, gk, gv, gbeta, gy0, gc0):
+def fast_rnn_backward(
+    gy: torch.Tensor, gc: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, R: torch.Tensor, dR: torch.Tensor, y0: torch.Tensor, c0: torch.Tensor, mask: Optional[torch.Tensor],
+    y: torch.Tensor, c: torch.Tensor, act: torch.Tensor, v_old: torch.Tensor, cell: int,
+    gz: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, gbeta: torch.Tensor, gy0: torch.Tensor, gc0: torch.Tensor,
+) -> None:
+    """``torch.ops.fwp_rfwp.fast_rnn_backward``: the gradients of :func:`fast_rnn_forward`, written in place.
+
+    In: gy, gc ``[B, H, T, D]`` the gradients of y and c (gc None for the RNN cells), the forward's inputs and saved
+    outputs, R the final fast weights (undone to the initial ones), dR ``[B, H, G, D, D]`` the final fast weights'
+    gradient (out: the initial ones'). Out: gz, gk, gv like z, gbeta like beta, gy0, gc0 ``[B, H, D]``.
+    """
     B, H, G, L, D = k.shape
     lstm = cell >= 2
     _fast_rnn_bwd_kernel[(B * H,)](
@@ -374,7 +396,16 @@ def fast_rnn_backward(gy, gc, k, v, beta, R, dR, y0, c0, mask, y, c, act, v_old,
     )
 
 
-def rdn_forward(q, k, v, beta, Rq, Rk, Rv, rb, W, y0, mask, y, qs, ks, vs, bs, v_old) -> None:
+def rdn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Rq: torch.Tensor, Rk: torch.Tensor, Rv: torch.Tensor, rb: torch.Tensor, W: torch.Tensor, y0: torch.Tensor, mask: Optional[torch.Tensor],
+    y: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, bs: torch.Tensor, v_old: torch.Tensor,
+) -> None:
+    """``torch.ops.fwp_rfwp.rdn_forward`` (the Recurrent Delta Net scan); outputs are written in place.
+
+    Shapes: q, k, v ``[B, H, T, D]``, beta ``[B, H, T]``, Rq, Rk, Rv ``[H, D, D]``, rb ``[H, D]``, W ``[B, H, D, D]``
+    (in: initial, out: final fast weights), y0 ``[B, H, D]``, mask ``[B, T]`` or None; out: y, and the activated
+    qs, ks, vs ``[B, H, T, D]``, bs ``[B, H, T]``, v_old ``[B, H, T, D]`` (``W_{t-1} k_t``) saved for the backward.
+    """
     B, H, L, D = q.shape
     _rdn_fwd_kernel[(B * H,)](
         q, k, v, beta, Rq, Rk, Rv, rb, W, y0, _mask(mask, B, L, q), y, qs, ks, vs, bs, v_old,
@@ -382,8 +413,18 @@ def rdn_forward(q, k, v, beta, Rq, Rk, Rv, rb, W, y0, mask, y, qs, ks, vs, bs, v
     )
 
 
-def rdn_backward(gy, W, dW, Rq, Rk, Rv, rb, y0, mask, y, qs, ks, vs, bs, v_old, gq, gk, gv, gbeta, gRq, gRk, gRv,
-                 grb, gy0) -> None:
+def rdn_backward(
+    gy: torch.Tensor, W: torch.Tensor, dW: torch.Tensor, Rq: torch.Tensor, Rk: torch.Tensor, Rv: torch.Tensor, rb: torch.Tensor, y0: torch.Tensor, mask: Optional[torch.Tensor],
+    y: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, bs: torch.Tensor, v_old: torch.Tensor,
+    gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, gbeta: torch.Tensor, gRq: torch.Tensor, gRk: torch.Tensor, gRv: torch.Tensor, grb: torch.Tensor, gy0: torch.Tensor,
+) -> None:
+    """``torch.ops.fwp_rfwp.rdn_backward``: the gradients of :func:`rdn_forward`, written in place.
+
+    In: gy ``[B, H, T, D]``, W the final fast weights (undone to the initial ones), dW ``[B, H, D, D]`` their
+    gradient (out: the initial ones'), the forward's inputs and saved outputs. Out: gq, gk, gv ``[B, H, T, D]``,
+    gbeta ``[B, H, T]``, gRq, gRk, gRv ``[B, H, D, D]`` and grb ``[B, H, D]`` (per sequence; the caller sums over B),
+    gy0 ``[B, H, D]``.
+    """
     B, H, L, D = gy.shape
     _rdn_bwd_kernel[(B * H,)](
         gy, W, dW, Rq, Rk, Rv, rb, y0, _mask(mask, B, L, gy), y, qs, ks, vs, bs, v_old, gq, gk, gv, gbeta,

@@ -8,7 +8,7 @@ fast weight update cannot be undone by dropping positions.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 from transformers import PreTrainedModel
@@ -33,7 +33,7 @@ def resolve_cache_argument(cache: Optional[Cache], past_key_values: Optional[Cac
     return past_key_values
 
 
-def output_cache(outputs) -> Optional[Cache]:
+def output_cache(outputs: Mapping) -> Optional[Cache]:
     """The cache of a model output, whichever name the installed transformers gives that field."""
     return outputs.get(CACHE_ARGUMENT)
 

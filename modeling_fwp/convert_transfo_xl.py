@@ -35,12 +35,15 @@ import logging
 import pickle
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from .configuration_transfo_xl import TransfoXLConfig
 from .modeling_transfo_xl import TransfoXLForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +190,9 @@ def convert_state_dict(legacy: Dict[str, torch.Tensor], config: TransfoXLConfig)
     return out
 
 
-def convert_transfo_xl_checkpoint(src_dir: PathLike, dst_dir: PathLike, vocabulary: Optional[PathLike] = None):
+def convert_transfo_xl_checkpoint(
+    src_dir: PathLike, dst_dir: PathLike, vocabulary: Optional[PathLike] = None
+) -> TransfoXLForCausalLM:
     """Converts a transformers-4 Transformer-XL folder into one ``AutoModelForCausalLM.from_pretrained`` loads as
     ``TransfoXLForCausalLM``, numerically identical (same tensors, same computation).
 
@@ -293,7 +298,7 @@ def build_word_level_tokenizer(
     eos_token: Optional[str] = "<eos>",
     lower_case: bool = False,
     split_punctuation: bool = False,
-):
+) -> PreTrainedTokenizerFast:
     """A ``PreTrainedTokenizerFast`` over a ``tokenizers`` WordLevel model, ids as in `symbols`, unknown words ->
     `unk_token`; decoding joins words with spaces. Words are split on whitespace only (WikiText-103 is already
     tokenised), or with ``split_punctuation`` also between word characters and punctuation (raw text)."""

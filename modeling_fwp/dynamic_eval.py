@@ -28,6 +28,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from .cache_fwp import CACHE_ARGUMENT, output_cache
 
@@ -103,7 +104,13 @@ def swapped_parameters(model: nn.Module, params: Optional[Params]) -> Iterator[n
             module._parameters[attr] = original
 
 
-def segment_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cache=None, params: Optional[Params] = None):
+def segment_loss(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    cache: Optional[Cache] = None,
+    params: Optional[Params] = None,
+) -> Tuple[torch.Tensor, Optional[Cache]]:
     """Summed NLL of ``targets [B, T]`` (-100 ignored) given ``inputs [B, T]`` and a cache; returns (loss, cache).
 
     Position t of the segment predicts ``targets[:, t]`` (the next token, which may lie in the next segment), so a

@@ -11,7 +11,7 @@ attribute selects.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ FAST_WEIGHT_LAYERS: Dict[str, type] = {}
 State = Optional[Dict[str, torch.Tensor]]
 
 
-def register_fast_weight_layer(name: str):
+def register_fast_weight_layer(name: str) -> Callable[[type], type]:
     """Class decorator: makes a fast-weight layer selectable with ``config.fast_weight_layer = name``."""
 
     def wrap(cls):

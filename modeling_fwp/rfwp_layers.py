@@ -32,6 +32,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from .feature_maps import FeatureMap
 from .fast_weight_layers import State, merge_heads, register_fast_weight_layer
@@ -41,7 +42,7 @@ from .kernel_api import ScanState, delta_rule, fast_rnn_scan, recurrent_delta_ru
 FAST_NET_EXPANSION = 4
 
 
-def feature_output_dim(config, dim: int) -> int:
+def feature_output_dim(config: PretrainedConfig, dim: int) -> int:
     """Size of phi(x) for an input of size `dim` under the config's feature map."""
     if config.feature_map == "dpfp":
         return 2 * dim * config.dpfp_nu
@@ -50,7 +51,7 @@ def feature_output_dim(config, dim: int) -> int:
     return dim
 
 
-def make_feature_map(config, num_heads: int, dim: int) -> FeatureMap:
+def make_feature_map(config: PretrainedConfig, num_heads: int, dim: int) -> FeatureMap:
     """The config's phi and sum normalisation for inputs ``[B, num_heads, T, dim]``."""
     return FeatureMap(
         SimpleNamespace(

@@ -24,7 +24,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Dict, List, Optional  # noqa: E402
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -33,10 +33,17 @@ from modeling_fwp.dynamic_eval import DynamicEvaluation, ScoreResult, score_stre
 
 from .train_transfo_xl import encode_stream, read_documents  # noqa: E402
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 logger = logging.getLogger("training.eval_lm")
 
 
-def load_model_and_tokenizer(path: str, tokenizer_path: Optional[str] = None, mem_len: Optional[int] = None):
+def load_model_and_tokenizer(
+    path: str, tokenizer_path: Optional[str] = None, mem_len: Optional[int] = None
+) -> Tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The causal LM at `path` (eval mode) and its tokenizer (from `tokenizer_path` if given); `mem_len` overrides a
+    Transformer-XL's memory length (a ValueError for other models)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -49,8 +56,8 @@ def load_model_and_tokenizer(path: str, tokenizer_path: Optional[str] = None, me
 
 
 def score_split(
-    model, tokenizer, documents: List[str], segment_length: int, per_document: bool = False,
-    dynamic: Optional[DynamicEvaluation] = None, max_tokens: Optional[int] = None,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, documents: List[str], segment_length: int,
+    per_document: bool = False, dynamic: Optional[DynamicEvaluation] = None, max_tokens: Optional[int] = None,
 ) -> ScoreResult:
     """Scores a split (one stream, or each document alone) and returns the merged result."""
     streams = [encode_stream(tokenizer, [doc]) for doc in documents] if per_document else [encode_stream(tokenizer, documents)]

@@ -32,13 +32,17 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from training import latest_checkpoint, leave_process_group
+
+if TYPE_CHECKING:  # imported lazily at run time (the CLI starts faster)
+    from datasets import DatasetDict
+    from transformers import EvalPrediction, PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -99,7 +103,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_text_datasets(args):
+def load_text_datasets(args: argparse.Namespace) -> DatasetDict:
     """A DatasetDict with "train" and "validation" splits and a text column."""
     from datasets import load_dataset
 
@@ -122,7 +126,9 @@ def load_text_datasets(args):
     return load_dataset("text", data_files=files, sample_by="paragraph")
 
 
-def tokenize_into_blocks(raw, tokenizer, args):
+def tokenize_into_blocks(
+    raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace
+) -> DatasetDict:
     """Documents -> token ids (EOS after each) -> consecutive ``block_size`` blocks (the remainder is dropped)."""
     eos = tokenizer.eos_token_id
     block = args.block_size
@@ -148,7 +154,7 @@ def tokenize_into_blocks(raw, tokenizer, args):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def per_token_nll(logits, labels):
+def per_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Trainer's ``preprocess_logits_for_metrics``: ``[B, T, V]`` logits -> ``[B, T - 1]`` NLL of each next token
     (keeps evaluation memory at one float per token)."""
     if isinstance(logits, tuple):
@@ -168,7 +174,10 @@ def repeated_mask(labels: np.ndarray) -> np.ndarray:
     return out
 
 
-def perplexity_metrics(eval_pred) -> Dict[str, float]:
+def perplexity_metrics(eval_pred: EvalPrediction) -> Dict[str, float]:
+    """Trainer's ``compute_metrics`` over :func:`per_token_nll`'s ``[N, T - 1]`` NLLs: mean NLL, perplexity and token
+    count of all next tokens (``nll``, ``ppl``, ``tokens``), of first occurrences (``*_first``) and of tokens seen
+    earlier in their block (``*_repeated``)."""
     nll, labels = eval_pred.predictions, eval_pred.label_ids
     valid = labels[:, 1:] != -100
     repeated = repeated_mask(labels) & valid
@@ -203,7 +212,8 @@ class Stage:
         return latest_checkpoint(self.directory)
 
 
-def training_arguments(args, output_dir: Path, train: bool):
+def training_arguments(args: argparse.Namespace, output_dir: Path, train: bool) -> TrainingArguments:
+    """The stage's ``TrainingArguments`` from the CLI arguments (evaluation only when `train` is False)."""
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -231,7 +241,7 @@ def training_arguments(args, output_dir: Path, train: bool):
     )
 
 
-def optimizer_groups(model, args) -> List[dict]:
+def optimizer_groups(model: PreTrainedModel, args: argparse.Namespace) -> List[dict]:
     """Base parameters at ``learning_rate``, FWL head parameters (fresh) at ``fwl_learning_rate``, the FWL's raw step
     sizes at ``fwl_step_size_learning_rate``."""
     head = getattr(model, "fwl_head", None)
@@ -246,7 +256,14 @@ def optimizer_groups(model, args) -> List[dict]:
     return [g for g in groups if g["params"]]
 
 
-def run_stage(stage: Stage, model, blocks, tokenizer, args, train: bool) -> Dict[str, float]:
+def run_stage(
+    stage: Stage,
+    model: PreTrainedModel,
+    blocks: DatasetDict,
+    tokenizer: PreTrainedTokenizerBase,
+    args: argparse.Namespace,
+    train: bool,
+) -> Dict[str, float]:
     """Trains `model` (resuming from the stage's last checkpoint) unless the stage is finished, then evaluates it."""
     from transformers import Trainer, default_data_collator
 
@@ -338,7 +355,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     return results
 
 
-def generate_sample(model, tokenizer, block_ids: List[int], args) -> Dict[str, object]:
+def generate_sample(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, block_ids: List[int], args: argparse.Namespace
+) -> Dict[str, object]:
     """Greedy continuation of a validation prompt by the fine-tuned FWL model, with its cache (constant-size FWL
     state + the base's KV cache), checked against generation without the cache (every step a full parallel pass)."""
     model.eval()
