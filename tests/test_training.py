@@ -39,6 +39,28 @@ def test_fixed_seed_gives_fixed_dataset(task):
     assert synthetic.make_dataset(spec, 20, seed=4)["input_ids"] != a["input_ids"]
 
 
+def test_dataset_on_disk_holds_the_generator_examples_and_is_reused_only_when_it_matches(tmp_path):
+    spec = synthetic.build_task("code", num_variables=3, num_statements=8)
+    rows = list(synthetic.generate_examples(spec, 40, seed=5))
+    expected = {key: [r[key] for r in rows] for key in ("input_ids", "labels")}
+    in_memory = synthetic.make_dataset(spec, 40, seed=5)
+    on_disk = synthetic.make_dataset(spec, 40, seed=5, cache_dir=tmp_path)
+    assert in_memory[:] == expected and on_disk[:] == expected
+    assert not in_memory.cache_files and on_disk.cache_files  # memory-mapped from tmp_path
+    (path,) = tmp_path.glob("*.arrow")
+    written = path.stat().st_mtime_ns
+
+    assert synthetic.make_dataset(spec, 40, seed=5, cache_dir=tmp_path)[:] == expected
+    assert path.stat().st_mtime_ns == written  # reused, not rewritten
+
+    other_seed = synthetic.make_dataset(spec, 40, seed=6, cache_dir=tmp_path)
+    assert other_seed[:] != expected and len(list(tmp_path.glob("*.arrow"))) == 2
+    # a file under this name that holds other examples (e.g. from an older generator) is regenerated
+    path.write_bytes(Path(other_seed.cache_files[0]["filename"]).read_bytes())
+    assert synthetic.make_dataset(spec, 40, seed=5, cache_dir=tmp_path)[:] == expected
+    assert not list(tmp_path.glob("*.partial"))
+
+
 def test_retrieval_setting_1_answer_is_the_value_of_the_unique_query_key():
     spec = synthetic.build_task("retrieval", num_pairs=12, num_keys=30)
     for tokens, answers in decoded(spec, 50, seed=0):
@@ -306,6 +328,7 @@ def test_synthetic_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert resumed["loss_curve"] == straight["loss_curve"]
     assert resumed["test_loss"] == straight["test_loss"] and resumed["test_accuracy"] == straight["test_accuracy"]
     assert [p.name for p in run_dir.glob("checkpoint-*")] == ["checkpoint-4"]  # only the latest is kept
+    assert [p.name for p in (out / "data").glob("*.arrow")] == ["code_num_variables3_num_statements6_seed0_n12.arrow"]
     with pytest.raises(SystemExit):
         synthetic.parse_args(common + ["--save_steps", "0"])
 

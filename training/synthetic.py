@@ -32,7 +32,8 @@ Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accura
 ``<output_dir>/<task>.png`` (retrieval: final loss against the swept setting, one line per model; code and ListOps:
 training curves). Long runs can save Trainer checkpoints (``--save_steps``, under
 ``<output_dir>/trainer/<model>_<setting>/``); the same command with ``--resume`` continues each run from its latest
-checkpoint, with the same data and the same result as an uninterrupted run.
+checkpoint, with the same data and the same result as an uninterrupted run. The training examples are written to
+``<output_dir>/data/`` (Arrow files, memory-mapped; reused by the other models of the command and by ``--resume``).
 """
 from __future__ import annotations
 
@@ -51,9 +52,11 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple  # noqa: E402
 
 import datasets  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from datasets.arrow_writer import ArrowWriter  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
@@ -289,10 +292,39 @@ def generate_examples(spec: TaskSpec, num_examples: int, seed: int) -> Iterator[
         yield {"input_ids": ids, "labels": labels}
 
 
-def make_dataset(spec: TaskSpec, num_examples: int, seed: int) -> datasets.Dataset:
-    """A ``datasets.Dataset`` of the task (deterministic in `seed`)."""
-    rows = list(generate_examples(spec, num_examples, seed))
-    return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "labels")})
+EXAMPLE_FEATURES = datasets.Features(
+    {"input_ids": datasets.Sequence(datasets.Value("int32")), "labels": datasets.Sequence(datasets.Value("int32"))}
+)
+
+
+def make_dataset(
+    spec: TaskSpec, num_examples: int, seed: int, cache_dir: Optional[os.PathLike] = None
+) -> datasets.Dataset:
+    """A ``datasets.Dataset`` of `num_examples` examples of the task (deterministic in `seed`).
+
+    Without `cache_dir` the examples are held in memory. With it they are written in batches to an Arrow file in
+    `cache_dir` (named by the task, its setting, the seed and the count) and memory-mapped, so a training set of
+    millions of programs costs disk instead of memory. A later call reuses a file with the right number of rows whose
+    first row is this generator's first example (a changed generator regenerates it)."""
+    if cache_dir is None:
+        rows = list(generate_examples(spec, num_examples, seed))
+        return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in EXAMPLE_FEATURES}, features=EXAMPLE_FEATURES)
+    setting = "_".join(f"{k}{v}" for k, v in spec.setting.items())
+    path = Path(cache_dir) / f"{spec.name}_{setting}_seed{seed}_n{num_examples}.arrow"
+    if path.exists():
+        cached = datasets.Dataset.from_file(str(path))
+        first = next(generate_examples(spec, 1, seed), None)
+        if len(cached) == num_examples and (num_examples == 0 or cached[0] == first):
+            return cached
+        logger.info("%s does not hold this generator's examples: regenerating it", path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + f".{os.getpid()}.partial")
+    with ArrowWriter(path=str(partial), features=EXAMPLE_FEATURES, writer_batch_size=10_000) as writer:
+        for example in generate_examples(spec, num_examples, seed):
+            writer.write(example)
+        writer.finalize()
+    os.replace(partial, path)  # atomic: a concurrent or interrupted run never reads a half-written file
+    return datasets.Dataset.from_file(str(path))
 
 
 def pad_collator(batch: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
@@ -395,15 +427,20 @@ def shortcut_accuracy(spec: TaskSpec, dataset: datasets.Dataset) -> Optional[flo
     return right / len(answers)
 
 
-def train_one(spec: TaskSpec, model_name: str, args: argparse.Namespace, output_dir: Path) -> Dict[str, Any]:
+def train_one(
+    spec: TaskSpec, model_name: str, args: argparse.Namespace, output_dir: Path, data_dir: Optional[Path] = None
+) -> Dict[str, Any]:
     """Trains `model_name` on `spec` for ``args.steps`` steps on fresh data and returns its metrics.
+
+    The ``args.steps * args.batch_size`` training examples are kept on disk in `data_dir` (see :func:`make_dataset`),
+    or in memory when it is None.
 
     Checkpoints (``args.save_steps``) go to `output_dir`; with ``args.resume`` the run continues from the latest one
     there. ``seconds`` is this process's training time."""
     set_seed(args.seed)
-    train = make_dataset(spec, args.steps * args.batch_size, seed=args.seed)
+    train = make_dataset(spec, args.steps * args.batch_size, seed=args.seed, cache_dir=data_dir)
     test = make_dataset(spec, args.eval_examples, seed=args.seed + 1)
-    max_length = max(len(x) for x in train["input_ids"])
+    max_length = pc.max(pc.list_value_length(train.data.column("input_ids"))).as_py()
     model = build_model(model_name, len(spec.vocabulary), args.hidden_size, args.layers, args.heads, max_length,
                         args.overrides)
     model.config.use_cache = False
@@ -544,7 +581,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         spec = build_task(args.task, **options)
         for model_name in args.model:
             run_name = "_".join([model_name] + [f"{k}{v}" for k, v in spec.setting.items()])
-            row = train_one(spec, model_name, args, out / "trainer" / run_name)
+            row = train_one(spec, model_name, args, out / "trainer" / run_name, data_dir=out / "data")
             logger.info("%s %s %s: final train loss %.3f, test loss %.3f, accuracy %.3f (sequences %.3f) (%.0f s)",
                         args.task, spec.setting, model_name, row["final_train_loss"], row["test_loss"],
                         row["test_accuracy"], row["test_sequence_accuracy"], row["seconds"])
