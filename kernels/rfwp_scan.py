@@ -99,15 +99,8 @@ def _delta_write(R: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.
 
 
 def fast_rnn_scan_reference(
-    z: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    cell: str,
-    R: torch.Tensor,
-    y: torch.Tensor,
-    c: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
+    z: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, cell: str,
+    R: torch.Tensor, y: torch.Tensor, c: torch.Tensor, mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step loop of :func:`fast_rnn_scan` in the accumulation dtype.
 
@@ -148,17 +141,9 @@ def fast_rnn_scan_reference(
 
 
 def recurrent_delta_rule_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    r_q: torch.Tensor,
-    r_k: torch.Tensor,
-    r_v: torch.Tensor,
-    r_beta: torch.Tensor,
-    W: torch.Tensor,
-    y: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+    r_q: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor, r_beta: torch.Tensor,
+    W: torch.Tensor, y: torch.Tensor, mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Step loop of :func:`recurrent_delta_rule` in the accumulation dtype.
 
