@@ -357,7 +357,8 @@ def _mask(mask: Optional[torch.Tensor], B: int, L: int, like: torch.Tensor) -> t
 
 
 def fast_rnn_forward(
-    z: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, R: torch.Tensor, y0: torch.Tensor, c0: torch.Tensor, mask: Optional[torch.Tensor], cell: int,
+    z: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, R: torch.Tensor,
+    y0: torch.Tensor, c0: torch.Tensor, mask: Optional[torch.Tensor], cell: int,
     y: torch.Tensor, c: torch.Tensor, act: torch.Tensor, v_old: torch.Tensor,
 ) -> None:
     """``torch.ops.fwp_rfwp.fast_rnn_forward`` on CUDA (or the interpreter); outputs are written in place.
@@ -376,7 +377,8 @@ def fast_rnn_forward(
 
 
 def fast_rnn_backward(
-    gy: torch.Tensor, gc: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, R: torch.Tensor, dR: torch.Tensor, y0: torch.Tensor, c0: torch.Tensor, mask: Optional[torch.Tensor],
+    gy: torch.Tensor, gc: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+    R: torch.Tensor, dR: torch.Tensor, y0: torch.Tensor, c0: torch.Tensor, mask: Optional[torch.Tensor],
     y: torch.Tensor, c: torch.Tensor, act: torch.Tensor, v_old: torch.Tensor, cell: int,
     gz: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, gbeta: torch.Tensor, gy0: torch.Tensor, gc0: torch.Tensor,
 ) -> None:
@@ -397,7 +399,9 @@ def fast_rnn_backward(
 
 
 def rdn_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Rq: torch.Tensor, Rk: torch.Tensor, Rv: torch.Tensor, rb: torch.Tensor, W: torch.Tensor, y0: torch.Tensor, mask: Optional[torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+    Rq: torch.Tensor, Rk: torch.Tensor, Rv: torch.Tensor, rb: torch.Tensor,
+    W: torch.Tensor, y0: torch.Tensor, mask: Optional[torch.Tensor],
     y: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, bs: torch.Tensor, v_old: torch.Tensor,
 ) -> None:
     """``torch.ops.fwp_rfwp.rdn_forward`` (the Recurrent Delta Net scan); outputs are written in place.
@@ -414,9 +418,12 @@ def rdn_forward(
 
 
 def rdn_backward(
-    gy: torch.Tensor, W: torch.Tensor, dW: torch.Tensor, Rq: torch.Tensor, Rk: torch.Tensor, Rv: torch.Tensor, rb: torch.Tensor, y0: torch.Tensor, mask: Optional[torch.Tensor],
+    gy: torch.Tensor, W: torch.Tensor, dW: torch.Tensor,
+    Rq: torch.Tensor, Rk: torch.Tensor, Rv: torch.Tensor, rb: torch.Tensor,
+    y0: torch.Tensor, mask: Optional[torch.Tensor],
     y: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, bs: torch.Tensor, v_old: torch.Tensor,
-    gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, gbeta: torch.Tensor, gRq: torch.Tensor, gRk: torch.Tensor, gRv: torch.Tensor, grb: torch.Tensor, gy0: torch.Tensor,
+    gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, gbeta: torch.Tensor,
+    gRq: torch.Tensor, gRk: torch.Tensor, gRv: torch.Tensor, grb: torch.Tensor, gy0: torch.Tensor,
 ) -> None:
     """``torch.ops.fwp_rfwp.rdn_backward``: the gradients of :func:`rdn_forward`, written in place.
 

@@ -235,6 +235,11 @@ class TaskSpec:
     make: Callable[[np.random.Generator], Tuple[List[str], List[Tuple[int, str]]]]
     setting: Dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def setting_label(self) -> str:
+        """The setting in file names: ``num_variables3_num_statements30``."""
+        return "_".join(f"{key}{value}" for key, value in self.setting.items())
+
 
 def build_task(task: str, **options: Any) -> TaskSpec:
     """The `task` with its options (see ``parse_args`` for defaults). Unknown options raise ``ValueError``."""
@@ -308,9 +313,9 @@ def make_dataset(
     first row is this generator's first example (a changed generator regenerates it)."""
     if cache_dir is None:
         rows = list(generate_examples(spec, num_examples, seed))
-        return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in EXAMPLE_FEATURES}, features=EXAMPLE_FEATURES)
-    setting = "_".join(f"{k}{v}" for k, v in spec.setting.items())
-    path = Path(cache_dir) / f"{spec.name}_{setting}_seed{seed}_n{num_examples}.arrow"
+        columns = {key: [r[key] for r in rows] for key in EXAMPLE_FEATURES}
+        return datasets.Dataset.from_dict(columns, features=EXAMPLE_FEATURES)
+    path = Path(cache_dir) / f"{spec.name}_{spec.setting_label}_seed{seed}_n{num_examples}.arrow"
     if path.exists():
         cached = datasets.Dataset.from_file(str(path))
         first = next(generate_examples(spec, 1, seed), None)
@@ -580,7 +585,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     for options in task_settings(args):
         spec = build_task(args.task, **options)
         for model_name in args.model:
-            run_name = "_".join([model_name] + [f"{k}{v}" for k, v in spec.setting.items()])
+            run_name = f"{model_name}_{spec.setting_label}"
             row = train_one(spec, model_name, args, out / "trainer" / run_name, data_dir=out / "data")
             logger.info("%s %s %s: final train loss %.3f, test loss %.3f, accuracy %.3f (sequences %.3f) (%.0f s)",
                         args.task, spec.setting, model_name, row["final_train_loss"], row["test_loss"],
