@@ -8,6 +8,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 
+# tests/tools holds scripts run by hand (mutation_check.py), not tests
+collect_ignore = ["tools"]
+
 
 def tiny_config(cls=None, **overrides):
     """A small config of any fast-weight family (DeltaNetConfig by default)."""

@@ -1,0 +1,126 @@
+"""The bugs `mutation_check.py` plants: realistic one-line slips, each an exact text edit of one file.
+
+``old`` must occur exactly once in ``path`` (the check reports the entry as rotten otherwise, so that moved code
+cannot silently turn a mutation into a no-op); ``tests`` are glob patterns of the test files that should catch it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Tuple
+
+
+class Mutation(NamedTuple):
+    """One planted bug: replace `old` (exactly once in `path`) by `new`; `tests` should then fail."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: Tuple[str, ...]
+    what: str
+
+
+KERNELS = ("tests/test_kernels.py",)
+RFWP = ("tests/test_rfwp.py", "tests/test_padding.py")
+LINEAR = ("tests/test_model.py", "tests/test_padding.py")
+FWL = ("tests/test_fwl.py", "tests/test_padding.py")
+TXL = ("tests/test_transfo_xl*.py",)
+CHUNK, CHUNK_CPP = "kernels/chunk.py", "kernels/csrc/chunk_delta.cpp"
+SCAN, SCAN_CPP = "kernels/rfwp_scan.py", "kernels/csrc/rfwp_scan.cpp"
+LAYERS, RFWP_LAYERS, FWL_PY = "modeling_fwp/fast_weight_layers.py", "modeling_fwp/rfwp_layers.py", "modeling_fwp/fwl.py"
+CACHE, FEATURES = "modeling_fwp/cache_fwp.py", "modeling_fwp/feature_maps.py"
+TXL_PY = "modeling_fwp/modeling_transfo_xl.py"
+
+MUTATIONS: Tuple[Mutation, ...] = (
+    # --- fwp_kernels: chunked delta rule, PyTorch path and C++ kernel
+    Mutation("chunk_pytorch_beta_dropped_from_U", CHUNK,
+             "return _Intra(P, _bmm(Tb, v), _bmm(Tb, k), T)", "return _Intra(P, _bmm(T, v), _bmm(Tb, k), T)",
+             KERNELS, "U = T V instead of T diag(beta) V"),
+    Mutation("chunk_cpp_beta_dropped_from_A", CHUNK_CPP,
+             "row[j] *= b[i];\n      }\n      unit_lower_solve_rm<T>(c, Dv, A, Un);",
+             "row[j] *= T(1);\n      }\n      unit_lower_solve_rm<T>(c, Dv, A, Un);",
+             KERNELS, "forward: A = strictly_lower(K K^T), beta left out"),
+    Mutation("chunk_cpp_state_reset_per_chunk", CHUNK_CPP,
+             "gemm_rm<T>(false, false, Dk, Dv, c, T(1), Kt, c, U, Dv, T(1), St, Dv);",
+             "gemm_rm<T>(false, false, Dk, Dv, c, T(1), Kt, c, U, Dv, T(0), St, Dv);",
+             KERNELS, "S^T <- K^T U' (overwritten, not accumulated) at each chunk"),
+    Mutation("chunk_initial_state_ignored", CHUNK,
+             "        state.copy_(initial_state.reshape(B * H, Dv, Dk))", "        state.zero_()",
+             KERNELS, "C++ path wrapper starts from zeros whatever initial_state is"),
+    # --- fwp_kernels: recurrent scans (padded steps carry y_{t-1})
+    Mutation("scan_reference_padded_step_emits_new_output", SCAN,
+             "        outputs.append(y)\n    return torch.stack(outputs, dim=2), R, c",
+             "        outputs.append(y_new)\n    return torch.stack(outputs, dim=2), R, c",
+             RFWP, "fast RNN step loop: a padded step outputs y_new instead of the carried y_{t-1}"),
+    Mutation("scan_cpp_rdn_padded_step_outputs_zeros", SCAN_CPP,
+             "std::copy(y_prev.begin(), y_prev.end(), yt);\n      continue;",
+             "std::fill(yt, yt + D, T(0));\n      continue;",
+             RFWP, "Recurrent Delta Net C++ scan: a padded step outputs 0 instead of y_{t-1}"),
+    # --- Linear Transformer / Delta Net layer
+    Mutation("delta_layer_ignores_padding_mask", LAYERS,
+             "if token_mask is not None:", "if token_mask is not None and beta is None:",
+             LINEAR, "delta rule: padded positions write the fast weight"),
+    Mutation("sum_layer_ignores_padding_mask", LAYERS,
+             "if token_mask is not None:", "if token_mask is not None and beta is not None:",
+             LINEAR, "sum rule (Linear Transformer): padded positions write the fast weight"),
+    Mutation("normalizer_z_not_masked", LAYERS,
+             "k = k * mask[..., None]", "v = v * mask[..., None]",
+             LINEAR, "padding masks the values: the sum rule's write vanishes, z = sum phi(k) still grows"),
+    Mutation("attention_normalization_denominator_dropped", LAYERS,
+             "out = out / (denominator + 1e-6)", "out = out",
+             LINEAR, "eq. 28: y_t not divided by z_t . phi(q_t)"),
+    Mutation("sum_normalization_skipped", FEATURES,
+             "phi = phi / phi.sum(-1, keepdim=True).clamp_min(1e-6)", "phi = phi",
+             LINEAR, "eq. 29 not applied"),
+    Mutation("dpfp_roll_direction", FEATURES,
+             "torch.roll(r, shifts=-i, dims=-1)", "torch.roll(r, shifts=i, dims=-1)",
+             LINEAR, "DPFP products r_j r_{j-i} instead of r_j r_{j+i} (feature order)"),
+    # --- cache
+    Mutation("cache_beam_reorder_skipped", CACHE,
+             "self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))", "self._map(lambda t: t)",
+             ("tests/test_model.py", "tests/test_rfwp.py"), "reorder_cache leaves the rows as they are"),
+    Mutation("cache_seen_tokens_off_by_one", CACHE,
+             "layer.seen_tokens += num_new_tokens", "layer.seen_tokens += num_new_tokens + 1",
+             ("tests/test_model.py", "tests/test_rfwp.py"), "get_seq_length counts one token too many per call"),
+    # --- recurrent FWP layers
+    Mutation("ddn_inner_fast_weight_written_at_padding", RFWP_LAYERS,
+             "k2 = masked(self.phi(k2), token_mask, 2)\n        b2 = masked(torch.sigmoid(b2[..., 0]), token_mask, 2)",
+             "k2 = self.phi(k2)\n        b2 = torch.sigmoid(b2[..., 0])",
+             RFWP, "Delta-Delta Net: the inner Delta Net's keys and betas unmasked"),
+    Mutation("delta_lstm_output_zeroed", RFWP_LAYERS,
+             'new_state["cell"] = final.cell', 'new_state["cell"], y = final.cell, torch.zeros_like(y)',
+             RFWP, "Delta LSTM layer outputs zeros (only the residual stream is left)"),
+    # --- FWL (Clark et al. 2022)
+    Mutation("fwl_causal_shift_removed", FWL_PY,
+             "return torch.cat([first.to(new.dtype), new], dim=1)",
+             "return torch.cat([new, first.to(new.dtype)], dim=1)",
+             FWL, "position t's fast weights include its own loss (sees its own label)"),
+    Mutation("fwl_labels_shifted_by_one", FWL_PY,
+             "_slice(inter, slice(None, -1)), input_ids[:, 1:]", "_slice(inter, slice(None, -1)), input_ids[:, :-1]",
+             FWL, "position j's loss uses label x_j instead of x_{j+1}"),
+    Mutation("fwl_step_size_sign_flipped", FWL_PY,
+             "return self.head.step_size(name).to(correction.dtype) * correction",
+             "return -self.head.step_size(name).to(correction.dtype) * correction",
+             FWL, "gradient ascent: theta + alpha * grad"),
+    Mutation("fwl_layernorm_gradient_missing_mean", FWL_PY,
+             "(dn - dn.mean(-1, keepdim=True) - n * (dn * n).mean(-1, keepdim=True))",
+             "(dn - n * (dn * n).mean(-1, keepdim=True))",
+             FWL, "LayerNorm backward without its mean term"),
+    Mutation("fwl_padding_teaches", FWL_PY,
+             "weights = None if mask is None else mask[:, :-1] * mask[:, 1:]", "weights = None",
+             FWL, "padded positions' losses enter the fast weights"),
+    # --- Transformer-XL
+    Mutation("txl_same_length_off_by_one", TXL_PY,
+             "allowed = allowed & (distance < self.config.mem_len)",
+             "allowed = allowed & (distance <= self.config.mem_len)",
+             TXL, "same_length: distances up to mem_len inclusive"),
+    Mutation("txl_memory_one_too_long", TXL_PY,
+             "start = max(0, hidden_states.shape[1] - mem_len)", "start = max(0, hidden_states.shape[1] - mem_len - 1)",
+             TXL, "the memory keeps mem_len + 1 positions"),
+    Mutation("txl_clamp_len_off_by_one", TXL_PY,
+             "distances.clamp(max=config.clamp_len)", "distances.clamp(max=config.clamp_len - 1)",
+             TXL, "relative distances clamped one short"),
+    Mutation("txl_loss_ignores_num_items_in_batch", TXL_PY,
+             "return (nll.sum() / num_items_in_batch).to(hidden_states.dtype)",
+             "return nll.mean().to(hidden_states.dtype)",
+             TXL, "the loss is a mean per call, not the token sum over num_items_in_batch"),
+)
