@@ -301,4 +301,12 @@ def test_demo_smoke(tiny_wiki, tmp_path):
     assert results["generation"]["new_tokens"] > 0 and results["generation"]["text"]
     assert results["generation"]["greedy_cache_matches_no_cache"]
     assert results["saved"]["reload_max_abs_logit_diff"] < 1e-4
-    assert (out / "model" / "config.json").is_file() and (out / "model" / "tokenizer.json").is_file()
+    assert results["data"]["source"] == str(TINY_WIKI_DUMP) and results["data"]["train_documents"] == 6
+    # the saved folder reproduces the run's greedy continuation of the prompt (8 tokens: min(20, max_new_tokens))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    prompt = tokenizer(results["generation"]["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    greedy = model.generate(prompt, do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    assert tokenizer.decode(greedy[0, prompt.shape[1]:]) == results["generation"]["greedy_text"]

@@ -213,7 +213,7 @@ def greedy_by_forward(model, ids, new_tokens, eos_token_id):
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_pipeline_text_generation_is_greedy_decoding(word_tokenizer, batch_size):
     """pipeline("text-generation") returns the prompt and the decoded greedy continuation of full forward passes,
-    prompt by prompt and with both prompts (of different lengths) left-padded into one batch (the pipeline pads left)."""
+    prompt by prompt and with both prompts (of different lengths) left-padded into one batch by the pipeline."""
     model = tiny_fwl("delta_net")
     generator = pipeline("text-generation", model=model, tokenizer=word_tokenizer)
     prompts = ["the cat sat on", "fast weights"]

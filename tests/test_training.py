@@ -356,7 +356,7 @@ def test_answer_metrics_token_and_sequence_level():
 
 
 def test_plots_cli_draws_the_curves_of_several_runs(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: only training.plots needs it")
     from training import plots
 
     curve = [{"step": s, "loss": 2.0 / s} for s in (1, 2, 3)]
