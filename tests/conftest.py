@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,20 @@ torch.set_num_threads(2)
 
 # tests/tools holds scripts run by hand (mutation_check.py), not tests
 collect_ignore = ["tools"]
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# A made-up MediaWiki dump (plain XML, readable): 12 fictional articles with the markup the cleaner removes, a short
+# stub, a redirect, a talk page and a file page. The tests' corpus wherever gensim's real dump is not needed.
+TINY_WIKI_DUMP = FIXTURES / "tiny_enwiki.xml"
+
+
+@pytest.fixture(scope="session")
+def tiny_wiki(tmp_path_factory) -> dict:
+    """``training.data.prepare_wiki`` of the fixture dump: {"train", "valid", "test", "meta"} -> path (6, 3 and 3
+    documents, about 8,000 characters in all), in one folder that tests read but never write."""
+    from training.data import prepare_wiki
+
+    return prepare_wiki(tmp_path_factory.mktemp("tiny_wiki"), dump=TINY_WIKI_DUMP)
 
 
 def tiny_config(cls=None, **overrides):

