@@ -11,7 +11,10 @@ gradients of q, k, v, beta and initial_state, against the step loop run in float
 * float16: 4e-3. Kernel and reference see the same rounded inputs; the kernels compute in float32
   and round o and the gradients once to float16 (u = 4.9e-4), which bounds the norm-wise error by
   about u (observed 3e-4; x8 margin over u).
-* bfloat16: 3e-2. Likewise with u = 3.9e-3 (observed 2.4e-3; x8 margin over u).
+* bfloat16: 1e-2. Likewise with u = 3.9e-3; the gradients also see the bfloat16-rounded output gradient
+  (the reference the float64 one), so up to ~2u. Measured <= 3.1e-3 on every CPU case here (dq at T = 1)
+  and 3.3e-3 for the Triton forward under the interpreter (x3 margin). The compiled Triton test on CUDA
+  keeps the earlier 3e-2 (no GPU was available to measure it).
 
 Inputs are what the models feed: k l2-normalised (delta rule) or non-negative and sum-normalised
 (sum rule, as phi(k) with sum normalisation), beta = sigmoid(.), so the recurrences stay bounded.
@@ -30,7 +33,8 @@ from fwp_kernels import delta_rule, linear_attention
 from fwp_kernels.dispatch import _resolve_mode
 
 RULES = ("delta", "sum")
-TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1e-2}
+CUDA_TOL = {**TOL, torch.bfloat16: 3e-2}  # not measured: no GPU was available
 
 
 def make_inputs(rule, B, H, T, Dk, Dv, dtype=torch.float32, seed=0, state=True):
@@ -451,7 +455,7 @@ def test_triton_compiled_on_cuda():
         (rule, T, 64, 64, 64, dtype) for rule in RULES for T in (1, 100, 1000) for dtype in ("float32", "bfloat16")
     ]
     for case, errors in _triton_errors(cases, device="cuda").items():
-        assert max(errors.values()) < TOL[getattr(torch, case.split("-")[-1])], (case, errors)
+        assert max(errors.values()) < CUDA_TOL[getattr(torch, case.split("-")[-1])], (case, errors)
 
 
 def test_package_imports_without_triton():

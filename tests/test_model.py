@@ -11,7 +11,7 @@ from modeling_fwp import DeltaNetConfig, DeltaNetForCausalLM, FastWeightCache, L
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
 from modeling_fwp.feature_maps import dpfp_feature_map
 
-from conftest import tiny_config, tiny_model
+from conftest import check_bfloat16_forward, tiny_config, tiny_model
 
 FEATURE_MAPS = ["elu", "dpfp", "favor", "relu", "identity"]
 RULES = [LinearTransformerConfig, DeltaNetConfig]
@@ -301,6 +301,11 @@ def test_delta_rule_layer_is_stable_over_100k_tokens(dtype):
     # no drift: the second half of the stream stays at the level of the first
     half = len(norms) // 2
     assert max(norms[half:]) <= 1.5 * max(norms[:half])
+
+
+@pytest.mark.parametrize("config_cls,feature_map", list(itertools.product(RULES, ["elu", "dpfp"])))
+def test_bfloat16_model_runs_with_float32_states(config_cls, feature_map):
+    check_bfloat16_forward(tiny_model(config_cls, feature_map=feature_map, dpfp_nu=2))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from modeling_fwp import (
     RecurrentDeltaNetConfig,
 )
 
-from conftest import tiny_config, tiny_model, triton_interpreted_results
+from conftest import check_bfloat16_forward, relative_error, tiny_config, tiny_model, triton_interpreted_results
 
 needs_cpu_kernel = pytest.mark.skipif(
     not rfwp_scan.cpu_kernel_available(), reason="the C++ scans could not be built here (step loop only)"
@@ -127,13 +127,23 @@ def test_backward_stores_no_fast_weight_per_step(kind):
     assert max(saved) < B * H * G * T * D * D / 2, sorted(saved)[-3:]
 
 
+# Fused scans on bfloat16 inputs vs the float64 step loop on the same rounded inputs: measured norm-wise relative
+# error of y and of every final state <= 2.8e-3 over every kind (3 seeds, T = 5; bf16 unit roundoff 3.9e-3: y is
+# rounded once, the recurrent keys' softmax is taken in bfloat16).
+BF16_SCAN_TOL = 8e-3
+
+
 @needs_cpu_kernel
-def test_fused_scans_run_bfloat16_inputs_with_float32_states():
-    x = {n: t.detach().to(torch.bfloat16) for n, t in scan_inputs("lstm_d", T=5).items()}
-    y, final = run_scan("lstm_d", x, "fused")
-    y_ref, final_ref = run_scan("lstm_d", {n: t.float() for n, t in x.items()}, "recurrent")
-    assert y.dtype == torch.bfloat16 and final.fast_weight.dtype == torch.float32
-    torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2)
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_scans_run_bfloat16_inputs_with_float32_states(kind):
+    x = {n: t.detach().to(torch.bfloat16) for n, t in scan_inputs(kind, T=5).items()}
+    y, final = run_scan(kind, x, "fused")
+    y_ref, final_ref = run_scan(kind, {n: t.double() for n, t in x.items()}, "recurrent")
+    assert y.dtype == torch.bfloat16 and all(t.dtype == torch.float32 for t in final if t is not None)
+    errors = {"y": relative_error(y, y_ref)}
+    errors.update({name: relative_error(t, t_ref) for name, t, t_ref in zip(final._fields, final, final_ref)
+                   if t_ref is not None})
+    assert max(errors.values()) < BF16_SCAN_TOL, errors
 
 
 @pytest.mark.parametrize("kind", ["rnn_b", "lstm_c", "rdn"])
@@ -358,14 +368,10 @@ def test_save_load_round_trip_with_auto_classes(tmp_path, cls):
     assert type(AutoModel.from_pretrained(tmp_path)).__name__ == cls.__name__.replace("Config", "Model")
 
 
-def test_bfloat16_model_runs_with_float32_states():
-    model = tiny_model(DeltaLSTMConfig)
-    ids = torch.randint(3, 61, (1, 6))
-    reference = model(ids).logits
-    out = model.to(torch.bfloat16)(ids, use_cache=True)
-    assert out.logits.dtype == torch.bfloat16
-    assert all(t.dtype == torch.float32 for t in out.past_key_values.layers[0].states.values())
-    torch.testing.assert_close(out.logits.float(), reference, rtol=0.05, atol=0.02)
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_bfloat16_model_runs_with_float32_states(variant):
+    cls, overrides = variant
+    check_bfloat16_forward(tiny_model(cls, **overrides))
 
 
 # ---------------------------------------------------------------------------------------------------------------
