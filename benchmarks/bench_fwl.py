@@ -21,9 +21,9 @@ them, and its fast logits, with ``fwp_kernels.dense_linear`` (oneDNN) in row blo
 
     python benchmarks/bench_fwl.py [--tokens 4096] [--docs 2] [--repeats 2] [--prompt 128] [--steps 32]
 
-Every document scoring is one timing (``--docs`` x ``--repeats`` of them per model, all of the same length); each model's
-are kept as best / median / all, and the overheads are given as the ratio of medians (the headline), of bests, and of
-the summed times (``wall_overhead_ratio``). Writes benchmarks/results/bench_fwl.json, with the run's command,
+Every document scoring is one timing (``--docs`` x ``--repeats`` per model, all of the same length); each model's are
+kept as best / median / all, and the overheads are given as the ratio of medians (the headline), of bests, and of the
+summed times (``wall_overhead_ratio``). Writes benchmarks/results/bench_fwl.json, with the run's command,
 versions and load average before and after (``"run"``, ``training.result_file``).
 """
 from __future__ import annotations
@@ -227,8 +227,8 @@ def main() -> None:
     docs, doc_source = documents(tokenizer, base.config.vocab_size, args.tokens, args.docs)
     print(f"base: {description}; documents: {doc_source}", flush=True)
     timers, nll = score_rounds(models, docs, args.repeats)
-    scoring = {"tokens_per_document": args.tokens, "documents": len(docs), "repeats": args.repeats, "target_ratio": 1.20,
-               **scoring_summary(timers, nll)}
+    scoring = {"tokens_per_document": args.tokens, "documents": len(docs), "repeats": args.repeats,
+               "target_ratio": 1.20, **scoring_summary(timers, nll)}
     scoring["note"] = "FWL heads freshly initialised (residual, zero LayerNorm gain): NLLs show the effect of the bf16 approximation, not trained quality"
     step_times = decode_step_times({"base": base, "base_fwl": fwl}, docs[0][:, : args.prompt], args.steps)
     generation = generation_summary(step_times, args.prompt, args.steps)

@@ -349,7 +349,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer repeats, no T=16384 memory runs")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--out", default=str(RESULTS), help="result file (default: benchmarks/results/bench_kernels.json)")
+    parser.add_argument("--out", default=str(RESULTS), help="default: benchmarks/results/bench_kernels.json")
     parser.add_argument("--memory-worker", nargs=2, metavar=("KIND", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:

@@ -132,7 +132,8 @@ def scaled(summary: Dict[str, Any], factor: float) -> Dict[str, Any]:
 def ratio(numerator: Dict[str, Any], denominator: Dict[str, Any]) -> Dict[str, float]:
     """``{"of_medians", "of_bests"}``: numerator / denominator of two :func:`summarize` results (the ratio of medians
     is the headline)."""
-    return {"of_medians": numerator["median"] / denominator["median"], "of_bests": numerator["best"] / denominator["best"]}
+    return {"of_medians": numerator["median"] / denominator["median"],
+            "of_bests": numerator["best"] / denominator["best"]}
 
 
 @dataclass
