@@ -167,11 +167,14 @@ class RunRecord:
             "load_average_end": load_average(),
         }
 
-    def write(self, path: Union[str, os.PathLike], results: Dict[str, Any]) -> Path:
-        """Writes ``{"run": <finished record>, **results}`` as indented JSON to `path` (folders created); returns it."""
+    def write(self, path: Union[str, os.PathLike], results: Dict[str, Any],
+              copies: Sequence[Union[str, os.PathLike]] = ()) -> Path:
+        """Writes ``{"run": <finished record>, **results}`` as indented JSON to `path` and to each of `copies` (the
+        same text; folders created); returns `path`."""
         if "run" in results:
             raise ValueError("`results` must not have a 'run' key: the record goes there")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"run": self.finish(), **results}, indent=2, default=str) + "\n", encoding="utf-8")
-        return path
+        text = json.dumps({"run": self.finish(), **results}, indent=2, default=str) + "\n"
+        for target in [path, *copies]:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            Path(target).write_text(text, encoding="utf-8")
+        return Path(path)
