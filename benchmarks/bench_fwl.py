@@ -21,13 +21,15 @@ them, and its fast logits, with ``fwp_kernels.dense_linear`` (oneDNN) in row blo
 
     python benchmarks/bench_fwl.py [--tokens 4096] [--docs 2] [--repeats 2] [--prompt 128] [--steps 32]
 
-Writes benchmarks/results/bench_fwl.json.
+Every document scoring is one timing (``--docs`` x ``--repeats`` per model, all of the same length); each model's are
+kept as best / median / all, and the overheads are given as the ratio of medians (the headline), of bests, and of the
+summed times (``wall_overhead_ratio``). Writes benchmarks/results/bench_fwl.json, with the run's command,
+versions and load average before and after (``"run"``, ``training.result_file``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from fwp_kernels import dense_linear  # noqa: E402
 from modeling_fwp import FWLForCausalLM  # noqa: E402
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
+from training.result_file import RunRecord, ratio, scaled, summarize  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -130,6 +133,71 @@ def decode_step_times(models: dict, prompt: torch.Tensor, steps: int) -> dict[st
     return {name: t[2:] for name, t in times.items()}
 
 
+def score_rounds(models: dict, docs: list, repeats: int) -> tuple[dict, dict]:
+    """Scores every document `repeats` times with every model, the order rotated so that no model always runs first;
+    returns ({name: [Timer per scoring]}, {name: [mean NLL per scoring]})."""
+    for model in models.values():  # warm-up
+        score(model, docs[0][:, :256])
+    timers = {name: [] for name in models}
+    nll = {name: [] for name in models}
+    names = list(models)
+    for rep in range(repeats):
+        for d, ids in enumerate(docs):
+            shift = rep * len(docs) + d
+            for name in names[shift % len(names) :] + names[: shift % len(names)]:
+                timer, loss = score(models[name], ids)
+                timers[name].append(timer)
+                nll[name].append(loss)
+                print(f"  scoring rep {rep} doc {d} {name}: {timer.wall:.2f} s wall, {timer.cpu:.2f} s cpu", flush=True)
+    return timers, nll
+
+
+def overheads(mine: dict, theirs: dict, key: str) -> dict:
+    """`key`: the ratio of the summed times of two timing summaries; `key`_of_medians (the headline), `key`_of_bests."""
+    both = ratio(mine, theirs)
+    return {key: sum(mine["all"]) / sum(theirs["all"]), f"{key}_of_medians": both["of_medians"],
+            f"{key}_of_bests": both["of_bests"]}
+
+
+def scoring_summary(timers: dict, nll: dict) -> dict:
+    """Per model: wall and CPU seconds of every scoring with their best / median, the mean NLL, and for every model
+    but the base its overhead over the base (ratio of medians, of bests, of sums); for the FWL models also over the
+    base with the oneDNN LM head."""
+    scoring = {}
+    for name in timers:
+        row = scoring[name] = {"mean_nll": statistics.mean(nll[name])}
+        for clock in ("wall", "cpu"):
+            summary = summarize([getattr(t, clock) for t in timers[name]])
+            row[f"{clock}_seconds"] = summary["all"]
+            row[f"{clock}_seconds_summary"] = summary
+    for name, row in scoring.items():
+        if name == "base":
+            continue
+        for clock in ("wall", "cpu"):
+            row.update(overheads(row[f"{clock}_seconds_summary"], scoring["base"][f"{clock}_seconds_summary"],
+                                 f"{clock}_overhead_ratio"))
+        row["meets_target_wall"] = row["wall_overhead_ratio_of_medians"] <= 1.20
+        if name.startswith("base_fwl"):  # the FWL's cost alone, with the same output-layer matmul on both sides
+            row.update(overheads(row["wall_seconds_summary"], scoring["base_onednn_lm_head"]["wall_seconds_summary"],
+                                 "wall_ratio_to_base_onednn_lm_head"))
+    return scoring
+
+
+def generation_summary(step_times: dict, prompt_tokens: int, steps: int) -> dict:
+    """Milliseconds per decoded token (best / median / all) of the base and base + FWL, and the FWL's overhead (ratio of
+    medians, the headline, and of bests), for wall-clock and CPU time."""
+    generation = {"prompt_tokens": prompt_tokens, "decode_steps": steps}
+    for clock in ("wall", "cpu"):
+        ms = {name: scaled(summarize([getattr(t, clock) for t in ts]), 1e3) for name, ts in step_times.items()}
+        both = ratio(ms["base_fwl"], ms["base"])
+        generation[f"{clock}_ms_per_token"] = ms
+        generation[f"{clock}_ms_per_token_base"] = ms["base"]["median"]
+        generation[f"{clock}_ms_per_token_base_fwl"] = ms["base_fwl"]["median"]
+        generation[f"{clock}_overhead_ratio"] = both["of_medians"]
+        generation[f"{clock}_overhead_ratio_of_bests"] = both["of_bests"]
+    return generation
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="checkpoints/smollm2-135m", help="converted SmolLM2 folder")
@@ -142,6 +210,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_fwl.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    record = RunRecord.start("python benchmarks/bench_fwl.py")
 
     base, tokenizer, description = load_base(args.model)
     # Residual heads (f(h) starts at 0, the fast updates act at once): the same cost as the paper's form, and NLLs near
@@ -157,59 +226,26 @@ def main() -> None:
     }
     docs, doc_source = documents(tokenizer, base.config.vocab_size, args.tokens, args.docs)
     print(f"base: {description}; documents: {doc_source}", flush=True)
-
-    for model in models.values():  # warm-up
-        score(model, docs[0][:, :256])
-    timers = {name: [] for name in models}
-    nll = {name: [] for name in models}
-    names = list(models)
-    for rep in range(args.repeats):
-        for d, ids in enumerate(docs):
-            shift = rep * len(docs) + d  # rotate the order, so that no model always runs first
-            for name in names[shift % len(names) :] + names[: shift % len(names)]:
-                timer, loss = score(models[name], ids)
-                timers[name].append(timer)
-                nll[name].append(loss)
-                print(f"  scoring rep {rep} doc {d} {name}: {timer.wall:.2f} s wall, {timer.cpu:.2f} s cpu", flush=True)
-    scoring = {"tokens_per_document": args.tokens, "documents": len(docs), "repeats": args.repeats, "target_ratio": 1.20}
-    for name in models:
-        scoring[name] = {"wall_seconds": [t.wall for t in timers[name]], "cpu_seconds": [t.cpu for t in timers[name]]}
-        scoring[name]["mean_nll"] = statistics.mean(nll[name])
-        if name != "base":
-            for clock in ("wall", "cpu"):
-                ratio = sum(scoring[name][f"{clock}_seconds"]) / sum(scoring["base"][f"{clock}_seconds"])
-                scoring[name][f"{clock}_overhead_ratio"] = ratio
-            scoring[name]["meets_target_wall"] = scoring[name]["wall_overhead_ratio"] <= 1.20
-        if name.startswith("base_fwl"):  # the FWL's cost alone, with the same output-layer matmul on both sides
-            scoring[name]["wall_ratio_to_base_onednn_lm_head"] = sum(scoring[name]["wall_seconds"]) / sum(
-                scoring["base_onednn_lm_head"]["wall_seconds"]
-            )
+    timers, nll = score_rounds(models, docs, args.repeats)
+    scoring = {"tokens_per_document": args.tokens, "documents": len(docs), "repeats": args.repeats,
+               "target_ratio": 1.20, **scoring_summary(timers, nll)}
     scoring["note"] = "FWL heads freshly initialised (residual, zero LayerNorm gain): NLLs show the effect of the bf16 approximation, not trained quality"
-
-    prompt = docs[0][:, : args.prompt]
-    step_times = decode_step_times({"base": base, "base_fwl": fwl}, prompt, args.steps)
-    generation = {"prompt_tokens": args.prompt, "decode_steps": args.steps}
-    for clock in ("wall", "cpu"):
-        ms = {name: 1000 * statistics.median(getattr(t, clock) for t in ts) for name, ts in step_times.items()}
-        generation[f"{clock}_ms_per_token_base"] = ms["base"]
-        generation[f"{clock}_ms_per_token_base_fwl"] = ms["base_fwl"]
-        generation[f"{clock}_overhead_ratio"] = ms["base_fwl"] / ms["base"]
-
+    step_times = decode_step_times({"base": base, "base_fwl": fwl}, docs[0][:, : args.prompt], args.steps)
+    generation = generation_summary(step_times, args.prompt, args.steps)
     result = {
         "base_model": description,
         "documents": doc_source,
         "fwl_config": {k: v for k, v in fwl.config.to_dict().items() if k.startswith("fwl_")},
         "fwl_head_parameters": sum(p.numel() for n, p in fwl.fwl_head.named_parameters() if "output_embedding" not in n),
         "threads": args.threads,
-        "machine": platform.processor() or platform.machine(),
         "scoring": scoring,
         "generation": generation,
-        "command": "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:]),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"scoring": scoring, "generation": generation}, indent=2))
+    path = record.write(args.out, result)
+    print(json.dumps({name: {k: v for k, v in row.items() if "ratio" in k} for name, row in scoring.items()
+                      if isinstance(row, dict)}, indent=2))
+    print(json.dumps({k: v for k, v in generation.items() if "ratio" in k}, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

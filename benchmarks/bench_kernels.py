@@ -1,9 +1,10 @@
 """Speed and memory of the fwp_kernels chunkwise kernels, measured side by side in one run.
 
-    python benchmarks/bench_kernels.py              # 3-4 minutes on an idle 2-core CPU
+    OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py --threads 1   # about 2 minutes on an idle 2-core CPU
     python benchmarks/bench_kernels.py --quick      # smaller repeat counts, no T = 16384 memory runs
 
-Prints, and writes to benchmarks/results/bench_kernels.json:
+Prints, and writes to benchmarks/results/bench_kernels.json (``--out``), with the run's command, versions and load
+average before and after (``"run"``, ``training.result_file``):
 
 1. fp32 matmul peak (2048^3) of this machine, timed in the same interleaved rounds as the forward.
 2. Forward time at B=1, H=8, T=4096, Dk=Dv=64, fp32: step loop vs chunked kernel vs transformers'
@@ -15,8 +16,9 @@ Prints, and writes to benchmarks/results/bench_kernels.json:
 4. Forward + backward peak memory at T = 1024, 4096, 16384 (see `_memory_worker` for the method).
 5. Step loop vs chunked kernel at short T: where mode="auto" switches (fwp_kernels.dispatch).
 
-Times are the minimum over repeats of wall-clock time (the least disturbed run), every function once per
-round (the step loops included); the machine's load average is recorded with them, since other
+Every function runs once per round (the step loops included), over --repeats rounds. Each time is kept as the best
+(``*_s``: the least disturbed run), the median (``*_median_s``) and all rounds (``timings``); ratios are printed and
+quoted both ways, the ratio of medians first. The machine's load average is recorded with them, since other
 processes share the cores.
 """
 from __future__ import annotations
@@ -32,9 +34,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fwp_kernels import chunk, delta_rule, linear_attention
-from fwp_kernels.chunk import delta_rule_chunk, linear_attention_chunk
-from fwp_kernels.recurrent import delta_rule_recurrent, linear_attention_recurrent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fwp_kernels import chunk, delta_rule, linear_attention  # noqa: E402
+from fwp_kernels.chunk import delta_rule_chunk, linear_attention_chunk  # noqa: E402
+from fwp_kernels.recurrent import delta_rule_recurrent, linear_attention_recurrent  # noqa: E402
+from training.result_file import RunRecord, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_kernels.json"
 
@@ -112,19 +116,28 @@ def torch_path(fn):
     return run
 
 
-def best_times(fns: dict, repeats: int) -> dict:
-    """Minimum wall time of each function over `repeats` rounds, measured round-robin (every function
-    once per round, after one warm-up call each) so that changes in the machine's load hit every
-    kernel alike."""
+def timings(fns: dict, repeats: int) -> dict:
+    """Wall time of each function over `repeats` rounds as ``{"best", "median", "all"}``, measured round-robin (every
+    function once per round, after one warm-up call each) so that changes in the machine's load hit every kernel
+    alike."""
     for fn in fns.values():
         fn()  # warm-up
-    best = {name: float("inf") for name in fns}
+    times = {name: [] for name in fns}
     for r in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            times[name].append(time.perf_counter() - t0)
+    return {name: summarize(t) for name, t in times.items()}
+
+
+def flatten(summaries: dict, suffix: str = "_s", scale: float = 1.0) -> dict:
+    """``{name}{suffix}`` (best) and ``{name}_median{suffix}`` (median) of each summary, times `scale`."""
+    out = {}
+    for name, t in summaries.items():
+        out[f"{name}{suffix}"] = t["best"] * scale
+        out[f"{name}_median{suffix}"] = t["median"] * scale
+    return out
 
 
 def forward_times(args, hf) -> dict:
@@ -144,14 +157,17 @@ def forward_times(args, hf) -> dict:
     if hf is not None:
         fns["delta_hf"] = lambda: hf(q, k, v, beta)
     with torch.no_grad():
-        times = best_times(fns, args.repeats)
-    out = {"shape": {"B": B, "H": H, "T": T, "Dk": D, "Dv": D, "dtype": "float32"}}
-    out["matmul_2048_gflops"] = 2 * 2048**3 / times.pop("matmul_2048") / 1e9
+        times = timings(fns, args.repeats)
+    out = {"shape": {"B": B, "H": H, "T": T, "Dk": D, "Dv": D, "dtype": "float32"}, "repeats": args.repeats}
+    matmul = times.pop("matmul_2048")
+    out["matmul_2048_gflops"] = 2 * 2048**3 / matmul["best"] / 1e9
+    out["matmul_2048_gflops_median"] = 2 * 2048**3 / matmul["median"] / 1e9
     if hf is not None:  # both compute the same delta rule
         with torch.no_grad():
             o_ref, o_hf = delta_rule_chunk(q, k, v, beta, None, False, 64)[0], hf(q, k, v, beta)[0]
         out["hf_vs_chunk_rel_diff"] = ((o_hf - o_ref).norm() / o_ref.norm()).item()
-    out.update({f"{name}_s": t for name, t in times.items()})
+    out.update(flatten(times))
+    out["timings"] = times
     algorithm = "cpp" if chunk.cpu_kernel_available() else "torch"
     out["chunk_kernel"] = "C++ (csrc/chunk_delta.cpp)" if algorithm == "cpp" else f"PyTorch ({chunk.cpu_kernel_status()})"
     for rule in ("delta", "sum"):
@@ -159,9 +175,10 @@ def forward_times(args, hf) -> dict:
             flops = chunk_flops(rule, B, H, T, D, D, C, algorithm)
             out[f"{rule}_chunk{C}_gflop"] = flops / 1e9
             out[f"{rule}_chunk{C}_gflops"] = flops / out[f"{rule}_chunk{C}_s"] / 1e9
-    out["delta_chunk64_torch_path_gflops"] = (
-        chunk_flops("delta", B, H, T, D, D, 64, "torch") / out["delta_chunk64_torch_path_s"] / 1e9
-    )
+            out[f"{rule}_chunk{C}_gflops_median"] = flops / out[f"{rule}_chunk{C}_median_s"] / 1e9
+    torch_flops = chunk_flops("delta", B, H, T, D, D, 64, "torch")
+    out["delta_chunk64_torch_path_gflops"] = torch_flops / out["delta_chunk64_torch_path_s"] / 1e9
+    out["delta_chunk64_torch_path_gflops_median"] = torch_flops / out["delta_chunk64_torch_path_median_s"] / 1e9
     return out
 
 
@@ -183,7 +200,8 @@ def backward_times(args, hf) -> dict:
     }
     if hf is not None:
         fns["delta_hf"] = fwd_bwd(lambda: hf(q, k, v, beta))
-    return {f"{name}_fwd_bwd_s": t for name, t in best_times(fns, max(3, args.repeats - 2)).items()}
+    times = {f"{name}_fwd_bwd": t for name, t in timings(fns, max(3, args.repeats - 2)).items()}
+    return {**flatten(times), "timings": times}
 
 
 def _status_kb(field: str) -> int:
@@ -260,14 +278,70 @@ def auto_crossover(args) -> dict:
         for BH in (8, 32):
             for T in (1, 2, 3, 4, 8, 16):
                 q, k, v, beta = make_inputs(1, BH, T, 64)
-                times = best_times({
+                times = timings({
                     "delta_step_loop": lambda: delta_rule(q, k, v, beta, mode="recurrent"),
                     "delta_chunk": lambda: delta_rule(q, k, v, beta, mode="chunk"),
                     "sum_step_loop": lambda: linear_attention(q, k, v, mode="recurrent"),
                     "sum_chunk": lambda: linear_attention(q, k, v, mode="chunk"),
                 }, 5 * args.repeats)
-                out[f"BH{BH}_T{T}"] = {name + "_ms": t * 1e3 for name, t in times.items()}
+                out[f"BH{BH}_T{T}"] = flatten(times, "_ms", 1e3)
     return out
+
+
+def print_forward(fw: dict) -> None:
+    """The forward table: time, speed-up over the step loop and over transformers', GFLOP/s and share of the matmul
+    peak, each as median (best)."""
+    peak, peak_median = fw["matmul_2048_gflops"], fw["matmul_2048_gflops_median"]
+    print(f"fp32 matmul 2048^3: {peak_median:.1f} GFLOP/s median, {peak:.1f} best, in the same rounds as the forward "
+          f"times  (torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} on "
+          f"{os.cpu_count()} CPUs)")
+    print(f"\nforward, B=1 H=8 T=4096 Dk=Dv=64 fp32, {fw['repeats']} rounds, median (best); chunked kernel: "
+          f"{fw['chunk_kernel']}")
+    print(f"  {'kernel':<38}{'time ms':>17}{'vs step loop':>16}{'vs HF':>14}{'of matmul peak':>17}")
+    has_hf = "delta_hf_s" in fw
+
+    def row(label: str, name: str, rule: str, gflops: str = "") -> None:
+        t, tm = fw[f"{name}_s"], fw[f"{name}_median_s"]
+        loop, loopm = fw[f"{rule}_step_loop_s"], fw[f"{rule}_step_loop_median_s"]
+        vs_hf = (f"{fw['delta_hf_median_s'] / tm:7.1f}x ({fw['delta_hf_s'] / t:4.1f})" if rule == "delta" and has_hf
+                 else " " * 14)
+        share = (f"{100 * fw[gflops + '_median'] / peak_median:8.0f}% ({100 * fw[gflops] / peak:3.0f})"
+                 if gflops else "")
+        print(f"  {label:<38}{tm * 1e3:9.1f} ({t * 1e3:5.1f}){loopm / tm:9.1f}x ({loop / t:4.1f}){vs_hf}{share}")
+
+    for rule in ("delta", "sum"):
+        row(f"{rule} rule, step loop", f"{rule}_step_loop", rule)
+        if rule == "delta" and has_hf:
+            row("delta rule, torch_chunk_gated_delta_rule", "delta_hf", rule)
+            print(f"  (transformers' outputs differ from ours by {fw['hf_vs_chunk_rel_diff']:.1e}, relative)")
+        for C in (32, 64):
+            row(f"{rule} rule, chunk C={C}", f"{rule}_chunk{C}", rule, f"{rule}_chunk{C}_gflops")
+        if rule == "delta":
+            row("delta rule, chunk C=64, torch path", "delta_chunk64_torch_path", rule,
+                "delta_chunk64_torch_path_gflops")
+
+
+def print_rest(results: dict) -> None:
+    """Forward + backward times, memory and the short-T crossover table."""
+    bw = results["forward_backward"]
+    print("\nforward + backward, same shape, median (best)")
+    for name in bw["timings"]:
+        t, tm = bw[f"{name}_s"], bw[f"{name}_median_s"]
+        extra = ""
+        if name.startswith("delta_chunk") and "delta_hf_fwd_bwd_s" in bw:
+            extra = (f"   {bw['delta_hf_fwd_bwd_median_s'] / tm:.1f}x ({bw['delta_hf_fwd_bwd_s'] / t:.1f}x) "
+                     "faster than HF")
+        print(f"  {name[:-len('_fwd_bwd')]:<38}{tm * 1e3:>9.1f} ms ({t * 1e3:.1f}){extra}")
+    print("\nforward + backward memory, B=1 H=8 Dk=Dv=64 fp32 (fresh process each)")
+    print(f"  {'kernel':<20}{'T':>7}{'peak MB':>10}{'saved for bwd MB':>18}")
+    for name, m in results["memory"].items():
+        kind, T = name.rsplit("_T", 1)
+        print(f"  {kind:<20}{T:>7}{m['peak_mb']:>10.1f}{m['saved_for_backward_mb']:>18.1f}")
+    print("\nstep loop vs chunk forward at short T, median ms (mode='auto' thresholds: fwp_kernels/dispatch.py)")
+    print(f"  {'':<12}{'delta loop':>11}{'delta chunk':>12}{'sum loop':>10}{'sum chunk':>10}")
+    for name, m in results["auto_crossover"].items():
+        print(f"  {name:<12}{m['delta_step_loop_median_ms']:>11.3f}{m['delta_chunk_median_ms']:>12.3f}"
+              f"{m['sum_step_loop_median_ms']:>10.3f}{m['sum_chunk_median_ms']:>10.3f}")
 
 
 def main():
@@ -275,6 +349,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer repeats, no T=16384 memory runs")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", default=str(RESULTS), help="default: benchmarks/results/bench_kernels.json")
     parser.add_argument("--memory-worker", nargs=2, metavar=("KIND", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
@@ -282,69 +357,19 @@ def main():
     if args.memory_worker:
         print(json.dumps(_memory_worker(args.memory_worker[0], int(args.memory_worker[1]))))
         return
+    record = RunRecord.start("python benchmarks/bench_kernels.py")
     args.repeats = args.repeats or (3 if args.quick else 5)
     hf = hf_delta_rule()
-
-    results = {
-        "machine": {
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "loadavg_start": os.getloadavg(),
-        }
-    }
-    t_start = time.perf_counter()
-    fw = results["forward"] = forward_times(args, hf)
-    results["matmul_2048_gflops"] = peak = fw["matmul_2048_gflops"]
-    print(f"fp32 matmul 2048^3: {peak:.1f} GFLOP/s, best of the same rounds as the forward times  (torch threads "
-          f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
-    print(f"\nforward, B=1 H=8 T=4096 Dk=Dv=64 fp32 (best of repeats); chunked kernel: {fw['chunk_kernel']}")
-    print(f"  {'kernel':<38}{'time ms':>9}{'vs step loop':>14}{'vs HF':>8}{'GFLOP/s':>9}{'of peak':>9}")
-    for rule in ("delta", "sum"):
-        loop = fw[f"{rule}_step_loop_s"]
-        print(f"  {rule + ' rule, step loop':<38}{loop * 1e3:>9.1f}{1.0:>13.1f}x")
-        if rule == "delta" and "delta_hf_s" in fw:
-            print(f"  {'delta rule, torch_chunk_gated_delta_rule':<38}{fw['delta_hf_s'] * 1e3:>9.1f}"
-                  f"{loop / fw['delta_hf_s']:>13.1f}x{1.0:>7.1f}x   (outputs differ from ours by "
-                  f"{fw['hf_vs_chunk_rel_diff']:.1e}, relative)")
-        for C in (32, 64):
-            t = fw[f"{rule}_chunk{C}_s"]
-            vs_hf = f"{fw['delta_hf_s'] / t:>7.1f}x" if rule == "delta" and "delta_hf_s" in fw else f"{'':>8}"
-            gf = fw[f"{rule}_chunk{C}_gflops"]
-            print(f"  {f'{rule} rule, chunk C={C}':<38}{t * 1e3:>9.1f}{loop / t:>13.1f}x{vs_hf}"
-                  f"{gf:>9.1f}{100 * gf / peak:>8.1f}%")
-        if rule == "delta":
-            t, gf = fw["delta_chunk64_torch_path_s"], fw["delta_chunk64_torch_path_gflops"]
-            vs_hf = f"{fw['delta_hf_s'] / t:>7.1f}x" if "delta_hf_s" in fw else f"{'':>8}"
-            print(f"  {'delta rule, chunk C=64, torch path':<38}{t * 1e3:>9.1f}{loop / t:>13.1f}x{vs_hf}"
-                  f"{gf:>9.1f}{100 * gf / peak:>8.1f}%")
-
-    bw = results["forward_backward"] = backward_times(args, hf)
-    print("\nforward + backward, same shape")
-    for name, t in bw.items():
-        extra = ""
-        if name.startswith("delta_chunk") and "delta_hf_fwd_bwd_s" in bw:
-            extra = f"   {bw['delta_hf_fwd_bwd_s'] / t:.1f}x vs HF"
-        print(f"  {name[:-len('_fwd_bwd_s')]:<38}{t * 1e3:>9.1f} ms{extra}")
-
-    mem = results["memory"] = memory(args)
-    print("\nforward + backward memory, B=1 H=8 Dk=Dv=64 fp32 (fresh process each)")
-    print(f"  {'kernel':<20}{'T':>7}{'peak MB':>10}{'saved for bwd MB':>18}")
-    for name, m in mem.items():
-        kind, T = name.rsplit("_T", 1)
-        print(f"  {kind:<20}{T:>7}{m['peak_mb']:>10.1f}{m['saved_for_backward_mb']:>18.1f}")
-
-    cross = results["auto_crossover"] = auto_crossover(args)
-    print("\nstep loop vs chunk forward at short T, ms (mode='auto' thresholds: fwp_kernels/dispatch.py)")
-    print(f"  {'':<12}{'delta loop':>11}{'delta chunk':>12}{'sum loop':>10}{'sum chunk':>10}")
-    for name, m in cross.items():
-        print(f"  {name:<12}{m['delta_step_loop_ms']:>11.3f}{m['delta_chunk_ms']:>12.3f}"
-              f"{m['sum_step_loop_ms']:>10.3f}{m['sum_chunk_ms']:>10.3f}")
-
-    results["machine"]["loadavg_end"] = os.getloadavg()
-    results["wall_s"] = time.perf_counter() - t_start
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS} "
-          f"in {results['wall_s']:.0f} s (load average {os.getloadavg()[0]:.2f})")
+    results = {"threads": torch.get_num_threads(), "quick": args.quick}
+    results["forward"] = forward_times(args, hf)
+    results["matmul_2048_gflops"] = results["forward"]["matmul_2048_gflops"]
+    print_forward(results["forward"])
+    results["forward_backward"] = backward_times(args, hf)
+    results["memory"] = memory(args)
+    results["auto_crossover"] = auto_crossover(args)
+    print_rest(results)
+    path = record.write(args.out, results)
+    print(f"\nwrote {path} (load average {os.getloadavg()[0]:.2f})")
 
 
 if __name__ == "__main__":

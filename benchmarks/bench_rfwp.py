@@ -6,12 +6,14 @@ Issue 4's measurements, all taken in one run so that the ratios share the machin
    sec. 4.1: 16 layers, d_model 128, 8 heads of 16, d_ff 2048), T = 256, a small batch, for every model of
    Table 1 with its default version, reported as a ratio to the Delta Net. The vocabulary is kept small (2048,
    no adaptive softmax) so that the fast-weight layers, not the output layer, set the differences. Variants are
-   timed round-robin, one step each per round, and the fastest step is kept. The paper's GPU figures (words/s:
+   timed round-robin, one step each per round; each model's steps are kept as best / median / all, and its ratio to
+   the Delta Net is given both ways (the ratio of medians is the headline). The paper's GPU figures (words/s:
    Linear Transformer 66K, Delta Net 63K, Delta RNN 41K, RDN 35K, Delta LSTM 14K) give the targets
    RDN >= 0.55, Delta RNN >= 0.65, Delta LSTM >= 0.22 of the Delta Net.
 2. Fused scan (C++ kernel) against the PyTorch step loop for the same cell, T = 1024, forward + backward, per
    scan of the paper's layers: the Delta RNN's and Delta LSTM's recurrent parts and the Recurrent Delta Net
-   (target >= 10x). The step loop is slow; it runs once per cell.
+   (target >= 10x). The fused scan runs 3 times (best / median / all); the step loop is slow and runs once per
+   cell, so both speed-ups (over the fused median and over the fused best) divide by that one step-loop time.
 
 Time is the CPU time of the calling thread with one intra-op thread (``--threads 1``, the default): on a machine
 shared with other jobs, wall-clock steps of the same model were seen to vary 5x within a minute, while CPU time
@@ -20,13 +22,12 @@ calling thread, so its CPU time is the work done. Wall-clock times of the same s
 
     python benchmarks/bench_rfwp.py [--batch 2] [--seq-len 256] [--rounds 5] [--scan-len 1024] [--threads 1]
 
-Writes benchmarks/results/bench_rfwp.json.
+Writes benchmarks/results/bench_rfwp.json, with the run's command, versions and load average before and after
+(``"run"``, ``training.result_file``).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwp_kernels import rfwp_scan  # noqa: E402
 from fwp_kernels.rfwp_scan import ScanState, fast_rnn_scan, recurrent_delta_rule  # noqa: E402
+from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 from modeling_fwp import (  # noqa: E402
     DeltaDeltaNetConfig,
     DeltaLSTMConfig,
@@ -88,16 +90,19 @@ def training_throughput(batch: int, seq_len: int, rounds: int, vocab_size: int) 
         for name, model in models.items():
             times[name].append(step(model))
     tokens = batch * seq_len
-    base = min(cpu for cpu, _ in times["Delta Net"])
+    cpu = {name: summarize([c for c, _ in steps]) for name, steps in times.items()}
     results = {}
     for name in models:
-        best = min(cpu for cpu, _ in times[name])
+        to_delta_net = ratio(cpu["Delta Net"], cpu[name])  # step-time ratio = tokens/s ratio
         results[name] = {
-            "tokens_per_s": tokens / best,
-            "step_cpu_s": best,
-            "steps_cpu_s": [cpu for cpu, _ in times[name]],
+            "tokens_per_s": tokens / cpu[name]["best"],
+            "tokens_per_s_median": tokens / cpu[name]["median"],
+            "step_cpu_s": cpu[name]["best"],
+            "step_cpu_s_median": cpu[name]["median"],
+            "steps_cpu_s": cpu[name]["all"],
             "steps_wall_s": [wall for _, wall in times[name]],
-            "ratio_to_delta_net": base / best,
+            "ratio_to_delta_net": to_delta_net["of_bests"],
+            "ratio_to_delta_net_median": to_delta_net["of_medians"],
             "paper_gpu_ratio": (PAPER_WORDS_PER_S[name] / PAPER_WORDS_PER_S["Delta Net"]
                                 if name in PAPER_WORDS_PER_S else None),
             "target_ratio": TARGETS.get(name),
@@ -134,9 +139,11 @@ def scan_speedups(seq_len: int, batch: int = 1, heads: int = 8, head_dim: int = 
                         ("rdn", "Recurrent Delta Net")):
         _, fn = make(kind)
         timed(fn, "fused")  # warm-up
-        fused = min(timed(fn, "fused") for _ in range(repeats))
+        fused = summarize([timed(fn, "fused") for _ in range(repeats)])
         loop = timed(fn, "recurrent")
-        results[label] = {"cell": kind, "fused_cpu_s": fused, "step_loop_cpu_s": loop, "speedup": loop / fused,
+        results[label] = {"cell": kind, "fused_cpu_s": fused["best"], "fused_cpu_s_median": fused["median"],
+                          "fused_cpu_s_all": fused["all"], "step_loop_cpu_s": loop, "step_loop_runs": 1,
+                          "speedup": loop / fused["best"], "speedup_over_fused_median": loop / fused["median"],
                           "target_speedup": 10.0}
     return results
 
@@ -152,39 +159,39 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "bench_rfwp.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    record = RunRecord.start("python benchmarks/bench_rfwp.py")
     if not rfwp_scan.cpu_kernel_available():
         print("warning: the C++ scans are unavailable; the recurrent models run their step loops", flush=True)
 
     print(f"training throughput: paper small config, B={args.batch}, T={args.seq_len}, vocab {args.vocab_size}, "
-          f"fastest of {args.rounds} round-robin steps (forward + backward), {args.threads} thread(s), thread CPU time",
-          flush=True)
+          f"{args.rounds} round-robin steps (forward + backward), {args.threads} thread(s), thread CPU time; "
+          "median (best)", flush=True)
     train = training_throughput(args.batch, args.seq_len, args.rounds, args.vocab_size)
     for name, r in train.items():
         target = f"  target >= {r['target_ratio']:.2f}" if r["target_ratio"] else ""
         paper = f"  (paper GPU {r['paper_gpu_ratio']:.2f})" if r["paper_gpu_ratio"] else ""
         wall = f"[wall {min(r['steps_wall_s']):.2f}-{max(r['steps_wall_s']):.2f} s/step]"
-        ratio = f"{r['ratio_to_delta_net']:.2f} x Delta Net"
-        print(f"  {name:20s} {r['tokens_per_s']:8.0f} tokens/s  {ratio}{paper}{target}  {wall}", flush=True)
+        to_dn = f"{r['ratio_to_delta_net_median']:.2f} ({r['ratio_to_delta_net']:.2f}) x Delta Net"
+        print(f"  {name:20s} {r['tokens_per_s_median']:6.0f} ({r['tokens_per_s']:4.0f}) tokens/s  {to_dn}{paper}"
+              f"{target}  {wall}", flush=True)
 
-    print(f"fused scan vs step loop: T={args.scan_len}, B=1, H=8, D=16, forward + backward, thread CPU time",
-          flush=True)
+    print(f"fused scan vs step loop: T={args.scan_len}, B=1, H=8, D=16, forward + backward, thread CPU time; "
+          "fused: median (best) of 3, step loop: one run", flush=True)
     scans = scan_speedups(args.scan_len)
     for name, r in scans.items():
-        print(f"  {name:32s} fused {r['fused_cpu_s'] * 1e3:8.1f} ms  step loop {r['step_loop_cpu_s']:7.2f} s  "
-              f"speedup {r['speedup']:6.1f}x  (target >= 10x)", flush=True)
+        print(f"  {name:32s} fused {r['fused_cpu_s_median'] * 1e3:8.1f} ({r['fused_cpu_s'] * 1e3:.1f}) ms  step loop "
+              f"{r['step_loop_cpu_s']:7.2f} s  speedup {r['speedup_over_fused_median']:6.1f}x ({r['speedup']:.1f}x)  "
+              "(target >= 10x)", flush=True)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "bench_rfwp",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "torch": torch.__version__, "threads": torch.get_num_threads(), "timer": "time.thread_time",
+        "machine": {"torch_threads": torch.get_num_threads(), "timer": "time.thread_time",
                     "cpp_scans": rfwp_scan.cpu_kernel_available()},
         "settings": vars(args) | {"out": str(args.out)},
         "training_throughput": train,
         "scan_vs_step_loop": scans,
     }
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    print(f"wrote {record.write(args.out, report)}")
 
 
 if __name__ == "__main__":

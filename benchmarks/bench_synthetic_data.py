@@ -6,9 +6,10 @@ and reports the growth of the process's anonymous (private, non-file-backed) res
 Pages of a memory-mapped Arrow file are file-backed: the kernel can drop them and read them again, so they are
 counted apart (``file_mb``). Both modes are checked to give the same rows.
 
-    python benchmarks/bench_synthetic_data.py [--examples 50000] [--statements 30]
+    python benchmarks/bench_synthetic_data.py [--examples 50000] [--statements 30] [--out PATH]
 
-Writes benchmarks/results/bench_synthetic_data.json.
+Writes benchmarks/results/bench_synthetic_data.json, with the run's command, versions and load average before and
+after (``"run"``, ``training.result_file``). Each mode is measured once (memory, not time: no repeats).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from training.result_file import RunRecord  # noqa: E402
 
 CHILD = r"""
 import hashlib, json, sys, time
@@ -61,7 +64,9 @@ def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--examples", type=int, default=50_000)
     p.add_argument("--statements", type=int, default=30)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_synthetic_data.json"))
     args = p.parse_args()
+    record = RunRecord.start("python benchmarks/bench_synthetic_data.py")
     with tempfile.TemporaryDirectory() as tmp:
         in_memory = measure(args.examples, args.statements, "")
         on_disk = measure(args.examples, args.statements, tmp)
@@ -73,7 +78,6 @@ def main() -> dict:
         "examples": args.examples, "statements": args.statements, "in_memory": in_memory, "on_disk": on_disk,
         "arrow_file_mb": disk_bytes / 2**20,
         "anon_growth_ratio": in_memory["growth"]["anon_mb"] / max(on_disk["growth"]["anon_mb"], 1e-9),
-        "load_average": os.getloadavg(),
     }
     for name, row in (("in memory", in_memory), ("on disk", on_disk)):
         g = row["growth"]
@@ -81,9 +85,7 @@ def main() -> dict:
               f"peak RSS +{g['peak_mb']:.0f} MB, {row['seconds']:.1f} s")
     print(f"Arrow file {result['arrow_file_mb']:.0f} MB; anonymous memory ratio (in memory / on disk) "
           f"{result['anon_growth_ratio']:.1f}x; same rows in both modes")
-    out = ROOT / "benchmarks" / "results" / "bench_synthetic_data.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {record.write(args.out, result)}")
     return result
 
 

@@ -61,6 +61,9 @@ def check(folder: Path, output: Path) -> dict:
 
     from modeling_fwp import convert_transfo_xl_checkpoint
     from modeling_fwp.cache_fwp import output_cache
+    from training.result_file import RunRecord
+
+    record = RunRecord.start("python benchmarks/transfo_xl_transformers4_parity.py")
 
     report = {}
     for name in VARIANTS:
@@ -75,9 +78,9 @@ def check(folder: Path, output: Path) -> dict:
             "max_abs_diff_segment_2": (second.logits - expected["scores2"]).abs().max().item(),
         }
         print(name, report[name])
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"compared": "log-probabilities [B, T, V], transformers 4.35.2 vs converted",
-                                  "results": report}, indent=2) + "\n")
+    config = json.loads((folder / next(iter(VARIANTS)) / "config.json").read_text())
+    record.write(output, {"compared": "log-probabilities [B, T, V], transformers 4.35.2 vs converted",
+                          "reference_transformers_version": config.get("transformers_version"), "results": report})
     return report
 
 

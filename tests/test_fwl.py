@@ -368,8 +368,13 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "base_fwl" / "final")
     assert isinstance(loaded, FWLForCausalLM)
     # rerunning resumes: the finished stages are loaded, not retrained, and give the same numbers
-    again = finetune_fwl.main(argv)
+    again = finetune_fwl.main(argv + ["--results_file", str(tmp_path / "committed" / "finetune_fwl.json")])
     assert again["base_fwl"]["ppl"] == pytest.approx(results["base_fwl"]["ppl"], rel=1e-5)
+    # the copy meant to be committed (the README's demo table): the same file, with the run's record
+    committed = json.loads((tmp_path / "committed" / "finetune_fwl.json").read_text())
+    assert committed == json.loads((tmp_path / "out" / "results.json").read_text())
+    assert committed["run"]["command"].startswith("python -m training.finetune_fwl --model")
+    assert committed["base_fwl"]["ppl"] == pytest.approx(again["base_fwl"]["ppl"])
 
 
 def test_bf16_gradient_option_approximates_the_exact_head():

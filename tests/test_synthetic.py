@@ -204,13 +204,18 @@ NO_MATPLOTLIB = "matplotlib is not installed: the plots are optional (the JSON r
 
 
 def test_capacity_smoke(tmp_path):
-    results = ar.main(["capacity", "--memory", "softmax", "dpfp1", "--num_keys", "3", "5", "--d_key", "4",
-                       "--max_steps", "3", "--eval_every", "1", "--eval_sequences", "4", "--output_dir", str(tmp_path)])
+    argv = ["capacity", "--memory", "softmax", "dpfp1", "--num_keys", "3", "5", "--d_key", "4", "--max_steps", "3",
+            "--eval_every", "1", "--eval_sequences", "4", "--output_dir", str(tmp_path),
+            "--results_file", str(tmp_path / "committed" / "capacity.json")]
+    results = ar.main(argv)
     saved = json.loads((tmp_path / "capacity.json").read_text())
     assert [(r["memory"], r["num_keys"]) for r in saved["results"]] == [
         ("softmax", 3), ("dpfp1", 3), ("softmax", 5), ("dpfp1", 5)]
     assert all(np.isfinite(r["final_loss"]) and len(r["curve"]) >= 1 for r in saved["results"])
-    assert len(saved["load_average"]) == 3
+    # the run's record, and the same file at --results_file (the copy meant to be committed)
+    assert saved["run"]["command"].startswith("python -m training.associative_retrieval capacity --memory softmax")
+    assert len(saved["run"]["load_average_start"]) == len(saved["run"]["load_average_end"]) == 3
+    assert (tmp_path / "committed" / "capacity.json").read_text() == (tmp_path / "capacity.json").read_text()
     pytest.importorskip("matplotlib", reason=NO_MATPLOTLIB)
     assert Path(results["plot"]).is_file() and Path(results["plot"]).stat().st_size > 1000
 

@@ -272,10 +272,13 @@ def test_state_is_carried_between_steps(tiny_corpus, tmp_path):
 def test_synthetic_smoke(tmp_path):
     results = synthetic.main(["--task", "retrieval", "--model", "delta_net", "--model", "llama", "--steps", "2",
                               "--batch_size", "4", "--hidden_size", "16", "--layers", "1", "--d_key", "8",
-                              "--num_pairs", "3", "5", "--eval_examples", "8", "--output_dir", str(tmp_path)])
+                              "--num_pairs", "3", "5", "--eval_examples", "8", "--output_dir", str(tmp_path),
+                              "--results_file", str(tmp_path / "committed.json")])
     saved = json.loads((tmp_path / "retrieval.json").read_text())
     assert [(r["model"], r["num_pairs"]) for r in saved["results"]] == [
         ("delta_net", 3), ("llama", 3), ("delta_net", 5), ("llama", 5)]
+    assert saved["run"]["command"].startswith("python -m training.synthetic --task retrieval --model delta_net")
+    assert (tmp_path / "committed.json").read_text() == (tmp_path / "retrieval.json").read_text()
     assert all(np.isfinite(r["test_loss"]) for r in saved["results"])
     if results["plot"]:
         assert Path(results["plot"]).is_file()

@@ -36,8 +36,10 @@ eq. 29, for the sum rule instead of attention normalisation), ``nosumnorm`` (del
         --memory sum-dpfp1 delta-dpfp1 fwm-dpfp1 --output_dir outputs/synthetic_update_rules
     python -m training.associative_retrieval plot capacity outputs/synthetic_capacity/*.json --out docs/figures/x.png
 
-Each run writes ``<output_dir>/<setting>.json`` (per memory and S: final held-out loss, accuracy, learning curve)
-and, with matplotlib installed, ``<output_dir>/<setting>.png``.
+Each run writes ``<output_dir>/<setting>.json`` (per memory and S: final held-out loss, accuracy, learning curve; first
+the run's record: command, versions, machine, git commit, load average before and after, ``training.result_file``)
+and, with matplotlib installed, ``<output_dir>/<setting>.png``. ``--results_file docs/results/<name>.json`` writes the
+same JSON there too, to be committed as the source of the figures quoted in docs/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -45,7 +47,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -60,6 +61,8 @@ from torch import nn
 
 from modeling_fwp.feature_maps import FeatureMap
 from modeling_fwp.kernel_api import delta_rule, linear_attention
+
+from .result_file import RunRecord
 
 logger = logging.getLogger("training.associative_retrieval")
 
@@ -426,6 +429,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="sum rule: our linear_attention kernel, or the closed form W_T = sum_t v_t phi(k_t)^T")
     p.add_argument("--output_dir", default=None)
     p.add_argument("--out", default=None, help="plot: the PNG to write")
+    p.add_argument("--results_file", default=None, help="also write the result JSON here (e.g. docs/results/x.json)")
     args = p.parse_args(argv)
     if args.setting == "plot":
         if len(args.inputs) < 2 or args.inputs[0] not in SETTINGS or not args.out:
@@ -484,6 +488,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         for value in ("final_loss", "final_accuracy", "steps"):
             print(f"\n{value}:\n{markdown_table(rows, value)}")
         return {"plot": str(path) if path else None}
+    record = RunRecord.start("python -m training.associative_retrieval", argv)
     config = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.__dataclass_fields__})
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -495,9 +500,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         num_keys, memory, row["final_loss"], row["chance_loss"], row["final_accuracy"], row["steps"],
                         row["seconds"])
             rows.append(row)
-    load = list(os.getloadavg())  # the machine is shared: record how busy it was
-    results = {"setting": args.setting, "config": asdict(config), "load_average": load, "results": rows}
-    (out / f"{args.setting}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    results = {"setting": args.setting, "config": asdict(config), "results": rows}
+    # with the run's record: command, versions, load average before and after
+    record.write(out / f"{args.setting}.json", results, copies=[args.results_file] if args.results_file else [])
     path = plotters[args.setting](rows, out / f"{args.setting}.png")
     results["plot"] = str(path) if path else None
     return results

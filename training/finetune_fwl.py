@@ -21,12 +21,14 @@ Wikipedia text of ``python -m training.data --out data/wiki``. Default model: Sm
 
 Each stage writes Trainer checkpoints under ``<output_dir>/<stage>/`` and its final model under
 ``<output_dir>/<stage>/final``; rerunning the same command resumes: finished stages are loaded, an interrupted one
-continues from its last checkpoint. Results: ``<output_dir>/results.json``.
+continues from its last checkpoint. Results: ``<output_dir>/results.json``, which starts with the run's record (command,
+versions, machine, git commit, load average before and after: ``training.result_file``); with ``--results_file
+docs/results/finetune_fwl.json`` the same file is written there too, to be committed: README.md's demo table is
+rendered from it (``python benchmarks/results_table.py``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from training import latest_checkpoint, leave_process_group
+from training.result_file import RunRecord
 
 if TYPE_CHECKING:  # imported lazily at run time (the CLI starts faster)
     from datasets import DatasetDict
@@ -56,6 +59,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="pretrained causal LM folder or hub name (default: converted SmolLM2-135M)")
     p.add_argument("--output_dir", default="outputs/finetune_fwl")
+    p.add_argument("--results_file", default=None,
+                   help="also write results.json here (docs/results/finetune_fwl.json: the README's demo table)")
     data = p.add_argument_group("data")
     data.add_argument("--dataset", default=None, help="hub dataset name (e.g. wikitext)")
     data.add_argument("--dataset_config", default=None)
@@ -296,6 +301,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     from modeling_fwp import FWLForCausalLM
 
     args = parse_args(argv)
+    record = RunRecord.start("python -m training.finetune_fwl", argv)
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model == DEFAULT_MODEL:
@@ -347,7 +353,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
             results["sample"] = generate_sample(model, tokenizer, blocks["validation"][0]["input_ids"], args)
         results["wall_seconds"] = round(time.perf_counter() - started, 1)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        record.write(out / "results.json", results, copies=[args.results_file] if args.results_file else [])
         print(report(results))
         base_model = SMOLLM2_HUB_NAME if args.model == DEFAULT_MODEL else args.model
         push_if_requested(args, model, tokenizer, out, results=out / "results.json", base_model=base_model)

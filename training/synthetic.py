@@ -34,6 +34,9 @@ training curves). Long runs can save Trainer checkpoints (``--save_steps``, unde
 ``<output_dir>/trainer/<model>_<setting>/``); the same command with ``--resume`` continues each run from its latest
 checkpoint, with the same data and the same result as an uninterrupted run. The training examples are written to
 ``<output_dir>/data/`` (Arrow files, memory-mapped; reused by the other models of the command and by ``--resume``).
+The JSON starts with the run's record (command, versions, machine, git commit, load average before and after:
+``training.result_file``); ``--results_file docs/results/<name>.json`` writes the same JSON there too, to be committed
+as the source of the figures quoted in docs/RESULTS.md (``outputs/`` is not kept).
 """
 from __future__ import annotations
 
@@ -43,7 +46,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -62,6 +64,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArgu
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 
 from . import associative_retrieval, latest_checkpoint, plots  # noqa: E402
+from .result_file import RunRecord  # noqa: E402
 
 logger = logging.getLogger("training.synthetic")
 
@@ -518,6 +521,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval_examples", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/synthetic")
+    p.add_argument("--results_file", default=None,
+                   help="also write the result JSON here (e.g. docs/results/code_s30_delta_net.json, to commit)")
     p.add_argument("--save_steps", type=int, default=None,
                    help="save a Trainer checkpoint every N steps (the latest one is kept), for --resume")
     p.add_argument("--resume", action="store_true",
@@ -576,6 +581,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if argv[at + 1] in associative_retrieval.SETTINGS:  # the paper's memory-only retrieval experiment
             return associative_retrieval.main([argv[at + 1]] + argv[:at] + argv[at + 2:])
     args = parse_args(argv)
+    record = RunRecord.start("python -m training.synthetic", argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
@@ -592,7 +598,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         row["test_accuracy"], row["test_sequence_accuracy"], row["seconds"])
             rows.append(row)
     results = {"task": args.task, "args": vars(args), "results": rows}
-    (out / f"{args.task}.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    record.write(out / f"{args.task}.json", results, copies=[args.results_file] if args.results_file else [])
     (out / f"{args.task}.md").write_text(accuracy_table(rows, SWEEPS[args.task]), encoding="utf-8")
     if args.task in ("retrieval", "retrieval_replace"):  # the capacity-style sweep
         plot = plots.plot_final_loss(rows, SWEEPS[args.task], out / f"{args.task}.png")

@@ -1,0 +1,141 @@
+"""The README's and kernels/README.md's figures against the committed result files, and the result-file helpers."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training import result_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_results_table():
+    spec = importlib.util.spec_from_file_location("results_table", ROOT / "benchmarks" / "results_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+results_table = load_results_table()
+
+
+def copy_of_repository(tmp_path: Path) -> Path:
+    """The documents and result files that the tables are rendered from, copied under `tmp_path`."""
+    for name in list(results_table.DOCUMENTS) + ["benchmarks/results", "docs/results"]:
+        src, dst = ROOT / name, tmp_path / name
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        elif src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dst)
+    return tmp_path
+
+
+def check(root: Path) -> subprocess.CompletedProcess:
+    script = ROOT / "benchmarks" / "results_table.py"
+    return subprocess.run([sys.executable, str(script), "--check", "--root", str(root)], capture_output=True, text=True)
+
+
+def test_committed_documents_match_their_result_files():
+    """Every generated table in README.md and kernels/README.md equals its rendering from the committed files: a
+    figure edited by hand, or a result file rerun without `python benchmarks/results_table.py`, fails here."""
+    done = check(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_check_fails_on_a_stale_figure_and_the_renderer_fixes_it(tmp_path):
+    root = copy_of_repository(tmp_path)
+    path = root / "benchmarks" / "results" / "bench_training.json"
+    data = json.loads(path.read_text())
+    data["lengths"]["256"]["step_s"]["llama_sdpa"] *= 2  # the best Llama step of T=256 is now twice as long
+    path.write_text(json.dumps(data))
+    done = check(root)
+    assert done.returncode == 1 and "README.md" in done.stdout
+    old = data["lengths"]["256"]["tokens_per_s"]["llama_sdpa"]
+    new = old / 2
+    assert "+| training tok/s" in done.stdout and f"{new:,.0f} / " in done.stdout and f"{old:,.0f} / " in done.stdout
+    assert results_table.main(["--root", str(root)]) == 0  # rewrites the table
+    assert check(root).returncode == 0
+
+    readme = root / "README.md"  # a figure edited by hand inside a generated table
+    readme.write_text(readme.read_text().replace("196,616 / 196,616", "196,616 / 196,617", 1))
+    assert check(root).returncode == 1
+
+
+def test_missing_figures_read_na_and_medians_come_from_stored_rounds(tmp_path):
+    """A file without the run record or a median renders "n/a (rerun)" there; a median it can take from the stored
+    per-round values is taken from them."""
+    (tmp_path / "old.json").write_text(json.dumps({"steps": [3.0, 1.0, 2.0, 10.0], "best": 1.0}))
+    source = results_table.Source(tmp_path, "old.json")
+    assert source.pair("median", "best") == (None, 1.0)
+    assert source.pair("median", "best", "steps") == (2.5, 1.0)
+    assert source.provenance() == "`old.json`: command n/a (rerun); load n/a (rerun) -> n/a (rerun)"
+    assert "n/a (rerun) median; 1.0 best" == results_table.both("{t:.1f}", t=source.pair("median", "best"))
+    assert "no such file" in results_table.Source(tmp_path, "missing.json").provenance()
+
+
+def test_replace_block_needs_its_markers():
+    start, end = results_table.START.format(name="x"), results_table.END.format(name="x")
+    assert results_table.replace_block(f"a\n{start}\nold\n{end}\nb", "x", "new") == f"a\n{start}\nnew\n{end}\nb"
+    with pytest.raises(ValueError, match="results-table:x"):
+        results_table.replace_block("no markers", "x", "new")
+
+
+@pytest.mark.parametrize("script, argv, rows", [
+    ("bench_generation.py", ["--contexts", "4", "8", "--steps", "2", "--threads", "1"], "generation_rows"),
+    ("bench_training.py", ["--lengths", "4", "8", "--rounds", "2", "--vocab", "32", "--batch", "1", "--threads", "1"],
+     "training_rows"),
+])
+def test_a_fresh_benchmark_file_renders_every_figure(tmp_path, script, argv, rows):
+    """A benchmark run now (tiny settings) writes a file that the table renders without any "n/a": the run record
+    (command, versions, load averages) and medians beside bests."""
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv, "--out", str(out)], check=True,
+                   capture_output=True, env=env, cwd=ROOT)
+    run = json.loads(out.read_text())["run"]
+    assert run["command"] == f"OMP_NUM_THREADS=1 python benchmarks/{script} {' '.join(argv)} --out {out}"
+    assert run["versions"]["torch"] and run["machine"]["torch_threads"] == 1 and len(run["load_average_end"]) == 3
+    source = results_table.Source(tmp_path, "result.json")
+    cells = [cell for row in getattr(results_table, rows)(source) for cell in row] + [source.provenance()]
+    assert not [cell for cell in cells if results_table.NA in cell], cells
+    assert all(" median; " in cell for cell in cells if " best" in cell)
+
+
+def test_command_line_quotes_arguments_and_records_thread_variables(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    line = result_file.command_line("python benchmarks/x.py", ["--out", str(ROOT / "a b.json"), "--n", "3"])
+    assert line == "OMP_NUM_THREADS=1 python benchmarks/x.py --out 'a b.json' --n 3"
+    with pytest.raises(ValueError, match="program"):
+        result_file.command_line("", [])
+
+
+def test_summaries_and_ratios():
+    times = result_file.summarize([0.4, 0.1, 0.3, 0.2])
+    assert times == {"best": 0.1, "median": 0.25, "all": [0.4, 0.1, 0.3, 0.2]}
+    assert result_file.summarize([5, 9, 7], best="max")["best"] == 9
+    assert result_file.ratio(result_file.summarize([2.0, 4.0, 9.0]), times) == {"of_medians": 16.0, "of_bests": 20.0}
+    assert result_file.scaled(times, 1e3)["median"] == pytest.approx(250.0)
+    with pytest.raises(ValueError, match="best"):
+        result_file.summarize([1.0], best="mean")
+    with pytest.raises(ValueError, match="empty"):
+        result_file.summarize([])
+
+
+def test_run_record_written_with_results(tmp_path):
+    record = result_file.RunRecord.start("python benchmarks/x.py", ["--n", "3"])
+    path = record.write(tmp_path / "sub" / "x.json", {"value": 1}, copies=[tmp_path / "copy.json"])
+    data = json.loads(path.read_text())
+    assert data["value"] == 1 and data["run"]["command"] == "python benchmarks/x.py --n 3"
+    assert set(data["run"]) >= {"started", "finished", "wall_s", "git_commit", "versions", "machine",
+                                "load_average_start", "load_average_end"}
+    assert data["run"]["versions"]["python"] and data["run"]["machine"]["cpus"] == os.cpu_count()
+    assert (tmp_path / "copy.json").read_text() == path.read_text()
+    with pytest.raises(ValueError, match="run"):
+        record.write(tmp_path / "y.json", {"run": 1})
