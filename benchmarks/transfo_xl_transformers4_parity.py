@@ -84,7 +84,9 @@ def build_reference_model(overrides: dict, seed: int) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def reference_segments(model, lengths: List[int], generator: torch.Generator) -> Dict[str, torch.Tensor]:
+def reference_segments(
+    model: torch.nn.Module, lengths: List[int], generator: torch.Generator
+) -> Dict[str, torch.Tensor]:
     """Random segments run one after the other, each continuing from the previous one's ``mems``."""
     out, mems = {}, None
     for k, length in enumerate(lengths):
@@ -96,7 +98,7 @@ def reference_segments(model, lengths: List[int], generator: torch.Generator) ->
 
 
 @torch.no_grad()
-def reference_generation(model, generator: torch.Generator) -> Dict[str, torch.Tensor]:
+def reference_generation(model: torch.nn.Module, generator: torch.Generator) -> Dict[str, torch.Tensor]:
     """Greedy continuation of a random prompt, token by token with ``mems``; checked against transformers 4's
     ``generate``. Raises if a greedy choice is closer than ``GREEDY_MARGIN`` to a tie or hits the eos token."""
     prompt = torch.randint(1, BASE["vocab_size"], (BATCH_SIZE, PROMPT_LENGTH), generator=generator)
@@ -150,7 +152,7 @@ def make(folder: Path, seed: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_fixture(folder: Path, work_dir: Path):
+def load_fixture(folder: Path, work_dir: Path) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor]]:
     """Converts a fixture's transformers-4 checkpoint into `work_dir` and loads it with ``AutoModelForCausalLM``.
     Returns ``(model in eval mode, expected tensors)``."""
     from safetensors.torch import load_file
@@ -168,7 +170,7 @@ def num_segments(expected: Dict[str, torch.Tensor]) -> int:
 
 
 @torch.no_grad()
-def segment_differences(model, expected: Dict[str, torch.Tensor]) -> List[float]:
+def segment_differences(model: torch.nn.Module, expected: Dict[str, torch.Tensor]) -> List[float]:
     """max |log-prob difference| of every segment, run one after the other from ``init_memories`` (transformers 4's
     zero memories), each continuing from the previous segment's cache."""
     from modeling_fwp.cache_fwp import output_cache
@@ -182,7 +184,7 @@ def segment_differences(model, expected: Dict[str, torch.Tensor]) -> List[float]
 
 
 @torch.no_grad()
-def generation_differences(model, expected: Dict[str, torch.Tensor]) -> Tuple[float, bool]:
+def generation_differences(model: torch.nn.Module, expected: Dict[str, torch.Tensor]) -> Tuple[float, bool]:
     """``(max |log-prob difference| of the prompt forward and the cached token-by-token steps over the fixture's
     greedy continuation, whether greedy ``generate`` from ``init_memories`` returns the fixture's ids)``."""
     from modeling_fwp.cache_fwp import output_cache
