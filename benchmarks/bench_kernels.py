@@ -13,7 +13,7 @@ Prints, and writes to benchmarks/results/bench_kernels.json:
    recorded), else the PyTorch one; the PyTorch one is also timed on its own ("torch path").
 3. Forward + backward time at the same shape.
 4. Forward + backward peak memory at T = 1024, 4096, 16384 (see `_memory_worker` for the method).
-5. Step loop vs chunked kernel at short T: where mode="auto" switches (fwp_kernels.dispatch).
+5. Step loop vs chunked kernel at short T: where mode="auto" switches (fwp_kernels.chunk.auto_mode).
 
 Times are the minimum over repeats of wall-clock time (the least disturbed run), every function once per
 round (the step loops included); the machine's load average is recorded with them, since other
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from fwp_kernels import chunk, delta_rule, linear_attention
-from fwp_kernels.chunk import delta_rule_chunk, linear_attention_chunk
-from fwp_kernels.recurrent import delta_rule_recurrent, linear_attention_recurrent
+from fwp_kernels.delta_rule_kernels import delta_rule_chunk, delta_rule_recurrent
+from fwp_kernels.linear_attention_kernels import linear_attention_chunk, linear_attention_recurrent
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_kernels.json"
 
@@ -333,7 +333,7 @@ def main():
         print(f"  {kind:<20}{T:>7}{m['peak_mb']:>10.1f}{m['saved_for_backward_mb']:>18.1f}")
 
     cross = results["auto_crossover"] = auto_crossover(args)
-    print("\nstep loop vs chunk forward at short T, ms (mode='auto' thresholds: fwp_kernels/dispatch.py)")
+    print("\nstep loop vs chunk forward at short T, ms (mode='auto' thresholds: fwp_kernels/chunk.py)")
     print(f"  {'':<12}{'delta loop':>11}{'delta chunk':>12}{'sum loop':>10}{'sum chunk':>10}")
     for name, m in cross.items():
         print(f"  {name:<12}{m['delta_step_loop_ms']:>11.3f}{m['delta_chunk_ms']:>12.3f}"
