@@ -147,8 +147,8 @@ class ChunkRule:
     def state_pass_backward(
         self, d_final: torch.Tensor, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, intra: Intra
     ) -> Tuple[torch.Tensor, ...]:
-        """The transposed pass, from the last chunk: ``(dS' for each chunk, the gradient w.r.t. the state leaving
-        it [BH, N, Dv, Dk], dU' [BH, N, C, Dv], the initial state's gradient [BH, Dv, Dk])``."""
+        """The transposed pass, from the last chunk: ``(dS' [BH, N, Dv, Dk], dU' [BH, N, C, Dv], dS_0 [BH, Dv, Dk])``,
+        dS' being the gradient w.r.t. the state leaving each chunk and dS_0 that of the initial state."""
         raise NotImplementedError
 
     def value_grads(
