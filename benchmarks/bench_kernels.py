@@ -14,7 +14,7 @@ average before and after (``"run"``, ``training.result_file``):
    recorded), else the PyTorch one; the PyTorch one is also timed on its own ("torch path").
 3. Forward + backward time at the same shape.
 4. Forward + backward peak memory at T = 1024, 4096, 16384 (see `_memory_worker` for the method).
-5. Step loop vs chunked kernel at short T: where mode="auto" switches (fwp_kernels.dispatch).
+5. Step loop vs chunked kernel at short T: where mode="auto" switches (fwp_kernels.chunk.auto_mode).
 
 Every function runs once per round (the step loops included), over --repeats rounds. Each time is kept as the best
 (``*_s``: the least disturbed run), the median (``*_median_s``) and all rounds (``timings``); ratios are printed and
@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwp_kernels import chunk, delta_rule, linear_attention  # noqa: E402
-from fwp_kernels.chunk import delta_rule_chunk, linear_attention_chunk  # noqa: E402
-from fwp_kernels.recurrent import delta_rule_recurrent, linear_attention_recurrent  # noqa: E402
+from fwp_kernels.delta_rule_kernels import delta_rule_chunk, delta_rule_recurrent  # noqa: E402
+from fwp_kernels.linear_attention_kernels import linear_attention_chunk, linear_attention_recurrent  # noqa: E402
 from training.result_file import RunRecord, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_kernels.json"

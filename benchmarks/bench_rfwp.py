@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwp_kernels import rfwp_scan  # noqa: E402
-from fwp_kernels.rfwp_scan import ScanState, fast_rnn_scan, recurrent_delta_rule  # noqa: E402
+from fwp_kernels import ScanState, fast_rnn_scan, recurrent_delta_rule  # noqa: E402
 from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 from modeling_fwp import (  # noqa: E402
     DeltaDeltaNetConfig,

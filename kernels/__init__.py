@@ -2,26 +2,34 @@
 
 Public API (DESIGN.md "Kernel contract")::
 
-    delta_rule(q, k, v, beta, *, initial_state=None, output_final_state=False, mode="auto", chunk_size=64)
-    linear_attention(q, k, v, *, initial_state=None, output_final_state=False, mode="auto", chunk_size=64)
+    delta_rule(q, k, v, beta, *, initial_state=None, output_final_state=False, mode="auto", chunk_size=64, mask=None)
+    linear_attention(q, k, v, *, initial_state=None, output_final_state=False, mode="auto", chunk_size=64, mask=None)
 
 Both return ``(o, final_state or None)``. Kernels take already-transformed q, k (feature map and
 normalisation are the caller's job) and apply no scaling of their own.
 
-Recurrent FWP scans (rfwp_scan.py; Irie et al. 2021), same layout, states in a ``ScanState``::
+Recurrent FWP scans (Irie et al. 2021), same layout, states in a ``ScanState``::
 
     fast_rnn_scan(z, k, v, beta, *, cell="rnn_b", initial_state=None, mask=None, output_final_state=False, mode="auto")
     recurrent_delta_rule(q, k, v, beta, r_q, r_k, r_v, r_beta, *, initial_state=None, mask=None,
                          output_final_state=False, mode="auto")
+
+Every recurrence takes ``mode`` from one vocabulary, ``MODES`` ("auto", "recurrent", "chunk", "fused"; "recurrent",
+the step loop, everywhere; dispatch.py says which recurrence has which) and the padding mask ``mask [B, T]`` (0 at
+padded positions, which write nothing). One module per recurrence: ``<function>_kernels.py``.
 
 Vocabulary-sized products of the Fast Weight Layers (dense.py; Clark et al. 2022)::
 
     dense_linear(x, weight, bias=None)                                  # x W^T + b, oneDNN on CPU
     linear_cross_entropy_input_gradient(x, weight, bias, target, scale=None)   # scale (softmax(x W^T + b) - onehot) W
 """
+from .delta_rule_kernels import delta_rule
 from .dense import dense_linear, linear_cross_entropy_input_gradient
-from .dispatch import delta_rule, linear_attention
-from .rfwp_scan import ScanState, fast_rnn_scan, recurrent_delta_rule
+from .dispatch import MODES
+from .fast_rnn_scan_kernels import fast_rnn_scan
+from .linear_attention_kernels import linear_attention
+from .recurrent_delta_rule_kernels import recurrent_delta_rule
+from .rfwp_scan import ScanState
 
 __all__ = [
     "delta_rule",
@@ -31,4 +39,5 @@ __all__ = [
     "recurrent_delta_rule",
     "dense_linear",
     "linear_cross_entropy_input_gradient",
+    "MODES",
 ]

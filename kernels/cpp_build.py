@@ -1,7 +1,8 @@
-"""Building the optional C++ CPU kernels of fwp_kernels on first use (one place for every compiled kernel).
+"""The one loader of the optional C++ CPU kernels of fwp_kernels: built on first use, registered in ``KERNELS``.
 
-A kernel module (``chunk.py``, ``rfwp_scan.py``) describes its source ``csrc/<stem>.cpp`` with a
-:class:`CompiledCpuKernel` and asks ``kernel.available()`` before taking the compiled path. The build:
+A kernel module (``chunk.py`` for ``csrc/chunk_delta.cpp``, ``rfwp_scan.py`` for ``csrc/rfwp_scan.cpp``) registers
+its source with :func:`register_cpu_kernel` and asks ``kernel.available()`` before taking the compiled path;
+:func:`cpu_kernel_statuses` reports every registered kernel. The build:
 
 - runs once per source version and is cached in ``$FWP_KERNELS_BUILD_DIR`` (default ``~/.cache/fwp_kernels``)
   under ``<python>_<torch>/<stem>_<source hash>``; every caller with the same source text (the installed package,
@@ -22,13 +23,14 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 NO_BUILD_ENV = "FWP_KERNELS_NO_BUILD"  # "1": never build, always run the PyTorch path on CPU
 BUILD_DIR_ENV = "FWP_KERNELS_BUILD_DIR"  # where builds are cached (default ~/.cache/fwp_kernels)
 STALE_LOCK_SECONDS = 600  # a build lock older than this was left by a killed build (torch would wait on it forever)
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"  # the package's C++ sources (a saved folder: next to the code)
 
 
 def missing_toolchain() -> Optional[str]:
@@ -89,6 +91,12 @@ class CompiledCpuKernel:
         root = os.environ.get(BUILD_DIR_ENV) or Path.home() / ".cache" / "fwp_kernels"
         return Path(root) / tag / f"{self.source_path.stem}_{source_hash}"
 
+    def describe(self) -> str:
+        """Which CPU path runs, for reports: ``"built"`` (the C++ kernel), ``"disabled (...)"``, ``"unavailable (...)"``
+        (no toolchain or no source), ``"failed (...)"`` (the build failed) - the last three run the PyTorch path -
+        or ``"not tried yet"``."""
+        return self.status
+
     def reset(self) -> None:
         """Forget the outcome of an earlier attempt (the next ``available()`` tries again)."""
         self._available, self.status = None, "not tried yet"
@@ -142,3 +150,26 @@ class CompiledCpuKernel:
                 stacklevel=4,
             )
             return False, f"failed ({type(error).__name__}: {detail})"
+
+
+KERNELS: Dict[str, CompiledCpuKernel] = {}  # source stem -> kernel, in registration order
+
+
+def register_cpu_kernel(
+    stem: str,
+    embedded_source: Optional[str],
+    namespace: str,
+    op: str,
+    extra_cflags: Sequence[str] = ("-O3",),
+    fallback: str = "the PyTorch path",
+) -> CompiledCpuKernel:
+    """Registers the C++ kernel ``csrc/<stem>.cpp`` in ``KERNELS`` and returns it (arguments as in
+    :class:`CompiledCpuKernel`; `embedded_source` is the string of ``<stem>_csrc.py`` in a saved folder, else None)."""
+    kernel = CompiledCpuKernel(CSRC_DIR / f"{stem}.cpp", embedded_source, namespace, op, extra_cflags, fallback)
+    KERNELS[stem] = kernel
+    return kernel
+
+
+def cpu_kernel_statuses() -> Dict[str, str]:
+    """``{source stem: status}`` of every registered C++ kernel (see :meth:`CompiledCpuKernel.describe`)."""
+    return {stem: kernel.describe() for stem, kernel in KERNELS.items()}

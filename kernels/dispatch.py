@@ -1,24 +1,128 @@
-"""Argument checking and mode dispatch for the public kernels."""
+"""The front end every recurrence of fwp_kernels shares: one mode vocabulary, one registry, one dispatcher, and the
+argument checks and accumulation dtype of all of them.
+
+Each recurrence lives in a module of its own (``delta_rule_kernels.py``, ``linear_attention_kernels.py``,
+``fast_rnn_scan_kernels.py``, ``recurrent_delta_rule_kernels.py``), which registers a :class:`Recurrence`: its
+step-loop reference, the kernels of its other modes, and what ``"auto"`` runs. Its public function checks its
+arguments and asks :func:`select_kernel` for the kernel. The modes, one vocabulary for all recurrences:
+
+=============  ==========================================================================================
+"recurrent"    the step loop in PyTorch: the ground truth every other mode is tested against (every recurrence)
+"chunk"        chunkwise-parallel (delta_rule, linear_attention): C++ on CPU, Triton forward on CUDA, else PyTorch
+"fused"        one compiled sequential scan (fast_rnn_scan, recurrent_delta_rule): C++ on CPU, Triton on CUDA
+"auto"         what the recurrence judges fastest for the device and the length (every recurrence)
+=============  ==========================================================================================
+
+A mode a recurrence does not have raises ``ValueError`` naming ``mode``; a mode it has but cannot run on the device
+(``"fused"`` where the C++ scans could not be built) raises ``NotImplementedError``.
+"""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .recurrent import delta_rule_recurrent, linear_attention_recurrent
+MODES = ("auto", "recurrent", "chunk", "fused")
 
-MODES = ("auto", "recurrent", "chunk")
-
-try:  # the chunkwise-parallel kernels (optional until they land)
-    from .chunk import cpu_kernel_available as _chunk_cpu_kernel_available
-    from .chunk import delta_rule_chunk, linear_attention_chunk  # noqa: F401
-
-    _HAS_CHUNK = True
-except ImportError:  # pragma: no cover - exercised only while chunk.py is absent
-    _HAS_CHUNK = False
+Kernel = Callable[..., Any]
+# mode -> the kernel that mode runs on a device, or None where it has none there (e.g. "fused" without a build)
+KernelFinder = Callable[[torch.device], Optional[Kernel]]
 
 
-def _check_inputs(q, k, v, beta, initial_state, mode, chunk_size) -> None:
+@dataclass(frozen=True)
+class Recurrence:
+    """One recurrence as the dispatcher sees it.
+
+    Args:
+        name: its public function, for messages.
+        reference: the step loop, the kernel of mode "recurrent".
+        kernels: the finders of its other modes (keys from ``MODES``), each ``device -> kernel or None``. Every
+            kernel of a recurrence, the reference included, takes the same arguments.
+        auto: ``(T, device) -> mode``: the mode "auto" runs for T positions on the device.
+        description: what its kernels are called in messages ("no fused <description> is available ...").
+    """
+
+    name: str
+    reference: Kernel
+    kernels: Mapping[str, KernelFinder] = field(default_factory=dict)
+    auto: Callable[[int, torch.device], str] = lambda T, device: "recurrent"
+    description: str = "kernel"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kernels) - set(MODES[2:])
+        if unknown:
+            raise ValueError(f"{self.name}: `kernels` may hold the modes {MODES[2:]}, got {sorted(unknown)}")
+
+    @property
+    def modes(self) -> Tuple[str, ...]:
+        """The modes this recurrence accepts, in the order of ``MODES``."""
+        return tuple(mode for mode in MODES if mode in ("auto", "recurrent") or mode in self.kernels)
+
+
+RECURRENCES: Dict[str, Recurrence] = {}
+
+
+def register(recurrence: Recurrence) -> Recurrence:
+    """Adds `recurrence` to ``RECURRENCES`` (by name) and returns it."""
+    RECURRENCES[recurrence.name] = recurrence
+    return recurrence
+
+
+def check_mode(recurrence: Recurrence, mode: str) -> None:
+    """``ValueError`` naming ``mode`` unless `recurrence` has it."""
+    if mode not in recurrence.modes:
+        raise ValueError(f"`mode` must be one of {recurrence.modes} for {recurrence.name}, got {mode!r}")
+
+
+def resolve_mode(recurrence: Recurrence, mode: str, T: int, device: torch.device) -> str:
+    """The mode that runs for `mode` on T positions on `device`: `mode` itself, or the recurrence's choice for
+    "auto"."""
+    check_mode(recurrence, mode)
+    return recurrence.auto(T, device) if mode == "auto" else mode
+
+
+def select_kernel(recurrence: Recurrence, mode: str, T: int, device: torch.device) -> Kernel:
+    """The kernel `recurrence` runs in `mode` for T positions on `device` (the one dispatcher of fwp_kernels).
+
+    Raises:
+        ValueError: the recurrence has no mode `mode`.
+        NotImplementedError: the mode has no kernel for the device.
+    """
+    resolved = resolve_mode(recurrence, mode, T, device)
+    if resolved == "recurrent":
+        return recurrence.reference
+    kernel = recurrence.kernels[resolved](device)
+    if kernel is None:
+        raise NotImplementedError(
+            f"no {resolved} {recurrence.description} ({recurrence.name}) is available for device {device.type!r}"
+        )
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what the recurrences share: accumulation dtype, argument checks, padding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def acc_dtype(*xs: Optional[torch.Tensor]) -> torch.dtype:
+    """float32, or float64 when any input is float64: the state is never accumulated below fp32."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def check_tensor(name: str, x: Any, shape: Sequence[int]) -> None:
+    """``ValueError`` naming `name` unless `x` is a tensor of shape `shape`."""
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"`{name}` must have shape {tuple(shape)}, got {got}")
+
+
+def check_fast_weight_inputs(
+    q: Any, k: Any, v: Any, initial_state: Any, chunk_size: Any, mask: Any, **gates: Any
+) -> None:
+    """Checks the arguments of the outer-product rules (``delta_rule``, ``linear_attention``): q, k ``[B, H, T, Dk]``,
+    v ``[B, H, T, Dv]``, each of `gates` (e.g. ``beta=``) ``[B, H, T]``, initial_state ``[B, H, Dv, Dk]`` or None,
+    a positive int chunk_size, mask ``[B, T]`` or None. Raises ``ValueError`` naming the bad argument."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"`{name}` must be a 4-D tensor [B, H, T, D], got {getattr(x, 'shape', type(x))}")
@@ -27,106 +131,32 @@ def _check_inputs(q, k, v, beta, initial_state, mode, chunk_size) -> None:
         raise ValueError(f"`k` must have the shape of `q` {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:3] != (B, H, T):
         raise ValueError(f"`v` must be [B, H, T, Dv] with B, H, T = {(B, H, T)}, got {tuple(v.shape)}")
-    if beta is not None and tuple(beta.shape) != (B, H, T):
-        raise ValueError(f"`beta` must be [B, H, T] = {(B, H, T)}, got {tuple(beta.shape)}")
+    for name, gate in gates.items():
+        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (B, H, T):
+            raise ValueError(f"`{name}` must be [B, H, T] = {(B, H, T)}, got {getattr(gate, 'shape', type(gate))}")
     if initial_state is not None and tuple(initial_state.shape) != (B, H, v.shape[-1], Dk):
         raise ValueError(
             f"`initial_state` must be [B, H, Dv, Dk] = {(B, H, v.shape[-1], Dk)}, got {tuple(initial_state.shape)}"
         )
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
+    if mask is not None:
+        check_tensor("mask", mask, (B, T))
 
 
-# mode="auto": inputs up to this many positions run as a step loop, longer ones chunkwise.
-# CPU, measured (benchmarks/bench_kernels.py, fp32, D = 64, B*H = 8 and 32, one thread): the C++ chunk
-# kernel (chunk.py, csrc/chunk_delta.cpp) is faster than the loop from T = 2 on and ties with it at T = 1;
-# without it, the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop.
-# CUDA, estimated (no GPU was available to measure): a step costs ~5 kernel launches, the Triton
-# forward two, so only single-token decode steps stay on the loop.
-_RECURRENT_MAX_T = {"cpu": 1, "cuda": 1}
-_RECURRENT_MAX_T_CPU_PYTORCH = 3  # CPU when the C++ chunk kernel is not built
-_RECURRENT_MAX_T_DEFAULT = 3
+def mask_positions(mask: torch.Tensor, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Each of `xs` (``[B, H, T, ...]``) with zeros where ``mask [B, T]`` is 0 (padding): a zero key or beta writes
+    nothing into an outer-product fast weight."""
+    padded = (mask == 0)[:, None, :]  # [B, 1, T]
+    return tuple(x.masked_fill(padded.reshape(*padded.shape, *([1] * (x.dim() - 3))), 0) for x in xs)
 
 
-def _recurrent_max_t(device: torch.device) -> int:
-    if device.type == "cpu":
-        return _RECURRENT_MAX_T["cpu"] if _chunk_cpu_kernel_available() else _RECURRENT_MAX_T_CPU_PYTORCH
-    return _RECURRENT_MAX_T.get(device.type, _RECURRENT_MAX_T_DEFAULT)
-
-
-def _resolve_mode(mode: str, T: int, device: torch.device) -> str:
-    if mode == "chunk" and not _HAS_CHUNK:
-        raise NotImplementedError("mode='chunk' is not available in this build of fwp_kernels")
-    if mode != "auto":
-        return mode
-    # Decode steps (and very short inputs) are cheapest as a plain step; longer inputs use the
-    # chunkwise-parallel form.
-    if not _HAS_CHUNK or T <= 1 or T <= _recurrent_max_t(device):
-        return "recurrent"
-    return "chunk"
-
-
-def _chunk_kernels(device: torch.device):
-    """(delta_rule_chunk, linear_attention_chunk) for the device: Triton on CUDA when importable."""
-    if device.type == "cuda":
-        try:
-            from . import triton_chunk
-        except ImportError:  # no triton: the PyTorch chunked kernels run on CUDA as well
-            pass
-        else:
-            return triton_chunk.delta_rule_chunk, triton_chunk.linear_attention_chunk
-    return delta_rule_chunk, linear_attention_chunk
-
-
-def delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    mode: str = "auto",
-    chunk_size: int = 64,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Delta rule fast weights: ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T``, ``o_t = W_t q_t``.
-
-    Args:
-        q, k: ``[B, H, T, Dk]``; v: ``[B, H, T, Dv]``; beta: ``[B, H, T]``.
-        initial_state: ``[B, H, Dv, Dk]`` or None (zeros).
-        output_final_state: return the final ``[B, H, Dv, Dk]`` float32 state.
-        mode: "recurrent" (step loop), "chunk" (chunkwise-parallel) or "auto".
-        chunk_size: chunk length for mode "chunk" (any T works; the last chunk is padded internally).
-    Returns:
-        ``(o [B, H, T, Dv] in q's dtype, final_state or None)``.
-    """
-    _check_inputs(q, k, v, beta, initial_state, mode, chunk_size)
-    if _resolve_mode(mode, q.shape[2], q.device) == "chunk":
-        return _chunk_kernels(q.device)[0](q, k, v, beta, initial_state, output_final_state, chunk_size)
-    return delta_rule_recurrent(q, k, v, beta, initial_state, output_final_state)
-
-
-def linear_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    mode: str = "auto",
-    chunk_size: int = 64,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Sum-rule fast weights (linear attention): ``W_t = W_{t-1} + v_t k_t^T``, ``o_t = W_t q_t``.
-
-    Args:
-        q, k: ``[B, H, T, Dk]``; v: ``[B, H, T, Dv]``; initial_state ``[B, H, Dv, Dk]`` or None.
-        output_final_state, mode, chunk_size: as in :func:`delta_rule`.
-    Returns:
-        ``(o [B, H, T, Dv] in q's dtype, final_state or None)``.
-    """
-    _check_inputs(q, k, v, None, initial_state, mode, chunk_size)
-    if _resolve_mode(mode, q.shape[2], q.device) == "chunk":
-        return _chunk_kernels(q.device)[1](q, k, v, initial_state, output_final_state, chunk_size)
-    return linear_attention_recurrent(q, k, v, initial_state, output_final_state)
+def initial_fast_weight(
+    q: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """The state ``[B, H, Dv, Dk]`` a step loop starts from, in `dtype`: `initial_state`, or zeros."""
+    B, H, _, Dk = q.shape
+    Dv = v.shape[-1]
+    if initial_state is None:
+        return q.new_zeros(B, H, Dv, Dk, dtype=dtype)
+    return initial_state.to(dtype)

@@ -1,7 +1,7 @@
-"""Triton forward of the chunkwise-parallel fast weight kernels (same math as chunk.py).
+"""Triton forward of the chunkwise-parallel fast weight kernels of the sum and delta rules (same math as chunk.py).
 
-Imported lazily by the dispatcher for CUDA tensors; importing this module needs `triton`. On CPU the
-kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before this module is
+Imported lazily by the dispatcher (``chunk.chunk_kernel_finder``) for CUDA tensors; importing this module needs
+`triton`. On CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before this module is
 imported), which the tests use at small shapes.
 
 Two kernels, per (batch * head):
@@ -24,8 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import chunk
+from . import delta_rule_kernels, linear_attention_kernels
 from .chunk import ChunkFastWeightFunction
+from .delta_rule_kernels import DELTA_RULE_CHUNKS
+from .linear_attention_kernels import SUM_RULE_CHUNKS
 
 # The [C, C] tiles live in registers: longer chunks are capped at this length (the chunk length
 # changes only the rounding of the results, not their value).
@@ -113,10 +115,11 @@ def _block(n: int, cap: int) -> int:
 
 
 def _triton_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: Optional[torch.Tensor],
-    initial_state: Optional[torch.Tensor], chunk_size: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor], chunk_size: int,
+    beta: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Runs the two kernels; returns o ``[B, H, T, Dv]`` in q's dtype and the fp32 final state."""
+    """Runs the kernels: the delta rule with `beta`, the sum rule without (``IS_DELTA``); returns o ``[B, H, T, Dv]``
+    in q's dtype and the fp32 final state."""
     B, H, T, K = q.shape
     V = v.shape[-1]
     acc = torch.float32
@@ -147,12 +150,9 @@ class TritonChunkFastWeightFunction(ChunkFastWeightFunction):
     """Forward in Triton; backward inherited from the PyTorch chunked kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, initial_state, chunk_size):
-        o, final = _triton_forward(q, k, v, beta, initial_state, chunk_size)
-        ctx.save_for_backward(q, k, v, beta, initial_state)
-        ctx.chunk_size = max(1, min(chunk_size, q.shape[2]))  # for the PyTorch backward
-        ctx.set_materialize_grads(False)
-        return o, final
+    def forward(ctx, rule, chunk_size, q, k, v, initial_state, *gates):
+        ChunkFastWeightFunction.save_inputs(ctx, rule, chunk_size, q, k, v, initial_state, gates)  # for the backward
+        return _triton_forward(q, k, v, initial_state, chunk_size, *gates)
 
 
 def delta_rule_chunk(
@@ -164,13 +164,14 @@ def delta_rule_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Delta rule, chunkwise, Triton forward. Arguments and returns as :func:`fwp_kernels.chunk.delta_rule_chunk`.
+    """Delta rule, chunkwise, Triton forward. Arguments and returns as
+    :func:`fwp_kernels.delta_rule_kernels.delta_rule_chunk`.
 
     float64 inputs take the PyTorch kernel (the Triton kernels accumulate in float32).
     """
     if q.dtype == torch.float64:
-        return chunk.delta_rule_chunk(q, k, v, beta, initial_state, output_final_state, chunk_size)
-    o, final = TritonChunkFastWeightFunction.apply(q, k, v, beta, initial_state, chunk_size)
+        return delta_rule_kernels.delta_rule_chunk(q, k, v, beta, initial_state, output_final_state, chunk_size)
+    o, final = TritonChunkFastWeightFunction.apply(DELTA_RULE_CHUNKS, chunk_size, q, k, v, initial_state, beta)
     return o, (final if output_final_state else None)
 
 
@@ -182,11 +183,12 @@ def linear_attention_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Sum rule, chunkwise, Triton forward. Arguments and returns as :func:`fwp_kernels.chunk.linear_attention_chunk`.
+    """Sum rule, chunkwise, Triton forward. Arguments and returns as
+    :func:`fwp_kernels.linear_attention_kernels.linear_attention_chunk`.
 
     float64 inputs take the PyTorch kernel (the Triton kernels accumulate in float32).
     """
     if q.dtype == torch.float64:
-        return chunk.linear_attention_chunk(q, k, v, initial_state, output_final_state, chunk_size)
-    o, final = TritonChunkFastWeightFunction.apply(q, k, v, None, initial_state, chunk_size)
+        return linear_attention_kernels.linear_attention_chunk(q, k, v, initial_state, output_final_state, chunk_size)
+    o, final = TritonChunkFastWeightFunction.apply(SUM_RULE_CHUNKS, chunk_size, q, k, v, initial_state)
     return o, (final if output_final_state else None)

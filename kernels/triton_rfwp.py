@@ -49,13 +49,10 @@ def _row(x, gi, g: tl.constexpr):
 
 
 @triton.jit
-def _fast_rnn_fwd_kernel(
-    z_ptr, k_ptr, v_ptr, beta_ptr, R_ptr, y0_ptr, c0_ptr, mask_ptr, y_ptr, c_ptr, act_ptr, vold_ptr,
-    H, L, D,
-    CELL: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-):
-    LSTM: tl.constexpr = CELL >= 2
-    SOFTMAX_INPUT: tl.constexpr = (CELL != 0) and (CELL != 2)
+def _fast_rnn_layout(H, D, G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):
+    """This program's (batch * head) row bh, its batch b, gate and value indices gi [BG], di [BD], the masks of valid
+    values dv [BD], gates x values gd [BG, BD] and fast weight entries gdd [BG, BD, BD], and the offsets r_off of
+    the program's fast weights [G, D, D]."""
     bh = tl.program_id(0)
     b = bh // H
     gi = tl.arange(0, BG)
@@ -64,6 +61,18 @@ def _fast_rnn_fwd_kernel(
     gd = (gi[:, None] < G) & dv[None, :]
     gdd = gd[:, :, None] & dv[None, None, :]
     r_off = bh * G * D * D + gi[:, None, None] * D * D + di[None, :, None] * D + di[None, None, :]
+    return bh, b, gi, di, dv, gd, gdd, r_off
+
+
+@triton.jit
+def _fast_rnn_fwd_kernel(
+    z_ptr, k_ptr, v_ptr, beta_ptr, R_ptr, y0_ptr, c0_ptr, mask_ptr, y_ptr, c_ptr, act_ptr, vold_ptr,
+    H, L, D,
+    CELL: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+):
+    LSTM: tl.constexpr = CELL >= 2
+    SOFTMAX_INPUT: tl.constexpr = (CELL != 0) and (CELL != 2)
+    bh, b, gi, di, dv, gd, gdd, r_off = _fast_rnn_layout(H, D, G, BG, BD)
     R = tl.load(R_ptr + r_off, mask=gdd, other=0.0).to(tl.float32)
     y_prev = tl.load(y0_ptr + bh * D + di, mask=dv, other=0.0).to(tl.float32)
     c_prev = tl.zeros([BD], dtype=tl.float32)
@@ -116,6 +125,41 @@ def _fast_rnn_fwd_kernel(
 
 
 @triton.jit
+def _cell_backward(
+    act_ptr, c_ptr, c0_ptr, gyt, gct, dc, yt, bh, t, first, seq, gi, di, dv, L, D, CELL: tl.constexpr,
+):
+    """Backward of the fast RNN / LSTM cell at step t: from the gradients gyt, gct of y_t, c_t (and the cell's
+    saved activations), the gradient dL/da [BG, BD] and that of c_{t-1} (dc for the RNN cells)."""
+    dc_new = dc
+    if CELL == 0:
+        ga = tl.where(gi[:, None] == 0, _softmax_backward(yt, gyt)[None, :], 0.0)
+    elif CELL == 1:
+        ga = tl.where(gi[:, None] == 0, gyt[None, :], 0.0)
+    else:
+        act_off = bh * 3 * L * D + t * D + di
+        ig = tl.load(act_ptr + act_off, mask=dv, other=0.0).to(tl.float32)
+        ug = tl.load(act_ptr + act_off + L * D, mask=dv, other=0.0).to(tl.float32)
+        og = tl.load(act_ptr + act_off + 2 * L * D, mask=dv, other=0.0).to(tl.float32)
+        ct = tl.load(c_ptr + seq, mask=dv, other=0.0).to(tl.float32)
+        cp = tl.load(c_ptr + seq - D, mask=tl.where(t > 0, dv, False), other=0.0).to(tl.float32)
+        cp = tl.where(first, tl.load(c0_ptr + bh * D + di, mask=dv, other=0.0).to(tl.float32), cp)
+        if CELL == 2:
+            gh = _softmax_backward(yt, gyt)
+        else:
+            gh = gyt
+        g_c = gct + gh * og
+        ga_i = g_c * (ug - cp) * ig * (1.0 - ig)
+        ga_u = g_c * ig
+        if CELL != 5:
+            ga_u = ga_u * ug * (1.0 - ug)
+        ga_o = gh * ct * og * (1.0 - og)
+        ga = tl.where(gi[:, None] == 0, ga_i[None, :], tl.where(gi[:, None] == 1, ga_u[None, :], ga_o[None, :]))
+        ga = tl.where(gi[:, None] < 3, ga, 0.0)
+        dc_new = g_c * (1.0 - ig)
+    return ga, dc_new
+
+
+@triton.jit
 def _fast_rnn_bwd_kernel(
     gy_ptr, gc_ptr, k_ptr, v_ptr, beta_ptr, R_ptr, dR_ptr, y0_ptr, c0_ptr, mask_ptr, y_ptr, c_ptr, act_ptr,
     vold_ptr, gz_ptr, gk_ptr, gv_ptr, gbeta_ptr, gy0_ptr, gc0_ptr,
@@ -124,14 +168,7 @@ def _fast_rnn_bwd_kernel(
 ):
     LSTM: tl.constexpr = CELL >= 2
     SOFTMAX_INPUT: tl.constexpr = (CELL != 0) and (CELL != 2)
-    bh = tl.program_id(0)
-    b = bh // H
-    gi = tl.arange(0, BG)
-    di = tl.arange(0, BD)
-    dv = di < D
-    gd = (gi[:, None] < G) & dv[None, :]
-    gdd = gd[:, :, None] & dv[None, None, :]
-    r_off = bh * G * D * D + gi[:, None, None] * D * D + di[None, :, None] * D + di[None, None, :]
+    bh, b, gi, di, dv, gd, gdd, r_off = _fast_rnn_layout(H, D, G, BG, BD)
     R = tl.load(R_ptr + r_off, mask=gdd, other=0.0).to(tl.float32)
     dR = tl.load(dR_ptr + r_off, mask=gdd, other=0.0).to(tl.float32)
     dy = tl.zeros([BD], dtype=tl.float32)
@@ -153,32 +190,7 @@ def _fast_rnn_bwd_kernel(
             s = yp
         yt = tl.load(y_ptr + seq, mask=dv, other=0.0).to(tl.float32)
         # cell backward: dL/da [BG, BD]
-        dc_new = dc
-        if CELL == 0:
-            ga = tl.where(gi[:, None] == 0, _softmax_backward(yt, gyt)[None, :], 0.0)
-        elif CELL == 1:
-            ga = tl.where(gi[:, None] == 0, gyt[None, :], 0.0)
-        else:
-            act_off = bh * 3 * L * D + t * D + di
-            ig = tl.load(act_ptr + act_off, mask=dv, other=0.0).to(tl.float32)
-            ug = tl.load(act_ptr + act_off + L * D, mask=dv, other=0.0).to(tl.float32)
-            og = tl.load(act_ptr + act_off + 2 * L * D, mask=dv, other=0.0).to(tl.float32)
-            ct = tl.load(c_ptr + seq, mask=dv, other=0.0).to(tl.float32)
-            cp = tl.load(c_ptr + seq - D, mask=tl.where(t > 0, dv, False), other=0.0).to(tl.float32)
-            cp = tl.where(first, tl.load(c0_ptr + bh * D + di, mask=dv, other=0.0).to(tl.float32), cp)
-            if CELL == 2:
-                gh = _softmax_backward(yt, gyt)
-            else:
-                gh = gyt
-            g_c = gct + gh * og
-            ga_i = g_c * (ug - cp) * ig * (1.0 - ig)
-            ga_u = g_c * ig
-            if CELL != 5:
-                ga_u = ga_u * ug * (1.0 - ug)
-            ga_o = gh * ct * og * (1.0 - og)
-            ga = tl.where(gi[:, None] == 0, ga_i[None, :], tl.where(gi[:, None] == 1, ga_u[None, :], ga_o[None, :]))
-            ga = tl.where(gi[:, None] < 3, ga, 0.0)
-            dc_new = g_c * (1.0 - ig)
+        ga, dc_new = _cell_backward(act_ptr, c_ptr, c0_ptr, gyt, gct, dc, yt, bh, t, first, seq, gi, di, dv, L, D, CELL)
         gz = ga
         if CELL == 4:
             gz = gz + tl.where(gi[:, None] == 1, gyt[None, :], 0.0)
@@ -220,11 +232,9 @@ def _fast_rnn_bwd_kernel(
 
 
 @triton.jit
-def _rdn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, Rq_ptr, Rk_ptr, Rv_ptr, rb_ptr, W_ptr, y0_ptr, mask_ptr,
-    y_ptr, qs_ptr, ks_ptr, vs_ptr, bs_ptr, vold_ptr,
-    H, L, D, BD: tl.constexpr,
-):
+def _rdn_layout(Rq_ptr, Rk_ptr, Rv_ptr, rb_ptr, H, D, BD: tl.constexpr):
+    """This program's (batch * head) row bh, its batch b, value indices di [BD], the masks dv [BD], dd [BD, BD], the
+    offsets m_off of a [D, D] matrix, and the head's recurrent slow weights R_q, R_k, R_v [BD, BD], r_beta [BD]."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -232,11 +242,21 @@ def _rdn_fwd_kernel(
     dv = di < D
     dd = dv[:, None] & dv[None, :]
     m_off = di[:, None] * D + di[None, :]
-    W = tl.load(W_ptr + bh * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
     Rq = tl.load(Rq_ptr + h * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
     Rk = tl.load(Rk_ptr + h * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
     Rv = tl.load(Rv_ptr + h * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
     rb = tl.load(rb_ptr + h * D + di, mask=dv, other=0.0).to(tl.float32)
+    return bh, b, di, dv, dd, m_off, Rq, Rk, Rv, rb
+
+
+@triton.jit
+def _rdn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, beta_ptr, Rq_ptr, Rk_ptr, Rv_ptr, rb_ptr, W_ptr, y0_ptr, mask_ptr,
+    y_ptr, qs_ptr, ks_ptr, vs_ptr, bs_ptr, vold_ptr,
+    H, L, D, BD: tl.constexpr,
+):
+    bh, b, di, dv, dd, m_off, Rq, Rk, Rv, rb = _rdn_layout(Rq_ptr, Rk_ptr, Rv_ptr, rb_ptr, H, D, BD)
+    W = tl.load(W_ptr + bh * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
     y_prev = tl.load(y0_ptr + bh * D + di, mask=dv, other=0.0).to(tl.float32)
     for t in range(L):
         keep = tl.load(mask_ptr + b * L + t) != 0
@@ -268,19 +288,9 @@ def _rdn_bwd_kernel(
     bs_ptr, vold_ptr, gq_ptr, gk_ptr, gv_ptr, gbeta_ptr, gRq_ptr, gRk_ptr, gRv_ptr, grb_ptr, gy0_ptr,
     H, L, D, BD: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
-    di = tl.arange(0, BD)
-    dv = di < D
-    dd = dv[:, None] & dv[None, :]
-    m_off = di[:, None] * D + di[None, :]
+    bh, b, di, dv, dd, m_off, Rq, Rk, Rv, rb = _rdn_layout(Rq_ptr, Rk_ptr, Rv_ptr, rb_ptr, H, D, BD)
     W = tl.load(W_ptr + bh * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
     dW = tl.load(dW_ptr + bh * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
-    Rq = tl.load(Rq_ptr + h * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
-    Rk = tl.load(Rk_ptr + h * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
-    Rv = tl.load(Rv_ptr + h * D * D + m_off, mask=dd, other=0.0).to(tl.float32)
-    rb = tl.load(rb_ptr + h * D + di, mask=dv, other=0.0).to(tl.float32)
     gRq = tl.zeros([BD, BD], dtype=tl.float32)
     gRk = tl.zeros([BD, BD], dtype=tl.float32)
     gRv = tl.zeros([BD, BD], dtype=tl.float32)

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+from fwp_kernels import delta_rule, linear_attention
 from torch import nn
 
-from .kernel_api import delta_rule, linear_attention
 
 from .feature_maps import FeatureMap
 

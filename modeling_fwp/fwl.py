@@ -32,12 +32,12 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from fwp_kernels import dense_linear, linear_attention, linear_cross_entropy_input_gradient
 from torch import nn
 from transformers.cache_utils import Cache
 
 from .cache_fwp import FastWeightCacheLayer
 from .configuration_fwl import DEFAULT_FAST_PARAMETERS
-from .kernel_api import dense_linear, linear_attention, linear_cross_entropy_input_gradient
 
 # For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
 # its upstream gradient = the value). Names are those of `FWLSlowHead.named_parameters()`.

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from fwp_kernels import dense_linear
 from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
@@ -28,7 +29,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, StatefulPreTrainedModel, output_cache, resolve_cache_argument
 from .configuration_transfo_xl import TransfoXLConfig
 from .fwl import _HIDDEN_PARAMETERS, FWLHead, FWLSlowHead, _inverse_softplus
-from .kernel_api import dense_linear
 from .modeling_fwp import FeedForward, sinusoidal_position_embedding
 
 

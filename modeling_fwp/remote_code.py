@@ -6,12 +6,14 @@ things of ``transformers.PreTrainedModel``:
 - ``save_pretrained`` also writes the modeling code and an ``auto_map`` into ``config.json``. transformers' own
   mechanism (``register_for_auto_class`` + ``custom_object_save``) copies a class's module and, recursively, every
   sibling module named in a relative import, resolved next to the module. That cannot include the kernels: the
-  model code reaches ``fwp_kernels`` (a separate package) through ``kernel_api``, which falls back to a sibling
-  ``fwp_kernels.py`` that exists only in saved folders. So the mixin collects the same closure itself (with
-  transformers' ``get_relative_imports``, i.e. the way loading will see it), maps the name ``fwp_kernels`` to the
-  installed package's ``__init__`` (its own sibling imports are resolved inside ``kernels/``), checks that every
-  module imports only what a plain ``transformers`` install has, and writes the files flat into the folder. When
-  the package is installed it also writes a model card (``modeling_fwp.hub``) unless the folder has one.
+  model code imports what it uses from ``fwp_kernels``, a separate package (``from fwp_kernels import
+  delta_rule``). So the mixin collects the same closure itself (with transformers' ``get_relative_imports``, i.e.
+  the way loading will see it), counting each ``from fwp_kernels import ...`` as the sibling import it writes in
+  its place (``from .fwp_kernels import ...``: a saved folder is flat and uses sibling imports only), maps the name
+  ``fwp_kernels`` to the installed package's ``__init__`` (its own sibling imports are resolved inside
+  ``kernels/``), writes the files flat into a staging folder, checks that every module there imports only what a
+  plain ``transformers`` install has, and copies them into the folder. When the package is installed it also
+  writes a model card (``modeling_fwp.hub``) unless the folder has one.
   Accelerated kernels travel as optional imports: a kernel module that imports ``.<stem>_csrc`` inside a ``try``
   block and has its C++ source in ``csrc/<stem>.cpp`` gets that source written next to the code twice, as
   ``<stem>.cpp`` (to read) and as ``<stem>_csrc.py`` holding it in a string ``CPP_SOURCE`` (transformers copies
@@ -43,8 +45,9 @@ import re
 import shutil
 import struct
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import transformers
 from safetensors import SafetensorError
@@ -111,14 +114,46 @@ def _kernels_init_file() -> Path:
     return Path(spec.origin)
 
 
-def remote_code_sources(entry_files: List[Path]) -> Dict[str, Path]:
+def _kernel_imports(text: str) -> List[ast.ImportFrom]:
+    """The ``from fwp_kernels import ...`` statements of a module's source (absolute imports of the package itself)."""
+    return [
+        node for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == KERNELS_MODULE
+    ]
+
+
+def exported_module_text(path: Path) -> str:
+    """The text of the module at ``path`` as a saved folder holds it: each ``from fwp_kernels import ...`` becomes
+    ``from .fwp_kernels import ...``, the import of the folder's sibling copy of the kernels' ``__init__``. Every
+    other line is kept as it is (``import fwp_kernels`` or ``from fwp_kernels.<module> import ...`` are not
+    rewritten, and :func:`check_remote_code_imports` refuses them)."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    for node in _kernel_imports(text):
+        line = lines[node.lineno - 1].encode("utf-8")  # ast's col_offset counts UTF-8 bytes
+        head, tail = line[: node.col_offset].decode("utf-8"), line[node.col_offset:].decode("utf-8")
+        lines[node.lineno - 1] = head + re.sub(rf"^from\s+{KERNELS_MODULE}\b", f"from .{KERNELS_MODULE}", tail)
+    return "".join(lines)
+
+
+def _sibling_imports(path: Path, rewrite_kernel_imports: bool) -> List[str]:
+    """The sibling modules ``path`` imports, as loading sees them (after the rewrite, when asked for)."""
+    modules = get_relative_imports(path)
+    if rewrite_kernel_imports and path.suffix == ".py" and _kernel_imports(path.read_text(encoding="utf-8")):
+        modules = sorted(set(modules) | {KERNELS_MODULE})
+    return modules
+
+
+def remote_code_sources(entry_files: List[Path], rewrite_kernel_imports: bool = False) -> Dict[str, Path]:
     """Maps each file name of a code folder to its source, for ``entry_files`` and everything they import.
 
-    Follows sibling imports as transformers does when loading (``get_relative_imports``). A sibling that does not
-    exist next to the importing module and is named ``fwp_kernels`` is the kernels package: its ``__init__``
-    becomes ``fwp_kernels.py`` and its own siblings are resolved in its folder. A missing sibling ``<stem>_csrc``
-    with a ``csrc/<stem>.cpp`` next to the importing module is that C++ source, mapped to the ``.cpp`` file
-    (:func:`save_remote_code` writes it as a Python module, see :func:`embedded_source_module`).
+    Follows sibling imports as transformers does when loading (``get_relative_imports``); with
+    ``rewrite_kernel_imports`` (what :func:`save_remote_code` does) also each ``from fwp_kernels import ...``, as the
+    sibling import :func:`exported_module_text` turns it into. A sibling that does not exist next to the importing
+    module and is named ``fwp_kernels`` is the kernels package: its ``__init__`` becomes ``fwp_kernels.py`` and its
+    own siblings are resolved in its folder. A missing sibling ``<stem>_csrc`` with a ``csrc/<stem>.cpp`` next to
+    the importing module is that C++ source, mapped to the ``.cpp`` file (:func:`save_remote_code` writes it as a
+    Python module, see :func:`embedded_source_module`).
     """
     sources: Dict[str, Path] = {}
     pending = [(path.name, path) for path in entry_files]
@@ -132,7 +167,7 @@ def remote_code_sources(entry_files: List[Path]) -> Dict[str, Path]:
                 )
             continue
         sources[name] = path
-        for module in get_relative_imports(path):
+        for module in _sibling_imports(path, rewrite_kernel_imports):
             candidate = path.parent / f"{module}.py"
             if candidate.is_file():
                 pending.append((candidate.name, candidate))
@@ -148,20 +183,23 @@ def remote_code_sources(entry_files: List[Path]) -> Dict[str, Path]:
     return sources
 
 
-def check_remote_code_imports(sources: Dict[str, Path]) -> None:
+def check_remote_code_imports(sources: Dict[str, Path], origins: Optional[Mapping[str, Path]] = None) -> None:
     """Raises ``ImportError`` when a module imports, outside a ``try`` block, a package a plain transformers
-    install may lack (transformers refuses to load such remote code)."""
+    install may lack (transformers refuses to load such remote code). ``origins``: where each module comes from,
+    for the message (default: ``sources``)."""
+    origins = sources if origins is None else origins
     allowed = REMOTE_CODE_DEPENDENCIES | set(sys.stdlib_module_names)
     problems = {
         name: sorted(set(get_imports(path)) - allowed) for name, path in sorted(sources.items()) if path.suffix == ".py"
     }
     problems = {name: bad for name, bad in problems.items() if bad}
     if problems:
-        listing = "; ".join(f"{name} ({sources[name]}) imports {', '.join(bad)}" for name, bad in problems.items())
+        listing = "; ".join(f"{name} ({origins[name]}) imports {', '.join(bad)}" for name, bad in problems.items())
         raise ImportError(
             f"The model code cannot be exported for trust_remote_code: {listing}. Exported modules may import only "
-            f"{sorted(REMOTE_CODE_DEPENDENCIES)} and the standard library outside a `try` block; import kernels "
-            f"through the sibling shim (`from .kernel_api import ...`) and optional accelerators inside `try`"
+            f"{sorted(REMOTE_CODE_DEPENDENCIES)} and the standard library outside a `try` block, and the kernels "
+            f"as `from {KERNELS_MODULE} import name` (save_pretrained writes it as a sibling import); optional "
+            f"accelerators inside `try`"
         )
 
 
@@ -232,6 +270,24 @@ def nested_registration_module(config_cls: type, nested: List[Tuple[type, type]]
     return "\n".join(lines)
 
 
+def stage_remote_code(sources: Dict[str, Path], staging: Path) -> Dict[str, Path]:
+    """Writes the files of a code folder into ``staging`` as a saved folder holds them: modules with their kernel
+    imports rewritten (:func:`exported_module_text`), and each C++ source twice, as ``<stem>.cpp`` and as the module
+    ``<stem>_csrc.py`` that carries it (:func:`embedded_source_module`). Returns ``{file name: staged path}``."""
+    staged = {}
+    for name, source in sources.items():
+        staged[name] = staging / name
+        if source.suffix == ".cpp":
+            staged[name].write_text(embedded_source_module(source), encoding="utf-8")
+            staged[source.name] = staging / source.name
+            shutil.copyfile(source, staged[source.name])
+        elif _kernel_imports(source.read_text(encoding="utf-8")):
+            staged[name].write_text(exported_module_text(source), encoding="utf-8")
+        else:
+            shutil.copyfile(source, staged[name])
+    return staged
+
+
 def save_remote_code(model: transformers.PreTrainedModel, save_directory: Union[str, os.PathLike]) -> List[Path]:
     """Writes the modeling code of ``model`` (its config, model classes, their sibling modules, the kernels with
     the C++ sources of their accelerated versions, and the code of families nested in its config) flat into
@@ -241,22 +297,17 @@ def save_remote_code(model: transformers.PreTrainedModel, save_directory: Union[
     nested = nested_families(model.config, code_dir)
     entry_files = {code_dir / f"{reference.split('.')[0]}.py" for reference in auto_map.values()}
     entry_files |= {_module_file(cls) for pair in nested for cls in pair}
-    sources = remote_code_sources(sorted(entry_files))
+    sources = remote_code_sources(sorted(entry_files), rewrite_kernel_imports=True)
     if nested and f"{NESTED_REGISTRATION_MODULE}.py" in sources:
         raise ValueError(f"{NESTED_REGISTRATION_MODULE}.py is a generated module name; rename the module in {code_dir}")
-    check_remote_code_imports(sources)
     folder = Path(save_directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, source in sorted(sources.items()):
-        target = folder / name
-        if source.suffix == ".cpp":  # an accelerated kernel's source: a Python module that carries it, and the file
-            target.write_text(embedded_source_module(source), encoding="utf-8")
-            written.append(target)
-            target = folder / source.name
-        if not (target.exists() and target.samefile(source)):
-            shutil.copyfile(source, target)
-        written.append(target)
+    with tempfile.TemporaryDirectory() as staging:
+        staged = stage_remote_code(sources, Path(staging))
+        check_remote_code_imports(staged, origins=sources)  # the files as the saved folder will hold them
+        folder.mkdir(parents=True, exist_ok=True)
+        written = [folder / name for name in sorted(staged)]
+        for target in written:
+            shutil.copyfile(staged[target.name], target)
     if nested:  # config.json is parsed through the module that registers the nested families first
         target = folder / f"{NESTED_REGISTRATION_MODULE}.py"
         target.write_text(nested_registration_module(type(model.config), nested), encoding="utf-8")

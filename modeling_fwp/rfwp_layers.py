@@ -31,12 +31,12 @@ from types import SimpleNamespace
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
+from fwp_kernels import ScanState, delta_rule, fast_rnn_scan, recurrent_delta_rule
 from torch import nn
 from transformers import PretrainedConfig
 
 from .feature_maps import FeatureMap
 from .fast_weight_layers import State, merge_heads, register_fast_weight_layer
-from .kernel_api import ScanState, delta_rule, fast_rnn_scan, recurrent_delta_rule
 
 # Delta MLP: the fast net's hidden layer is this many times head_dim (the reference code's 4 * d_model over heads).
 FAST_NET_EXPANSION = 4

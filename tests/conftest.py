@@ -107,7 +107,10 @@ def triton_interpreted_results(test_file: str) -> dict:
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # the worker imports the code under test (this checkout), not whichever copy of the packages is installed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, test_file, "--triton-worker"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1])

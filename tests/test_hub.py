@@ -17,7 +17,12 @@ import modeling_fwp
 from model_cards.__main__ import main as model_cards_main
 from modeling_fwp import FastWeightCache, hub
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT
-from modeling_fwp.remote_code import check_remote_code_imports, remote_code_sources
+from modeling_fwp.remote_code import (
+    check_remote_code_imports,
+    exported_module_text,
+    remote_code_sources,
+    stage_remote_code,
+)
 
 from conftest import make_word_tokenizer, tiny_config
 
@@ -275,8 +280,8 @@ def test_export_contents(exports, name):
     assert config["auto_map"]["AutoConfig"].split(".")[1] == type(model.config).__name__
     assert config["auto_map"]["AutoModelForCausalLM"].endswith("." + type(model).__name__)
     files = hub.check_export(folder)
-    for file in ("config.json", "model.safetensors", "README.md", "results.json", "tokenizer.json", "kernel_api.py",
-                 "fwp_kernels.py", "recurrent.py", "dispatch.py", "remote_code.py", "rfwp_scan.py",
+    for file in ("config.json", "model.safetensors", "README.md", "results.json", "tokenizer.json",
+                 "fwp_kernels.py", "delta_rule_kernels.py", "dispatch.py", "remote_code.py", "rfwp_scan.py",
                  "rfwp_scan.cpp", "rfwp_scan_csrc.py"):
         assert file in files, file
     assert "hub.py" not in files and not any(f.endswith(".bin") for f in files)
@@ -487,7 +492,7 @@ def test_export_refuses_code_that_needs_the_package(tmp_path):
     (tmp_path / "helper_x.py").write_text("try:\n    import triton\nexcept ImportError:\n    triton = None\ny = 1\n")
     sources = remote_code_sources([tmp_path / "modeling_x.py"])
     assert set(sources) == {"modeling_x.py", "helper_x.py"}
-    with pytest.raises(ImportError, match="modeling_x.py .* imports fwp_kernels.*kernel_api"):
+    with pytest.raises(ImportError, match="modeling_x.py .* imports fwp_kernels.*as `from fwp_kernels import name`"):
         check_remote_code_imports(sources)
     (tmp_path / "modeling_y.py").write_text("from .missing_z import w\n")
     with pytest.raises(FileNotFoundError, match="imports `.missing_z`"):
@@ -497,6 +502,33 @@ def test_export_refuses_code_that_needs_the_package(tmp_path):
     (tmp_path / "other" / "helper_x.py").write_text("y = 2\n")
     with pytest.raises(ValueError, match="Two modules would be saved as helper_x.py"):
         remote_code_sources([tmp_path / "modeling_x.py", tmp_path / "other" / "helper_x.py"])
+
+
+def test_export_rewrites_kernel_imports_into_sibling_imports(tmp_path):
+    """A saved folder is flat: each `from fwp_kernels import ...` statement of the model code becomes an import of the
+    folder's copy of the kernels (`from .fwp_kernels import ...`), which then travels with the code; nothing else of
+    the module changes (not a docstring that shows such a line)."""
+    import fwp_kernels
+
+    source = tmp_path / "modeling_z.py"
+    body = (
+        '"""Example:\nfrom {m} import delta_rule\n"""\nimport torch\nfrom {m} import (\n    delta_rule,\n)\n\n\n'
+        "def read():\n    from {m} import linear_attention  # lazy\n\n    return linear_attention\n"
+    )
+    source.write_text(body.format(m="fwp_kernels"))
+    assert exported_module_text(source) == body.format(m="fwp_kernels").replace(
+        "\nfrom fwp_kernels import (", "\nfrom .fwp_kernels import ("
+    ).replace("    from fwp_kernels import linear", "    from .fwp_kernels import linear")
+    assert set(remote_code_sources([source])) == {"modeling_z.py"}  # as transformers sees the unsaved file
+    sources = remote_code_sources([source], rewrite_kernel_imports=True)
+    assert sources["fwp_kernels.py"] == Path(fwp_kernels.__file__)
+    assert {"dispatch.py", "chunk.py", "chunk_delta_csrc.py", "rfwp_scan_csrc.py"} <= set(sources)
+    staging = tmp_path / "staged"
+    staging.mkdir()
+    staged = stage_remote_code(sources, staging)
+    assert (staging / "modeling_z.py").read_text() == exported_module_text(source)
+    check_remote_code_imports(staged)  # the staged folder imports no fwp_kernels package any more
+    assert remote_code_sources([staged["modeling_z.py"]]) == {n: p for n, p in staged.items() if n.endswith(".py")}
 
 
 def finetune_fwl_style_results(fwl_ppl=20.0):
@@ -613,7 +645,7 @@ def assert_upload_is_our_export(upload, results_file, model_class):
     (filled from those results), and no secret."""
     files = upload["files"]
     for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "results.json", "modeling_fwp.py",
-                 "fwp_kernels.py", "kernel_api.py", "remote_code.py"):
+                 "fwp_kernels.py", "delta_rule_kernels.py", "remote_code.py"):
         assert name in files, name
     assert not any(name.endswith((".bin", ".pt", ".pkl")) or "__pycache__" in name for name in files)
     config = json.loads(files["config.json"])

@@ -30,7 +30,10 @@ import torch.nn.functional as F
 
 from conftest import triton_interpreted_results
 from fwp_kernels import delta_rule, linear_attention
-from fwp_kernels.dispatch import _resolve_mode
+from fwp_kernels.delta_rule_kernels import DELTA_RULE
+from fwp_kernels.dispatch import RECURRENCES, resolve_mode, select_kernel
+
+_resolve_mode = functools.partial(resolve_mode, DELTA_RULE)  # mode="auto" of the chunkwise rules
 
 RULES = ("delta", "sum")
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1e-2}
@@ -194,11 +197,13 @@ def test_chunk_paths_float32_bfloat16(chunk_path, rule, dtype):
 def test_linear_attention_one_chunk_closed_form(dtype, monkeypatch):
     """A sequence that fits in one chunk takes the closed form (tril(QK^T)V + QS0^T, S0 + V^TK) and matches the
     step loop in outputs, final state and every gradient (initial state included)."""
-    from fwp_kernels import chunk
+    from fwp_kernels import linear_attention_kernels
 
     calls = []
-    closed_form = chunk.linear_attention_one_chunk
-    monkeypatch.setattr(chunk, "linear_attention_one_chunk", lambda *a: calls.append(1) or closed_form(*a))
+    closed_form = linear_attention_kernels.linear_attention_one_chunk
+    monkeypatch.setattr(
+        linear_attention_kernels, "linear_attention_one_chunk", lambda *a: calls.append(1) or closed_form(*a)
+    )
     inputs, ref = case("sum", 2, 3, 48, 24, 40, dtype, seed=5)
     got = outputs_and_grads("sum", inputs, mode="chunk", chunk_size=64)
     assert calls and got["o"].dtype == dtype
@@ -364,6 +369,106 @@ def test_auto_mode_resolution():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Padding: `mask` [B, T], 0 at padded positions, which write nothing
+
+
+def _padding(B, T):
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[0, :5] = False  # a left-padded row
+    keep[1, 10:13] = False  # a hole
+    return keep
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", ["recurrent", "chunk", "auto"])
+def test_mask_equals_step_loop_without_the_padded_positions(rule, mode):
+    """Outputs at the tokens, the final state and every gradient equal those of the float64 step loop run on each
+    row with its padded positions removed (the outputs at padded positions are of no use: they get no gradient)."""
+    B, H, T, Dk, Dv = 2, 2, 23, 16, 8
+    inputs = make_inputs(rule, B, H, T, Dk, Dv, torch.float64, seed=9)
+    keep = _padding(B, T)
+    g = torch.Generator().manual_seed(1)
+    go = torch.randn(B, H, T, Dv, generator=g, dtype=torch.float64) * keep[:, None, :, None]
+    gf = torch.randn(B, H, Dv, Dk, generator=g, dtype=torch.float64)
+    names = [n for n, x in inputs.items() if x is not None]
+
+    def loss_and_grads(xs, mask, go, gf, **kwargs):
+        o, final = run(rule, xs, mask=mask, **kwargs)
+        grads = torch.autograd.grad((o * go).sum() + (final * gf).sum(), [xs[n] for n in names])
+        return o, final, dict(zip(names, grads))
+
+    o, final, grads = loss_and_grads(inputs, keep.long(), go, gf, mode=mode, chunk_size=8)
+    for b in range(B):
+        t = keep[b].nonzero()[:, 0]
+        row = {n: None if x is None else (x[b:b + 1] if n == "initial_state" else x[b:b + 1, :, t]).detach()
+               for n, x in inputs.items()}
+        row = {n: None if x is None else x.requires_grad_() for n, x in row.items()}
+        o_ref, final_ref, grads_ref = loss_and_grads(row, None, go[b:b + 1, :, t], gf[b:b + 1], mode="recurrent")
+        assert rel_err(o[b:b + 1, :, t], o_ref) < TOL[torch.float64]
+        assert rel_err(final[b:b + 1], final_ref) < TOL[torch.float64]
+        for n in names:
+            got = grads[n][b:b + 1] if n == "initial_state" else grads[n][b:b + 1, :, t]
+            assert rel_err(got, grads_ref[n]) < TOL[torch.float64], n
+            if n != "initial_state":  # padded positions take no part
+                assert not grads[n][b, :, ~keep[b]].any(), n
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_mask_bad_shape_raises_value_error_naming_mask(rule):
+    inputs = make_inputs(rule, 1, 2, 5, 8, 4, torch.float32)
+    with pytest.raises(ValueError, match="`mask`"):
+        run(rule, inputs, mask=torch.ones(1, 6))
+
+
+# ---------------------------------------------------------------------------------------------------
+# One mode vocabulary and one dispatcher for every recurrence
+
+
+def _recurrence_args(name, T=6, D=4):
+    """Small float64 positional arguments of the public function `name`."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    if name == "fast_rnn_scan":
+        return (r(1, 2, 1, T, D), torch.softmax(r(1, 2, 1, T, D), -1), r(1, 2, 1, T, D), torch.rand(1, 2, 1, T))
+    q, k, v = F.normalize(r(1, 2, T, D), dim=-1), F.normalize(r(1, 2, T, D), dim=-1), r(1, 2, T, D)
+    beta = torch.sigmoid(r(1, 2, T))
+    return {
+        "linear_attention": (q, k, v),
+        "delta_rule": (q, k, v, beta),
+        "recurrent_delta_rule": (q, k, v, beta, 0.5 * r(2, D, D), 0.5 * r(2, D, D), 0.5 * r(2, D, D), r(2, D)),
+    }[name]
+
+
+def test_every_recurrence_is_registered():
+    assert set(RECURRENCES) == {"delta_rule", "linear_attention", "fast_rnn_scan", "recurrent_delta_rule"}
+
+
+@pytest.mark.parametrize("name", sorted(RECURRENCES))
+def test_mode_vocabulary(name):
+    """Every recurrence is registered with the dispatcher, takes its modes from `MODES` ("auto" and "recurrent", the
+    step loop, everywhere), agrees with its step loop in each mode it has, and raises a ValueError naming `mode` for
+    the others."""
+    import fwp_kernels
+
+    recurrence, fn = RECURRENCES[name], getattr(fwp_kernels, name)
+    assert {"auto", "recurrent"} <= set(recurrence.modes) <= set(fwp_kernels.MODES)
+    assert select_kernel(recurrence, "recurrent", 6, torch.device("cpu")) is recurrence.reference
+    args = _recurrence_args(name)
+    ref, _ = fn(*args, mode="recurrent")
+    for mode in fwp_kernels.MODES + ("parallel",):
+        if mode not in recurrence.modes:
+            with pytest.raises(ValueError, match=f"`mode` must be one of .* for {name}"):
+                fn(*args, mode=mode)
+            continue
+        try:
+            got, _ = fn(*args, mode=mode)
+        except NotImplementedError:  # "fused" where the C++ scans could not be built
+            assert mode == "fused"
+            continue
+        assert rel_err(got, ref) < TOL[torch.float64], mode
+
+
+# ---------------------------------------------------------------------------------------------------
 # Bad input
 
 
@@ -465,8 +570,9 @@ def test_package_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
         "import torch, fwp_kernels\n"
-        "from fwp_kernels.dispatch import _chunk_kernels\n"
-        "assert _chunk_kernels(torch.device('cuda'))[0].__module__ == 'fwp_kernels.chunk'\n"
+        "from fwp_kernels.dispatch import RECURRENCES, select_kernel\n"
+        "kernel = select_kernel(RECURRENCES['delta_rule'], 'chunk', 20, torch.device('cuda'))\n"
+        "assert kernel.__module__ == 'fwp_kernels.delta_rule_kernels'\n"
         "o, _ = fwp_kernels.delta_rule(*[torch.rand(1, 1, 20, 4)] * 3, torch.rand(1, 1, 20))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

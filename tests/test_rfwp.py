@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import modeling_fwp
-from fwp_kernels import rfwp_scan
-from fwp_kernels.rfwp_scan import CELLS, ScanState, fast_rnn_scan, recurrent_delta_rule
+from fwp_kernels import ScanState, fast_rnn_scan, recurrent_delta_rule, rfwp_scan
+from fwp_kernels.fast_rnn_scan_kernels import CELLS
 from modeling_fwp import (
     DeltaDeltaNetConfig,
     DeltaLSTMConfig,
@@ -218,7 +218,7 @@ def _triton_errors():
         mask = torch.tensor([[1.0, 0.0, 1.0]])
         expected = outputs_and_grads(kind, x, "recurrent", mask)
         original = rfwp_scan._backend
-        rfwp_scan._backend = lambda mode, device: triton_rfwp
+        rfwp_scan._backend = lambda device: triton_rfwp
         try:
             got = outputs_and_grads(kind, x, "fused", mask)
         finally:

@@ -24,16 +24,16 @@ RFWP = ("tests/test_rfwp.py", "tests/test_padding.py")
 LINEAR = ("tests/test_model.py", "tests/test_padding.py")
 FWL = ("tests/test_fwl.py", "tests/test_padding.py")
 TXL = ("tests/test_transfo_xl*.py",)
-CHUNK, CHUNK_CPP = "kernels/chunk.py", "kernels/csrc/chunk_delta.cpp"
-SCAN, SCAN_CPP = "kernels/rfwp_scan.py", "kernels/csrc/rfwp_scan.cpp"
+CHUNK, CHUNK_CPP, DELTA = "kernels/chunk.py", "kernels/csrc/chunk_delta.cpp", "kernels/delta_rule_kernels.py"
+FAST_RNN, SCAN_CPP = "kernels/fast_rnn_scan_kernels.py", "kernels/csrc/rfwp_scan.cpp"
 LAYERS, RFWP_LAYERS, FWL_PY = "modeling_fwp/fast_weight_layers.py", "modeling_fwp/rfwp_layers.py", "modeling_fwp/fwl.py"
 CACHE, FEATURES = "modeling_fwp/cache_fwp.py", "modeling_fwp/feature_maps.py"
 TXL_PY = "modeling_fwp/modeling_transfo_xl.py"
 
 MUTATIONS: Tuple[Mutation, ...] = (
     # --- fwp_kernels: chunked delta rule, PyTorch path and C++ kernel
-    Mutation("chunk_pytorch_beta_dropped_from_U", CHUNK,
-             "return _Intra(P, _bmm(Tb, v), _bmm(Tb, k), T)", "return _Intra(P, _bmm(T, v), _bmm(Tb, k), T)",
+    Mutation("chunk_pytorch_beta_dropped_from_U", DELTA,
+             "return Intra(P, bmm(Tb, v), bmm(Tb, k), T)", "return Intra(P, bmm(T, v), bmm(Tb, k), T)",
              KERNELS, "U = T V instead of T diag(beta) V"),
     Mutation("chunk_cpp_beta_dropped_from_A", CHUNK_CPP,
              "row[j] *= b[i];\n      }\n      unit_lower_solve_rm<T>(c, Dv, A, Un);",
@@ -47,7 +47,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "        state.copy_(initial_state.reshape(B * H, Dv, Dk))", "        state.zero_()",
              KERNELS, "C++ path wrapper starts from zeros whatever initial_state is"),
     # --- fwp_kernels: recurrent scans (padded steps carry y_{t-1})
-    Mutation("scan_reference_padded_step_emits_new_output", SCAN,
+    Mutation("scan_reference_padded_step_emits_new_output", FAST_RNN,
              "        outputs.append(y)\n    return torch.stack(outputs, dim=2), R, c",
              "        outputs.append(y_new)\n    return torch.stack(outputs, dim=2), R, c",
              RFWP, "fast RNN step loop: a padded step outputs y_new instead of the carried y_{t-1}"),
