@@ -59,8 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fwp_kernels import delta_rule, linear_attention
 from modeling_fwp.feature_maps import FeatureMap
-from modeling_fwp.kernel_api import delta_rule, linear_attention
 
 from .result_file import RunRecord
 
