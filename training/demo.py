@@ -16,7 +16,7 @@ Steps (`python -m training.demo`, or `make demo`):
    write <output_dir>/results.json and print a results table;
 8. with --push_to_hub (Trainer's Hub options: --hub_model_id, --hub_private_repo, --hub_token, and --hub_dry_run):
    write <output_dir>/hub_export (weights, code for trust_remote_code, tokenizer, results.json and this project's
-   model card filled from it) and upload it (`modeling_fwp.hub.push_if_requested`).
+   model card filled from it) and upload it (`training.hub_options.push_if_requested`).
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ from transformers import (  # noqa: E402
     set_seed,
 )
 
-from modeling_fwp.hub import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
-
 from .data import load_wiki_splits, prepare_wiki  # noqa: E402
+from .hub_options import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 from .tokenizer import train_bpe_tokenizer  # noqa: E402
 
 logger = logging.getLogger("training.demo")

@@ -28,7 +28,7 @@ Outputs in ``--output_dir``: ``model/`` (model + tokenizer, ``save_pretrained``)
 config, steps, tokens/s), Trainer checkpoints under ``checkpoints/`` (for ``--resume_from_checkpoint``), and with
 ``--push_to_hub`` (Trainer's Hub options: ``--hub_model_id``, ``--hub_private_repo``, ``--hub_token``, and
 ``--hub_dry_run``) a Hub export folder ``hub_export/`` with the code and this project's card, uploaded by
-``modeling_fwp.hub.push_if_requested``.
+``training.hub_options.push_if_requested``.
 """
 from __future__ import annotations
 
@@ -65,12 +65,12 @@ from transformers import (  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 from modeling_fwp.cache_fwp import output_cache  # noqa: E402
-from modeling_fwp.hub import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 
 from . import leave_process_group  # noqa: E402
 from .data import prepare_wiki  # noqa: E402
 from .demo import evaluate_loss, valid_blocks  # noqa: E402
 from .eval_lm import score_split  # noqa: E402
+from .hub_options import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 from .tokenizer import gpt2_tokenizer, train_bpe_tokenizer  # noqa: E402
 from .train_transfo_xl import encode_stream, read_documents  # noqa: E402
 
