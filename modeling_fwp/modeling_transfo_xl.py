@@ -702,9 +702,6 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
     parameter) at segment boundaries. The memories and the FWL state live in one ``TransfoXLCache``.
     """
 
-    # The loss is computed from every position's hidden state whatever `logits_to_keep` says (scorers use it).
-    loss_covers_all_positions = True
-
     def __init__(self, config: TransfoXLConfig) -> None:
         super().__init__(config)
         self.model = TransfoXLModel(config)
