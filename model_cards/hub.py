@@ -115,7 +115,7 @@ def export_for_hub(
     results files (when given) and a model card filled from those results.
 
     Args:
-        model: any of this package's models (``FastWeightHubMixin`` writes the code with the weights).
+        model: any model of ``modeling_fwp`` (``FastWeightHubMixin`` writes the code with the weights).
         tokenizer: saved next to the model when given.
         out_dir: the folder (created).
         results: the results JSON(s) (paths or dicts) of the runs that trained and evaluated ``model``; None: a
