@@ -120,6 +120,7 @@ def swapped_parameters(model: nn.Module, params: Optional[Params]) -> Iterator[n
 
 
 def _detached(value: Any, seen: set) -> Any:
+    """``value`` with its tensors detached: containers and cache objects in place, tensors and tuples anew."""
     if isinstance(value, torch.Tensor):
         return value.detach()
     if id(value) in seen:
@@ -129,7 +130,7 @@ def _detached(value: Any, seen: set) -> Any:
         value.update({key: _detached(item, seen) for key, item in value.items()})
     elif isinstance(value, list):
         value[:] = [_detached(item, seen) for item in value]
-    elif type(value) is tuple:  # noqa: E721  (not named tuples)
+    elif type(value) is tuple:  # plain tuples only (a named tuple is rebuilt differently)
         return tuple(_detached(item, seen) for item in value)
     elif isinstance(value, (Cache, CacheLayerMixin)):
         for name, item in list(vars(value).items()):
