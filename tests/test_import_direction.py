@@ -18,42 +18,42 @@ from conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Imports `package` and every module under it, then prints which of `watched` (top-level names) got imported.
+# For each "package:forbidden,names" argument in turn: imports the package and every module under it, then records
+# which forbidden top-level names are in sys.modules by then.
 IMPORT_ALL = r"""
 import importlib, json, pkgutil, sys
-package, watched = sys.argv[1], sys.argv[2].split(",")
-root = importlib.import_module(package)
-names = [package] + [info.name for info in pkgutil.walk_packages(root.__path__, package + ".")]
-for name in names:
-    importlib.import_module(name)
-loaded = sorted({key.split(".")[0] for key in sys.modules} & set(watched))
-print(json.dumps({"file": root.__file__, "modules": names, "loaded": loaded}))
+report = []
+for step in sys.argv[1:]:
+    package, forbidden = step.split(":")
+    root = importlib.import_module(package)
+    names = [package] + [info.name for info in pkgutil.walk_packages(root.__path__, package + ".")]
+    for name in names:
+        importlib.import_module(name)
+    loaded = sorted({key.split(".")[0] for key in sys.modules} & set(forbidden.split(",")))
+    report.append({"package": package, "file": root.__file__, "modules": names, "loaded": loaded})
+print(json.dumps(report))
 """
 
 
-def imported_by(package: str, watched: list) -> dict:
+@pytest.mark.parametrize(
+    "steps",
+    [
+        # model_cards after modeling_fwp in one interpreter: model_cards may import modeling_fwp, never training
+        [("modeling_fwp", ["model_cards", "training"]), ("model_cards", ["training"])],
+        [("fwp_kernels", ["modeling_fwp", "transformers", "model_cards", "training"])],
+    ],
+    ids=["modeling_fwp-then-model_cards", "fwp_kernels"],
+)
+def test_packages_import_one_way(steps):
+    arguments = [f"{package}:{','.join(forbidden)}" for package, forbidden in steps]
     proc = subprocess.run(
-        [sys.executable, "-c", IMPORT_ALL, package, ",".join(watched)], cwd=ROOT, capture_output=True, text=True,
-        timeout=300,
+        [sys.executable, "-c", IMPORT_ALL, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(report["file"]).resolve().is_relative_to(ROOT), report["file"]  # this checkout, not an installed copy
-    return report
-
-
-@pytest.mark.parametrize(
-    "package, forbidden",
-    [
-        ("modeling_fwp", ["model_cards", "training"]),
-        ("fwp_kernels", ["modeling_fwp", "transformers", "model_cards", "training"]),
-        ("model_cards", ["training"]),
-    ],
-)
-def test_packages_import_one_way(package, forbidden):
-    report = imported_by(package, forbidden)
-    assert len(report["modules"]) > 1  # the walk found the package's modules
-    assert report["loaded"] == [], f"importing {package} imported {report['loaded']}"
+    for report in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert Path(report["file"]).resolve().is_relative_to(ROOT), report["file"]  # this checkout, not an installed copy
+        assert len(report["modules"]) > 1  # the walk found the package's modules
+        assert report["loaded"] == [], f"importing {report['package']} imported {report['loaded']}"
 
 
 def test_without_a_publisher_models_save_without_a_card(tmp_path, monkeypatch):
