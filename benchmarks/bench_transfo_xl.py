@@ -3,7 +3,7 @@
 Clark et al. 2022 (table 4, one V100, WikiText-103 Transformer-XL): 1575 tok/s base, 1340 tok/s with the FWL,
 510 tok/s with dynamic evaluation. Targets here: the FWL at most 1.20x slower than the base model, dynamic
 evaluation at least 2.5x slower than the FWL. All three score the same text with the papers' protocol (batch 1,
-segments of --segment_length tokens, memories / fast-weight state carried; ``modeling_fwp.dynamic_eval``).
+segments of --segment_length tokens, memories / fast-weight state carried; ``training.dynamic_eval``).
 
 Models (``training.train_transfo_xl``, word level, offline Wikipedia text, 1 thread): a Transformer-XL shaped like a
 scaled-down version of the paper's 16-layer d=410 model (default 12 layers, d=256, pre-LayerNorm) is pretrained for
@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from modeling_fwp import TransfoXLForCausalLM  # noqa: E402
-from modeling_fwp.dynamic_eval import DynamicEvaluation, ScoreResult, score_segments, score_stream  # noqa: E402
 from training import train_transfo_xl as txl  # noqa: E402
+from training.dynamic_eval import DynamicEvaluation, ScoreResult, score_segments, score_stream  # noqa: E402
 from training.result_file import RunRecord, load_average  # noqa: E402
 
 PAPER_V100 = {"transfo_xl": 1575.0, "transfo_xl_fwl": 1340.0, "transfo_xl_dynamic_eval": 510.0}

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from . import hub
 from .generator import DEFAULT_LICENSE, card_for_folder, validate_card
 
 
@@ -91,20 +92,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         card = validate_card(path.read_text(encoding="utf-8"))
         results = card.data.eval_results or []
         print(f"{path}: valid ({len(results)} model-index results)")
+    elif args.command == "export":
+        model, tokenizer = hub.load_for_export(args.model_dir)
+        out = hub.export_for_hub(model, tokenizer, args.out_dir, results=args.results, **_card_options(args))
+        print(f"wrote {out}")
     else:
-        from modeling_fwp import hub  # the package's models are needed to export and upload
-
-        if args.command == "export":
-            model, tokenizer = hub.load_for_export(args.model_dir)
-            out = hub.export_for_hub(model, tokenizer, args.out_dir, results=args.results, **_card_options(args))
-            print(f"wrote {out}")
-        else:
-            if args.results is not None:
-                hub.attach_results(args.folder, args.results, **_card_options(args))
-            hub.push_folder(
-                args.folder, args.repo_id, token=args.token, private=args.private,
-                commit_message=args.commit_message, dry_run=args.dry_run,
-            )
+        if args.results is not None:
+            hub.attach_results(args.folder, args.results, **_card_options(args))
+        hub.push_folder(
+            args.folder, args.repo_id, token=args.token, private=args.private,
+            commit_message=args.commit_message, dry_run=args.dry_run,
+        )
     return 0
 
 

@@ -11,11 +11,8 @@ from __future__ import annotations
 from typing import Dict, Mapping, Optional
 
 import torch
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
-
-from .remote_code import FastWeightHubMixin
 
 
 # transformers 5.24 renamed the cache argument of `forward` and the cache field of model outputs from `past_key_values`
@@ -172,17 +169,3 @@ class FastWeightCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.token_counts = None
-
-
-class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
-    """Base of every model of this package: it builds its own recurrent ``Cache`` in ``forward`` (generate must not
-    create a DynamicCache), cannot roll that cache back (no assisted decoding), and exports self-contained for the
-    Hub (``FastWeightHubMixin``)."""
-
-    supports_gradient_checkpointing = True
-    _skip_keys_device_placement = ["cache", "past_key_values"]
-    _is_stateful = True
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False

@@ -18,7 +18,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_fwl import FWLConfig
 from .fwl import FWLCache, FWLHead, FWLSlowHead, _inverse_softplus
-from .cache_fwp import CACHE_ARGUMENT, StatefulPreTrainedModel, output_cache, resolve_cache_argument
+from .cache_fwp import CACHE_ARGUMENT, output_cache, resolve_cache_argument
+from .pretrained import StatefulPreTrainedModel
 
 # Keyword arguments that belong to the loss (Trainer passes them), not to the base model.
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")

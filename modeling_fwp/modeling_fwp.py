@@ -17,7 +17,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, StatefulPreTrainedModel, output_cache, resolve_cache_argument
+from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, output_cache, resolve_cache_argument
 from .configuration_fwp import (
     DeltaDeltaNetConfig,
     DeltaLSTMConfig,
@@ -30,6 +30,7 @@ from .configuration_fwp import (
 )
 from .fast_weight_layers import FAST_WEIGHT_LAYERS
 from .feature_maps import FeatureMap
+from .pretrained import StatefulPreTrainedModel
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
 
 

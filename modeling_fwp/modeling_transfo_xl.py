@@ -26,10 +26,11 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, StatefulPreTrainedModel, output_cache, resolve_cache_argument
+from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, output_cache, resolve_cache_argument
 from .configuration_transfo_xl import TransfoXLConfig
 from .fwl import _HIDDEN_PARAMETERS, FWLHead, FWLSlowHead, _inverse_softplus
 from .modeling_fwp import FeedForward, sinusoidal_position_embedding
+from .pretrained import StatefulPreTrainedModel
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -700,9 +701,6 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
     across segments the running update carried in the cache, decayed by the learned ``fwl_decay`` (gamma per fast
     parameter) at segment boundaries. The memories and the FWL state live in one ``TransfoXLCache``.
     """
-
-    # The loss is computed from every position's hidden state whatever `logits_to_keep` says (scorers use it).
-    loss_covers_all_positions = True
 
     def __init__(self, config: TransfoXLConfig) -> None:
         super().__init__(config)

@@ -1,37 +1,30 @@
-"""Self-contained checkpoints: the code a saved folder needs for ``trust_remote_code``, and safe weight loading.
+"""Self-contained checkpoints: the code a saved folder needs for ``trust_remote_code``, and weight-file checks.
 
-``FastWeightHubMixin`` goes first in the bases of every model family's ``PreTrainedModel`` subclass. It changes three
-things of ``transformers.PreTrainedModel``:
+``FastWeightHubMixin.save_pretrained`` (``pretrained.py``) calls :func:`save_remote_code`, which writes the modeling
+code and an ``auto_map`` into ``config.json``. transformers' own mechanism (``register_for_auto_class`` +
+``custom_object_save``) copies a class's module and, recursively, every sibling module named in a relative import,
+resolved next to the module. That cannot include the kernels: the model code imports what it uses from
+``fwp_kernels``, a separate package (``from fwp_kernels import delta_rule``). So it collects the same closure itself
+(with transformers' ``get_relative_imports``, i.e. the way loading will see it), counting each ``from fwp_kernels
+import ...`` as the sibling import it writes in its place (``from .fwp_kernels import ...``: a saved folder is flat
+and uses sibling imports only), maps the name ``fwp_kernels`` to the installed package's ``__init__`` (its own
+sibling imports are resolved inside ``kernels/``), writes the files flat into a staging folder, checks that every
+module there imports only what a plain ``transformers`` install has, and copies them into the folder.
 
-- ``save_pretrained`` also writes the modeling code and an ``auto_map`` into ``config.json``. transformers' own
-  mechanism (``register_for_auto_class`` + ``custom_object_save``) copies a class's module and, recursively, every
-  sibling module named in a relative import, resolved next to the module. That cannot include the kernels: the
-  model code imports what it uses from ``fwp_kernels``, a separate package (``from fwp_kernels import
-  delta_rule``). So the mixin collects the same closure itself (with transformers' ``get_relative_imports``, i.e.
-  the way loading will see it), counting each ``from fwp_kernels import ...`` as the sibling import it writes in
-  its place (``from .fwp_kernels import ...``: a saved folder is flat and uses sibling imports only), maps the name
-  ``fwp_kernels`` to the installed package's ``__init__`` (its own sibling imports are resolved inside
-  ``kernels/``), writes the files flat into a staging folder, checks that every module there imports only what a
-  plain ``transformers`` install has, and copies them into the folder. When the package is installed it also
-  writes a model card (``modeling_fwp.hub``) unless the folder has one.
-  Accelerated kernels travel as optional imports: a kernel module that imports ``.<stem>_csrc`` inside a ``try``
-  block and has its C++ source in ``csrc/<stem>.cpp`` gets that source written next to the code twice, as
-  ``<stem>.cpp`` (to read) and as ``<stem>_csrc.py`` holding it in a string ``CPP_SOURCE`` (transformers copies
-  only Python modules into its module cache), from which the loaded model builds the C++ ops on first use;
-  without a compiler or ninja, or with ``FWP_KERNELS_NO_BUILD=1``, it runs the pure-PyTorch kernels.
-  A config that nests one of our families (an FWL head on a Delta Net: ``text_config``) also gets the code of that
-  family and a generated ``register_nested_families.py`` as its ``AutoConfig`` entry, which registers the nested
-  family with the Auto classes before transformers parses the sub-config by its ``model_type``.
-- ``from_pretrained`` never unpickles arbitrary objects (``weights_only=False`` is refused; transformers'
-  ``weights_only=True`` load errors are re-raised with the file and the remedy), checks safetensors files before
-  loading and names the file and the problem when one is truncated or corrupted, and re-enables the recurrent
-  state for generation in checkpoints saved by ``Trainer`` (``use_cache: false``).
-- ``push_to_hub`` uploads the folder ``save_pretrained`` writes with this project's card (``modeling_fwp.hub``),
-  not the generic card transformers puts in its place.
+Accelerated kernels travel as optional imports: a kernel module that imports ``.<stem>_csrc`` inside a ``try`` block
+and has its C++ source in ``csrc/<stem>.cpp`` gets that source written next to the code twice, as ``<stem>.cpp`` (to
+read) and as ``<stem>_csrc.py`` holding it in a string ``CPP_SOURCE`` (transformers copies only Python modules into
+its module cache), from which the loaded model builds the C++ ops on first use; without a compiler or ninja, or with
+``FWP_KERNELS_NO_BUILD=1``, it runs the pure-PyTorch kernels.
+
+A config that nests one of our families (an FWL head on a Delta Net: ``text_config``) also gets the code of that
+family and a generated ``register_nested_families.py`` as its ``AutoConfig`` entry, which registers the nested family
+with the Auto classes before transformers parses the sub-config by its ``model_type``.
+
+``FastWeightHubMixin.from_pretrained`` checks safetensors files with :func:`check_weight_files` before loading.
 
 This module is itself part of every export, so it imports only the standard library, torch's ecosystem and
-``transformers`` / ``huggingface_hub`` / ``safetensors``; the package-only helpers in ``modeling_fwp.hub`` are
-reached through an optional import.
+``transformers`` / ``huggingface_hub`` / ``safetensors``.
 """
 from __future__ import annotations
 
@@ -40,21 +33,15 @@ import hashlib
 import importlib.util
 import json
 import os
-import pickle
-import re
 import shutil
 import struct
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import transformers
-from safetensors import SafetensorError
 from transformers.dynamic_module_utils import get_imports, get_relative_imports
-from transformers.utils import logging
-
-logger = logging.get_logger(__name__)
 
 KERNELS_MODULE = "fwp_kernels"
 # Top-level packages that exported modules may import outside a ``try`` block: what loading with
@@ -371,136 +358,3 @@ def check_weight_files(folder: Union[str, os.PathLike]) -> None:
     """Checks every ``*.safetensors`` file of a local checkpoint folder (see :func:`check_safetensors_file`)."""
     for path in sorted(Path(folder).glob(WEIGHTS_PATTERN)):
         check_safetensors_file(path)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The mixin
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _package_hub():
-    """``modeling_fwp.hub`` when the package is installed (model cards, checked uploads), else None.
-
-    An absolute import on purpose: a sibling import would make every export carry ``hub.py`` and its dependencies.
-    """
-    try:
-        from modeling_fwp import hub
-    except ModuleNotFoundError:
-        return None
-    return hub
-
-
-class FastWeightHubMixin:
-    """Self-contained ``save_pretrained``, safe ``from_pretrained`` and card-preserving ``push_to_hub``.
-
-    Put it first in the bases of a family's ``PreTrainedModel`` subclass:
-    ``class MyPreTrainedModel(FastWeightHubMixin, PreTrainedModel)``.
-    """
-
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], *args: Any, **kwargs: Any) -> None:
-        """``PreTrainedModel.save_pretrained`` plus the modeling code and ``auto_map`` (loadable with
-        ``trust_remote_code=True`` without this package) and, with the package installed, a model card
-        (``README.md``, kept if the folder already has one). ``push_to_hub=True`` uploads the folder afterwards
-        (with ``repo_id``, ``token``, ``private``, ``commit_message``)."""
-        push = kwargs.pop("push_to_hub", False)
-        push_kwargs = {key: kwargs.pop(key) for key in ("repo_id", "private", "commit_message") if key in kwargs}
-        main_process = kwargs.get("is_main_process", True)
-        if main_process:
-            save_remote_code(self, save_directory)  # first: it sets config.auto_map, which the config file records
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if not main_process:
-            return
-        hub = _package_hub()
-        if hub is not None:
-            try:
-                hub.write_model_card(save_directory, overwrite=False)
-            except (ValueError, KeyError, OSError) as error:  # a card is a courtesy here; the checkpoint is saved
-                logger.warning(f"No model card written to {save_directory}: {error}")
-        if push:
-            repo_id = push_kwargs.pop("repo_id", None) or Path(save_directory).resolve().name
-            if hub is None:
-                raise ImportError("save_pretrained(push_to_hub=True) of a fast-weight model needs the modeling_fwp package")
-            hub.push_folder(save_directory, repo_id, token=kwargs.get("token"), **push_kwargs)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: Union[str, os.PathLike, None], *args: Any, **kwargs: Any):
-        """``PreTrainedModel.from_pretrained`` that never unpickles arbitrary objects and explains bad weight files.
-
-        Raises:
-            ValueError: ``weights_only=False`` was passed.
-            OSError: a safetensors file is truncated or corrupted (the message names it).
-            pickle.UnpicklingError: a pickled checkpoint holds objects other than tensors.
-        """
-        if kwargs.get("weights_only", True) is not True:
-            raise ValueError(
-                "`weights_only` must be True: fast-weight models never unpickle arbitrary objects. Convert trusted "
-                "pickled checkpoints to safetensors (torch.load(..., weights_only=True) + save_pretrained)"
-            )
-        if pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path):
-            check_weight_files(Path(pretrained_model_name_or_path, kwargs.get("subfolder") or ""))
-        try:
-            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except pickle.UnpicklingError as error:
-            found = re.search(r"unsupported GLOBAL \S+", str(error), flags=re.IGNORECASE)
-            raise pickle.UnpicklingError(
-                f"Refusing to load the pickled checkpoint of {pretrained_model_name_or_path}: it holds objects other "
-                f"than tensors ({found.group(0) if found else str(error).strip().splitlines()[0]}), and unpickling "
-                "them could run arbitrary code. Load only safetensors, or weights-only pickles, from sources you trust"
-            ) from None
-        except SafetensorError as error:
-            raise OSError(
-                f"A safetensors weight file of {pretrained_model_name_or_path} is truncated or corrupted ({error}); "
-                "re-download or re-save the checkpoint"
-            ) from error
-        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) with output_loading_info
-        model._enable_generation_cache()
-        return loaded
-
-    def _enable_generation_cache(self) -> None:
-        """Generation continues from the recurrent state unless a generation config asks otherwise explicitly.
-
-        ``Trainer`` saves ``use_cache: false`` in ``config.json``; a generation config derived from such a config
-        (``_from_model_config``) inherits it, and ``generate`` would then re-read the whole prefix at every step.
-        """
-        generation_config = getattr(self, "generation_config", None)
-        if (
-            generation_config is not None
-            and generation_config.use_cache is False
-            and getattr(generation_config, "_from_model_config", False)
-        ):
-            generation_config.use_cache = True
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        tokenizer: Any = None,
-        results: Optional[Union[str, os.PathLike, Dict[str, Any]]] = None,
-        commit_message: Optional[str] = None,
-        private: Optional[bool] = None,
-        token: Optional[Union[bool, str]] = None,
-        revision: Optional[str] = None,
-        create_pr: bool = False,
-        max_shard_size: Union[int, str] = "50GB",
-        tags: Optional[List[str]] = None,
-        dry_run: bool = False,
-        **kwargs: Any,
-    ) -> Any:
-        """Uploads weights, config, code, ``tokenizer`` (when given) and this project's model card (filled from
-        ``results``, a results JSON path or dict) with ``huggingface_hub`` (``modeling_fwp.hub.push_to_hub``).
-
-        Without the ``modeling_fwp`` package (a model loaded with ``trust_remote_code``) it falls back to
-        transformers' ``push_to_hub``, whose card is generic.
-        """
-        hub = _package_hub()
-        if hub is None:
-            logger.warning("modeling_fwp is not installed: pushing with transformers' generic model card")
-            return super().push_to_hub(
-                repo_id, commit_message=commit_message, private=private, token=token, revision=revision,
-                create_pr=create_pr, max_shard_size=max_shard_size, tags=tags, **kwargs,
-            )
-        return hub.push_to_hub(
-            self, repo_id, tokenizer=tokenizer, results=results, commit_message=commit_message, private=private,
-            token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, tags=tags,
-            dry_run=dry_run,
-        )

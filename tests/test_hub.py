@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, pipeline
 
 import model_cards
 import modeling_fwp
+from model_cards import hub
 from model_cards.__main__ import main as model_cards_main
-from modeling_fwp import FastWeightCache, hub
+from modeling_fwp import FastWeightCache
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT
 from modeling_fwp.remote_code import (
     check_remote_code_imports,
@@ -23,6 +24,7 @@ from modeling_fwp.remote_code import (
     remote_code_sources,
     stage_remote_code,
 )
+from training import hub_options
 
 from conftest import make_word_tokenizer, tiny_config
 
@@ -280,7 +282,7 @@ def test_export_contents(exports, name):
     assert config["auto_map"]["AutoConfig"].split(".")[1] == type(model.config).__name__
     assert config["auto_map"]["AutoModelForCausalLM"].endswith("." + type(model).__name__)
     files = hub.check_export(folder)
-    for file in ("config.json", "model.safetensors", "README.md", "results.json", "tokenizer.json",
+    for file in ("config.json", "model.safetensors", "README.md", "results.json", "tokenizer.json", "pretrained.py",
                  "fwp_kernels.py", "delta_rule_kernels.py", "dispatch.py", "remote_code.py", "rfwp_scan.py",
                  "rfwp_scan.cpp", "rfwp_scan_csrc.py"):
         assert file in files, file
@@ -605,7 +607,7 @@ def test_unrecognised_results_layout_is_an_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# --push_to_hub of the training scripts (modeling_fwp.hub.add_hub_arguments / push_if_requested)
+# --push_to_hub of the training scripts (training.hub_options.add_hub_arguments / push_if_requested)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -713,21 +715,21 @@ def test_push_if_requested_dry_run_and_options(tmp_path, capsys, fake_hub, modul
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir")
-    hub.add_hub_arguments(parser)
+    hub_options.add_hub_arguments(parser)
     model = tiny_family_model(modeling_fwp.DeltaRNNConfig)
     out = tmp_path / "run"
     out.mkdir()
     (out / "results.json").write_text(json.dumps(demo_style_results(model)))
 
     args = parser.parse_args(["--output_dir", str(out)])
-    assert hub.push_if_requested(args, model, module_word_tokenizer, out) is None  # nothing asked: nothing written
-    assert not (out / hub.EXPORT_DIR_NAME).exists()
+    assert hub_options.push_if_requested(args, model, module_word_tokenizer, out) is None  # nothing asked
+    assert not (out / hub_options.EXPORT_DIR_NAME).exists()
 
     capsys.readouterr()
     args = parser.parse_args(["--hub_dry_run", "--hub_model_id", "me/rnn", "--hub_token", "hf_x"])
-    (out / hub.EXPORT_DIR_NAME).mkdir()
-    (out / hub.EXPORT_DIR_NAME / "stale.bin").write_bytes(b"old export")
-    listed = hub.push_if_requested(args, model, module_word_tokenizer, out)
+    (out / hub_options.EXPORT_DIR_NAME).mkdir()
+    (out / hub_options.EXPORT_DIR_NAME / "stale.bin").write_bytes(b"old export")
+    listed = hub_options.push_if_requested(args, model, module_word_tokenizer, out)
     printed = capsys.readouterr().out
     assert "Dry run: would upload" in printed and "https://huggingface.co/me/rnn" in printed
     assert "stale.bin" not in listed  # an earlier export is replaced, not merged
@@ -735,12 +737,13 @@ def test_push_if_requested_dry_run_and_options(tmp_path, capsys, fake_hub, modul
                  "modeling_fwp.py"):
         assert name in listed and f"  {name}\n" in printed, name
     assert fake_hub == {"created": [], "uploads": []}  # no network call in a dry run
-    card = model_cards.validate_card((out / hub.EXPORT_DIR_NAME / "README.md").read_text())
+    card = model_cards.validate_card((out / hub_options.EXPORT_DIR_NAME / "README.md").read_text())
     assert card.data.eval_results and card.data.model_name == "rnn"
-    assert hub.args_without_secrets(args)["hub_model_id"] == "me/rnn" and "hub_token" not in hub.args_without_secrets(args)
+    recorded = hub_options.args_without_secrets(args)
+    assert recorded["hub_model_id"] == "me/rnn" and "hub_token" not in recorded
 
     with pytest.raises(SystemExit):
         parser.parse_args(["--hub_model_id", "not a/valid//id"])
     assert "--hub_model_id: expected a Hub repo id like 'user/model-name'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="add_hub_arguments.*push_to_hub"):
-        hub.push_if_requested(argparse.Namespace(), model, None, out)
+        hub_options.push_if_requested(argparse.Namespace(), model, None, out)

@@ -582,7 +582,7 @@ def test_fwl_token_by_token_equals_segments_when_the_boundaries_agree():
 
 
 def test_stream_scoring_equals_the_full_forward_and_counts_every_token_once():
-    from modeling_fwp.dynamic_eval import score_stream
+    from training.dynamic_eval import score_stream
 
     model = txl_model(same_length=True, mem_len=6)
     ids = ids_of(1, 23)
@@ -595,7 +595,7 @@ def test_stream_scoring_equals_the_full_forward_and_counts_every_token_once():
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_score_segments_yields_the_segments_of_score_stream(dynamic):
     """The generator form (benchmarks interleave several of them) scores the same segments as score_stream."""
-    from modeling_fwp.dynamic_eval import DynamicEvaluation, score_segments, score_stream
+    from training.dynamic_eval import DynamicEvaluation, score_segments, score_stream
 
     model = txl_model(use_fwl=True, same_length=True, mem_len=6)
     ids = ids_of(1, 23)
@@ -614,7 +614,7 @@ def test_score_segments_yields_the_segments_of_score_stream(dynamic):
 def test_dynamic_evaluation_keeps_the_model_and_lowers_the_loss_on_a_repeated_segment(family):
     from conftest import tiny_model
     from modeling_fwp import DeltaNetConfig
-    from modeling_fwp.dynamic_eval import DynamicEvaluation, score_stream
+    from training.dynamic_eval import DynamicEvaluation, score_stream
 
     if family == "delta_net":
         model = tiny_model(DeltaNetConfig, vocab_size=V)

@@ -16,7 +16,7 @@ Steps (`python -m training.demo`, or `make demo`):
    write <output_dir>/results.json and print a results table;
 8. with --push_to_hub (Trainer's Hub options: --hub_model_id, --hub_private_repo, --hub_token, and --hub_dry_run):
    write <output_dir>/hub_export (weights, code for trust_remote_code, tokenizer, results.json and this project's
-   model card filled from it) and upload it (`modeling_fwp.hub.push_if_requested`).
+   model card filled from it) and upload it (`training.hub_options.push_if_requested`).
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ from transformers import (  # noqa: E402
     set_seed,
 )
 
-from modeling_fwp.hub import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
-
 from .data import load_wiki_splits, prepare_wiki  # noqa: E402
+from .hub_options import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 from .tokenizer import train_bpe_tokenizer  # noqa: E402
 
 logger = logging.getLogger("training.demo")
@@ -271,41 +270,9 @@ def _format_table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    transformers.logging.set_verbosity_warning()
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
+    """A new ``DeltaNetForCausalLM`` (DPFP-1 feature map, delta rule) sized by the arguments, for ``tokenizer``."""
     DeltaNetConfig, DeltaNetForCausalLM = _load_model_classes()
-    out_dir, data_dir = Path(args.output_dir), Path(args.data_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    set_seed(args.seed)
-
-    # 1-3. data and tokenizer
-    t = time.perf_counter()
-    if all((data_dir / f"{s}.txt").is_file() for s in ("train", "valid", "test")):
-        logger.info("using the prepared corpus in %s", data_dir)
-    else:
-        prepare_wiki(data_dir)
-    meta_path = data_dir / "meta.json"
-    data_meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
-    timings["prepare_data_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    tokenizer = train_bpe_tokenizer(data_dir / "train.txt", vocab_size=args.vocab_size)
-    timings["train_tokenizer_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    train_ds, train_ids, valid_ids, n_train_docs = tokenize_splits(data_dir, tokenizer, args.block_size)
-    eval_blocks = valid_blocks(valid_ids, args.block_size, args.eval_max_blocks)
-    timings["tokenize_s"] = time.perf_counter() - t
-    logger.info("train: %d tokens -> %d segments of %d; valid: %d tokens", len(train_ids), len(train_ds),
-                args.block_size, len(valid_ids))
-    if len(train_ds) == 0:
-        raise ValueError(f"the train split has fewer than --block_size={args.block_size} tokens")
-
-    # 4. model and training
     heads = args.heads or max(1, args.hidden_size // 64)
     config = DeltaNetConfig(
         vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
@@ -318,7 +285,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     logger.info("DeltaNetForCausalLM: %.2fM parameters (%d layers, hidden %d, %d heads)", n_params / 1e6,
                 args.layers, args.hidden_size, heads)
+    return model
 
+
+def build_trainer(
+    args: argparse.Namespace, model: torch.nn.Module, train_ds: datasets.Dataset, out_dir: Path
+) -> tuple[Trainer, WallClockBudget]:
+    """The demo's ``Trainer`` (AdamW, warmup + cosine over the wall-clock budget, no checkpoints) and its budget."""
     budget = WallClockBudget(args.minutes * 60.0, fixed_steps=args.max_steps)
     optimizer = build_optimizer(model, args.lr, args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(budget, args.warmup_steps))
@@ -342,14 +315,120 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model=model, args=training_args, train_dataset=train_ds, data_collator=default_data_collator,
         optimizers=(optimizer, scheduler), callbacks=[budget],
     )
+    return trainer, budget
+
+
+def run_training(
+    args: argparse.Namespace, model: torch.nn.Module, train_ds: datasets.Dataset, out_dir: Path,
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    """Step 4: trains ``model`` within the budget and returns the ``training`` entry of the results."""
+    trainer, budget = build_trainer(args, model, train_ds, out_dir)
     t = time.perf_counter()
     train_output = trainer.train()
     timings["train_s"] = time.perf_counter() - t
-    if Path(training_args.output_dir).is_dir() and not any(Path(training_args.output_dir).iterdir()):
-        Path(training_args.output_dir).rmdir()  # Trainer creates it even with save_strategy="no"
+    if Path(trainer.args.output_dir).is_dir() and not any(Path(trainer.args.output_dir).iterdir()):
+        Path(trainer.args.output_dir).rmdir()  # Trainer creates it even with save_strategy="no"
     steps = trainer.state.global_step
     train_tokens = steps * args.batch_size * args.block_size
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {
+        "steps": steps, "batch_size": args.batch_size, "block_size": args.block_size, "tokens_seen": train_tokens,
+        "epochs": train_tokens / max(1, len(train_ds) * args.block_size), "budget_s": args.minutes * 60.0,
+        "stopped_by_budget": budget.stopped_by_budget, "seconds": timings["train_s"],
+        "tokens_per_second": train_tokens / timings["train_s"], "peak_lr": args.lr,
+        "mean_train_loss": train_output.training_loss, "last_logged_loss": losses[-1] if losses else None,
+        "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
+    }
+
+
+def save_and_reload(model, tokenizer, model_dir: Path, probe: torch.Tensor, prompt: str) -> tuple[float, bool]:
+    """Saves model and tokenizer, loads them back with the Auto classes and returns (max |logit difference| on
+    ``probe [1, T]``, whether the tokenizer round trip of ``prompt`` gives the same ids)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    reloaded_tok = AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        reference = model.cpu()(input_ids=probe, use_cache=False).logits
+        reload_diff = (reloaded(input_ids=probe, use_cache=False).logits - reference).abs().max().item()
+    ids = lambda tok: tok(prompt, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return reload_diff, ids(reloaded_tok) == ids(tokenizer)
+
+
+def summary_rows(args: argparse.Namespace, results: dict[str, Any], vocab_size: int, out_dir: Path) -> list:
+    """The rows of the table printed at the end, from ``results``."""
+    training, evaluation, generation = results["training"], results["evaluation"], results["generation"]
+    data, saved, last_loss = results["data"], results["saved"], results["training"]["last_logged_loss"]
+    valid_loss, uni_loss = evaluation["loss"], evaluation["unigram_loss"]
+    n_params = results["model"]["parameters"]
+    return [
+        ("model", f"DeltaNetForCausalLM, {n_params / 1e6:.2f}M params, {args.layers} layers x {args.hidden_size}, "
+                  "DPFP-1, delta rule"),
+        ("data", f"{data['train_documents']} Wikipedia articles, {data['train_tokens']:,} train tokens "
+                 f"(BPE {vocab_size})"),
+        ("training", f"{training['steps']} steps x {args.batch_size} x {args.block_size} tokens = "
+                     f"{training['tokens_seen']:,} tokens ({training['epochs']:.2f} epochs) in "
+                     f"{training['seconds']:.0f} s, {training['tokens_per_second']:.0f} tokens/s"),
+        ("train loss", f"last logged {last_loss:.3f}" if last_loss is not None else "n/a"),
+        ("valid perplexity", f"{math.exp(valid_loss):.1f} (loss {valid_loss:.3f}, {evaluation['scored_tokens']:,} "
+                             f"tokens); unigram baseline {math.exp(uni_loss):.1f}"),
+        ("generation", f"{generation['new_tokens']} tokens in {generation['seconds']:.2f} s; greedy cache == no cache: "
+                       f"{generation['greedy_cache_matches_no_cache']}"),
+        ("reload", f"max |logit diff| {saved['reload_max_abs_logit_diff']:.2e}, tokenizer round trip "
+                   f"{saved['tokenizer_roundtrip']}"),
+        ("saved", f"{saved['model_dir']} and {out_dir / 'results.json'}"),
+    ]
+
+
+def prepare_tokens(args: argparse.Namespace, data_dir: Path, timings: dict[str, float]) -> dict[str, Any]:
+    """Steps 1-3: the corpus (prepared unless present), the BPE tokenizer and the tokenized splits."""
+    t = time.perf_counter()
+    if all((data_dir / f"{s}.txt").is_file() for s in ("train", "valid", "test")):
+        logger.info("using the prepared corpus in %s", data_dir)
+    else:
+        prepare_wiki(data_dir)
+    meta_path = data_dir / "meta.json"
+    data_meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    timings["prepare_data_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    tokenizer = train_bpe_tokenizer(data_dir / "train.txt", vocab_size=args.vocab_size)
+    timings["train_tokenizer_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    train_ds, train_ids, valid_ids, n_train_docs = tokenize_splits(data_dir, tokenizer, args.block_size)
+    eval_blocks = valid_blocks(valid_ids, args.block_size, args.eval_max_blocks)
+    timings["tokenize_s"] = time.perf_counter() - t
+    logger.info("train: %d tokens -> %d segments of %d; valid: %d tokens", len(train_ids), len(train_ds),
+                args.block_size, len(valid_ids))
+    if len(train_ds) == 0:
+        raise ValueError(f"the train split has fewer than --block_size={args.block_size} tokens")
+    return dict(data_meta=data_meta, tokenizer=tokenizer, train_ds=train_ds, train_ids=train_ids, valid_ids=valid_ids,
+                n_train_docs=n_train_docs, eval_blocks=eval_blocks)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    transformers.logging.set_verbosity_warning()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    out_dir, data_dir = Path(args.output_dir), Path(args.data_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    set_seed(args.seed)
+
+    # 1-3. data and tokenizer
+    prepared = prepare_tokens(args, data_dir, timings)
+    tokenizer, train_ds, eval_blocks = prepared["tokenizer"], prepared["train_ds"], prepared["eval_blocks"]
+    train_ids = prepared["train_ids"]
+
+    # 4. model and training
+    model = build_model(args, tokenizer)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    training = run_training(args, model, train_ds, out_dir, timings)
 
     # 5. evaluation
     t = time.perf_counter()
@@ -366,42 +445,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 7. save, reload, compare
     model_dir = out_dir / "model"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    reloaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    reloaded_tok = AutoTokenizer.from_pretrained(model_dir)
     probe = eval_blocks[0][None, :32]
-    with torch.no_grad():
-        reference = model.cpu()(input_ids=probe, use_cache=False).logits
-        reload_diff = (reloaded(input_ids=probe, use_cache=False).logits - reference).abs().max().item()
-    tokenizer_roundtrip = reloaded_tok(args.prompt, add_special_tokens=False)["input_ids"] == tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    reload_diff, tokenizer_roundtrip = save_and_reload(model, tokenizer, model_dir, probe, args.prompt)
 
+    data_meta = prepared["data_meta"]
     results = {
         "model": {"class": type(model).__name__, "parameters": n_params, "config": model.config.to_dict()},
-        "data": {"dir": str(data_dir), "source": data_meta.get("source") or str(data_dir),  # no meta.json: the folder itself
+        "data": {"dir": str(data_dir), "source": data_meta.get("source") or str(data_dir),  # no meta.json: the folder
                  "splits": data_meta.get("splits"),
-                 "train_documents": n_train_docs, "train_tokens": len(train_ids),
-                 "valid_tokens": len(valid_ids), "tokenizer": f"byte-level BPE, {len(tokenizer)} tokens"},
-        "training": {
-            "steps": steps, "batch_size": args.batch_size, "block_size": args.block_size, "tokens_seen": train_tokens,
-            "epochs": train_tokens / max(1, len(train_ds) * args.block_size), "budget_s": args.minutes * 60.0,
-            "stopped_by_budget": budget.stopped_by_budget, "seconds": timings["train_s"],
-            "tokens_per_second": train_tokens / timings["train_s"], "peak_lr": args.lr,
-            "mean_train_loss": train_output.training_loss, "last_logged_loss": losses[-1] if losses else None,
-            "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
-        },
+                 "train_documents": prepared["n_train_docs"], "train_tokens": len(train_ids),
+                 "valid_tokens": len(prepared["valid_ids"]), "tokenizer": f"byte-level BPE, {len(tokenizer)} tokens"},
+        "training": training,
         "evaluation": {
             "split": "valid", "segment_tokens": args.block_size, "scored_tokens": valid_tokens,
             "loss": valid_loss, "perplexity": math.exp(valid_loss),
             "unigram_loss": uni_loss, "unigram_perplexity": math.exp(uni_loss),
         },
         "generation": generation,
-        "saved": {"model_dir": str(model_dir), "reload_max_abs_logit_diff": reload_diff, "tokenizer_roundtrip": tokenizer_roundtrip},
+        "saved": {"model_dir": str(model_dir), "reload_max_abs_logit_diff": reload_diff,
+                  "tokenizer_roundtrip": tokenizer_roundtrip},
         "timings_s": timings,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-                        "threads": torch.get_num_threads(), "machine": platform.machine()},
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+                        "machine": platform.machine()},
         "args": args_without_secrets(args),
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -409,20 +475,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 8. Hub export and upload
     pushed = push_if_requested(args, model, tokenizer, out_dir, results=out_dir / "results.json")
 
-    rows = [
-        ("model", f"DeltaNetForCausalLM, {n_params / 1e6:.2f}M params, {args.layers} layers x {args.hidden_size}, DPFP-1, delta rule"),
-        ("data", f"{n_train_docs} Wikipedia articles, {len(train_ids):,} train tokens (BPE {len(tokenizer)})"),
-        ("training", f"{steps} steps x {args.batch_size} x {args.block_size} tokens = {train_tokens:,} tokens "
-                     f"({results['training']['epochs']:.2f} epochs) in {timings['train_s']:.0f} s, "
-                     f"{results['training']['tokens_per_second']:.0f} tokens/s"),
-        ("train loss", f"last logged {losses[-1]:.3f}" if losses else "n/a"),
-        ("valid perplexity", f"{math.exp(valid_loss):.1f} (loss {valid_loss:.3f}, {valid_tokens:,} tokens); "
-                             f"unigram baseline {math.exp(uni_loss):.1f}"),
-        ("generation", f"{generation['new_tokens']} tokens in {generation['seconds']:.2f} s; greedy cache == no cache: "
-                       f"{generation['greedy_cache_matches_no_cache']}"),
-        ("reload", f"max |logit diff| {reload_diff:.2e}, tokenizer round trip {tokenizer_roundtrip}"),
-        ("saved", f"{model_dir} and {out_dir / 'results.json'}"),
-    ]
+    rows = summary_rows(args, results, len(tokenizer), out_dir)
     if pushed is not None:
         rows.append(("hub", f"{out_dir / 'hub_export'} " + ("listed (dry run)" if args.hub_dry_run else "uploaded")))
     print("\n=== Delta Net demo ===")

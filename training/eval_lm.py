@@ -1,6 +1,7 @@
-"""Perplexity over long documents with carried state: the papers' evaluation protocol, for any causal LM of this
-package (Transformer-XL, Transformer-XL + FWL, the Delta Net family, FWLForCausalLM), optionally with dynamic
-evaluation (Krause et al. 2019) as the baseline.
+"""Perplexity over long documents with carried state: the papers' evaluation protocol, for any causal LM of
+modeling_fwp (Transformer-XL, Transformer-XL + FWL, the Delta Net family, FWLForCausalLM) or of transformers (e.g.
+SmolLM2, a Llama, with its key/value cache carried), optionally with dynamic evaluation (Krause et al. 2019) as the
+baseline (``training.dynamic_eval``).
 
 Protocol (Dai et al. 2019 sec. 4; Clark et al. 2022 sec. 4): batch 1; the split is one token stream (every document
 followed by the tokenizer's eos; ``--per_document`` restarts the state at every document instead); it is read in
@@ -11,8 +12,11 @@ can be changed with ``--mem_len`` (the papers evaluate with longer memories than
     python -m training.eval_lm --model outputs/transfo_xl --model outputs/transfo_xl_fwl --split test \\
         --dynamic_eval --dynamic_lr 1e-3 3e-3 --output outputs/eval_lm.json
 
-With several ``--dynamic_lr`` values the step size is chosen on the valid split first (lowest perplexity), then used
-on ``--split``.
+Dynamic evaluation adapts every parameter, or those named by ``--dynamic_eval_params`` (names or globs, e.g.
+``'model.layers.*.mlp.*'``), with plain SGD steps or Krause et al.'s RMS-normalised steps (``--dynamic_method rms``).
+Its step size is chosen on the valid split first (lowest perplexity among ``--dynamic_lr``, by default a small grid
+per method; one value skips the choice), then used on ``--split``; the rows report the chosen value, the perplexities
+tried and the time per token.
 """
 from __future__ import annotations
 
@@ -24,13 +28,19 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple  # noqa: E402
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
-from modeling_fwp.dynamic_eval import DynamicEvaluation, ScoreResult, score_stream  # noqa: E402
 
+from .dynamic_eval import (  # noqa: E402
+    DEFAULT_STEP_SIZES,
+    DynamicEvaluation,
+    ScoreResult,
+    choose_step_size,
+    score_stream,
+)
 from .train_transfo_xl import encode_stream, read_documents  # noqa: E402
 
 if TYPE_CHECKING:
@@ -60,7 +70,8 @@ def score_split(
     per_document: bool = False, dynamic: Optional[DynamicEvaluation] = None, max_tokens: Optional[int] = None,
 ) -> ScoreResult:
     """Scores a split (one stream, or each document alone) and returns the merged result."""
-    streams = [encode_stream(tokenizer, [doc]) for doc in documents] if per_document else [encode_stream(tokenizer, documents)]
+    groups = [[doc] for doc in documents] if per_document else [documents]
+    streams = [encode_stream(tokenizer, group) for group in groups]
     result = ScoreResult()
     budget = max_tokens
     for ids in streams:
@@ -78,8 +89,29 @@ def row(name: str, mode: str, result: ScoreResult, **extra) -> Dict[str, object]
     return {
         "model": name, "mode": mode, "tokens": result.num_tokens, "loss": round(result.loss, 5),
         "perplexity": round(result.perplexity, 3), "tokens_per_second": round(result.tokens_per_second, 1),
-        "seconds": round(result.seconds, 2), **extra,
+        "ms_per_token": round(1000 * result.seconds_per_token, 4), "seconds": round(result.seconds, 2), **extra,
     }
+
+
+def dynamic_row(
+    args: argparse.Namespace,
+    name: str,
+    score: Callable[[List[str], Optional[DynamicEvaluation]], ScoreResult],
+    documents: List[str],
+) -> Dict[str, object]:
+    """Dynamic evaluation of one model on ``--split``, its step size chosen on the valid split first: the result row,
+    with the chosen ``dynamic_lr`` and ``dynamic_lr_on_valid`` (``{step size: valid perplexity}``, empty when a
+    single ``--dynamic_lr`` was given)."""
+    options = dict(method=args.dynamic_method, decay=args.dynamic_decay, parameters=args.dynamic_eval_params)
+    candidates = args.dynamic_lr or DEFAULT_STEP_SIZES[args.dynamic_method]
+    valid = read_documents(Path(args.data_dir) / "valid.txt") if len(candidates) > 1 else []
+    lr, tried = choose_step_size(lambda dynamic: score(valid, dynamic), candidates, **options)
+    if tried:
+        logger.info("dynamic evaluation step sizes on valid (perplexity): %s -> %g", tried, lr)
+    result = score(documents, DynamicEvaluation(lr, **options))
+    return row(name, f"dynamic ({args.dynamic_method}, lr {lr:g})", result, dynamic_lr=lr,
+               dynamic_lr_on_valid={f"{k:g}": round(v, 3) for k, v in tried.items()},
+               dynamic_eval_params=args.dynamic_eval_params)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,9 +125,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per_document", action="store_true", help="restart the state at every document")
     p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens (smoke tests)")
     p.add_argument("--dynamic_eval", action="store_true", help="also score with dynamic evaluation")
-    p.add_argument("--dynamic_lr", type=float, nargs="+", default=[1e-3])
-    p.add_argument("--dynamic_method", default="sgd", choices=["sgd", "rms"])
-    p.add_argument("--dynamic_decay", type=float, default=0.0)
+    p.add_argument("--dynamic_lr", type=float, nargs="+", default=None,
+                   help=f"step sizes, the best on the valid split is used (default per method: {DEFAULT_STEP_SIZES})")
+    p.add_argument("--dynamic_method", default="sgd", choices=["sgd", "rms"],
+                   help="sgd: theta -= lr g; rms: theta -= lr g / sqrt(running mean of g^2) (Krause et al. 2019)")
+    p.add_argument("--dynamic_decay", type=float, default=0.0, help="rms: decay towards the trained weights")
+    p.add_argument("--dynamic_eval_params", nargs="+", default=None, metavar="NAME_OR_GLOB",
+                   help="adapt only these parameters (names or fnmatch globs; default: all)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -115,20 +151,10 @@ def main(argv=None) -> List[Dict[str, object]]:
         )
         rows.append(row(path, "static", score(documents)))
         if args.dynamic_eval:
-            lr = args.dynamic_lr[0]
-            if len(args.dynamic_lr) > 1:  # choose the step size on the valid split
-                valid = read_documents(Path(args.data_dir) / "valid.txt")
-                tried = {
-                    candidate: score(valid, DynamicEvaluation(candidate, args.dynamic_method, args.dynamic_decay)).perplexity
-                    for candidate in args.dynamic_lr
-                }
-                lr = min(tried, key=tried.get)
-                logger.info("dynamic evaluation step sizes on valid: %s -> %g", tried, lr)
-            dynamic = DynamicEvaluation(lr, args.dynamic_method, args.dynamic_decay)
-            rows.append(row(path, f"dynamic ({args.dynamic_method}, lr {lr:g})", score(documents, dynamic), dynamic_lr=lr))
+            rows.append(dynamic_row(args, path, score, documents))
         for r in rows[-(2 if args.dynamic_eval else 1) :]:
-            logger.info("%s  %-28s ppl %9.2f  %8.1f tok/s  (%d tokens)", r["model"], r["mode"], r["perplexity"],
-                        r["tokens_per_second"], r["tokens"])
+            logger.info("%s  %-28s ppl %9.2f  %8.1f tok/s  %.3f ms/token  (%d tokens)", r["model"], r["mode"],
+                        r["perplexity"], r["tokens_per_second"], r["ms_per_token"], r["tokens"])
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2) + "\n")

@@ -97,7 +97,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     demo = p.add_argument_group("generation sample (after the table)")
     demo.add_argument("--prompt_tokens", type=int, default=48, help="prompt: the first tokens of a validation block")
     demo.add_argument("--max_new_tokens", type=int, default=40, help="0 skips the sample")
-    from modeling_fwp.hub import add_hub_arguments
+    from .hub_options import add_hub_arguments
 
     add_hub_arguments(p)  # --push_to_hub, --hub_model_id, ...: the FWL model (3) with its code and our card
     return p.parse_args(argv)
@@ -344,7 +344,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
 
     results["fwl_vs_finetuned"] = ratios(results["base_fwl"], results["base_finetuned"])
     results["fwl_fast_weight_gain"] = ratios(results["base_fwl"], results["base_fwl_slow_only"])
-    from modeling_fwp.hub import args_without_secrets, push_if_requested
+    from .hub_options import args_without_secrets, push_if_requested
 
     results["settings"] = args_without_secrets(args)
     if int(os.environ.get("RANK", "0")) == 0:

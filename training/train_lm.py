@@ -28,7 +28,7 @@ Outputs in ``--output_dir``: ``model/`` (model + tokenizer, ``save_pretrained``)
 config, steps, tokens/s), Trainer checkpoints under ``checkpoints/`` (for ``--resume_from_checkpoint``), and with
 ``--push_to_hub`` (Trainer's Hub options: ``--hub_model_id``, ``--hub_private_repo``, ``--hub_token``, and
 ``--hub_dry_run``) a Hub export folder ``hub_export/`` with the code and this project's card, uploaded by
-``modeling_fwp.hub.push_if_requested``.
+``training.hub_options.push_if_requested``.
 """
 from __future__ import annotations
 
@@ -65,12 +65,13 @@ from transformers import (  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 from modeling_fwp.cache_fwp import output_cache  # noqa: E402
-from modeling_fwp.hub import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 
 from . import leave_process_group  # noqa: E402
 from .data import prepare_wiki  # noqa: E402
 from .demo import evaluate_loss, valid_blocks  # noqa: E402
+from .dynamic_eval import detach_cache  # noqa: E402
 from .eval_lm import score_split  # noqa: E402
+from .hub_options import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
 from .tokenizer import gpt2_tokenizer, train_bpe_tokenizer  # noqa: E402
 from .train_transfo_xl import encode_stream, read_documents  # noqa: E402
 
@@ -262,14 +263,9 @@ class StateCarryingTrainer(Trainer):
 
 
 def detach_state(cache: Any) -> Any:
-    """The cache with gradients stopped (``FastWeightCache.detach_``; other caches: every tensor in it)."""
-    if cache is None or hasattr(cache, "detach_"):
-        return cache.detach_() if cache is not None else None
-    for layer in getattr(cache, "layers", []):
-        for name, value in vars(layer).items():
-            if isinstance(value, torch.Tensor):
-                setattr(layer, name, value.detach())
-    return cache
+    """The cache with gradients stopped: every tensor in it, nested caches included (an FWL model's ``base_cache``,
+    e.g. a Llama's keys and values), see ``training.dynamic_eval.detach_cache``."""
+    return detach_cache(cache)
 
 
 class _ResetStateCallback(TrainerCallback):
@@ -331,16 +327,10 @@ def evaluate_split(model, tokenizer, split: str, documents: List[str], args: arg
     ]
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    set_seed(args.seed)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    training_args = TrainingArguments(
+def build_training_arguments(args: argparse.Namespace, out_dir: Path) -> TrainingArguments:
+    """``TrainingArguments`` of the run: cosine schedule with warmup, checkpoints every ``--save_steps`` under
+    ``<out_dir>/checkpoints``, no evaluation during training (the script evaluates at the end)."""
+    return TrainingArguments(
         output_dir=str(out_dir / "checkpoints"),
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -364,6 +354,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
     )
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    set_seed(args.seed)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    training_args = build_training_arguments(args, out_dir)
     is_main = training_args.process_index == 0
 
     documents = load_documents(args)

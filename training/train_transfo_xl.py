@@ -34,6 +34,7 @@ from typing import Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
+import model_cards  # noqa: E402,F401  (registers the card publisher: the saved model gets this project's card)
 from modeling_fwp import TransfoXLConfig, TransfoXLForCausalLM  # noqa: E402
 from modeling_fwp.cache_fwp import output_cache  # noqa: E402
 from modeling_fwp.convert_transfo_xl import build_word_level_tokenizer  # noqa: E402

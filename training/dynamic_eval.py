@@ -1,10 +1,11 @@
 """Long-document scoring with carried state, and dynamic evaluation (Krause et al. 2018; 2019) as a baseline.
 
 ``score_stream`` scores token streams segment by segment, carrying each model's cache (Transformer-XL memories, fast
-weights, FWL running updates) from one segment to the next: the papers' evaluation protocol (batch 1, every token
-scored once, predicted from the preceding ones).
+weights, FWL running updates, a softmax model's keys and values) from one segment to the next: the papers' evaluation
+protocol (batch 1, every token scored once, predicted from the preceding ones).
 
-``DynamicEvaluation`` adds, after each scored segment s, one gradient step on all parameters with that segment's loss:
+``DynamicEvaluation`` adds, after each scored segment s, one gradient step on the adapted parameters (all, or those
+named by ``parameters``) with that segment's loss:
 
     theta_{s+1} = theta_s - lr * g_s                                                             ("sgd")
     theta_{s+1} = theta_s - lr * g_s / (sqrt(MS) + eps) + decay * (theta_0 - theta_s) * RMS_norm     ("rms")
@@ -13,26 +14,36 @@ scored once, predicted from the preceding ones).
 back to the trained weights theta_0, ``RMS_norm = sqrt(MS) / mean(sqrt(MS))`` per tensor; MS, the mean squared
 gradient, comes from training data via ``gradient_statistics`` or, if not given, a running average of the test
 gradients.) Every example gets its own copy of the weights, swapped in for each forward (``swapped_parameters``):
-the caller's model is never modified.
+the caller's model is never modified. Gradients stop at segment boundaries: the carried cache is detached after every
+step (``detach_cache``), as Krause et al. truncate backpropagation at the segment. ``choose_step_size`` picks lr on a
+validation stream.
 
-Works with any causal LM of this package (and any transformers causal LM whose loss takes ``shift_labels`` and
-``num_items_in_batch``).
+Works with any transformers causal LM whose loss takes ``shift_labels`` and ``num_items_in_batch`` (transformers'
+``ForCausalLMLoss``: Llama, GPT-2, ...) and every causal LM of ``modeling_fwp``.
 """
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache_fwp import CACHE_ARGUMENT, output_cache
+from modeling_fwp import TransfoXLForCausalLM
+from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
 
 Params = Dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
+
+# Step sizes tried on the validation split when none is given (``choose_step_size``): a decade apart, around what
+# works for small and pretrained LMs (the "rms" step is in units of the gradient's RMS, so it is a per-weight change).
+DEFAULT_STEP_SIZES = {"sgd": (1e-4, 1e-3, 1e-2), "rms": (1e-5, 1e-4, 1e-3)}
 
 
 @dataclass
@@ -55,6 +66,10 @@ class ScoreResult:
     @property
     def tokens_per_second(self) -> float:
         return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / self.num_tokens if self.num_tokens else float("nan")
 
     def merge(self, other: "ScoreResult") -> "ScoreResult":
         return ScoreResult(
@@ -104,6 +119,47 @@ def swapped_parameters(model: nn.Module, params: Optional[Params]) -> Iterator[n
             module._parameters[attr] = original
 
 
+def _detached(value: Any, seen: set) -> Any:
+    """``value`` with its tensors detached: containers and cache objects in place, tensors and tuples anew."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if id(value) in seen:
+        return value
+    seen.add(id(value))
+    if isinstance(value, dict):
+        value.update({key: _detached(item, seen) for key, item in value.items()})
+    elif isinstance(value, list):
+        value[:] = [_detached(item, seen) for item in value]
+    elif type(value) is tuple:  # plain tuples only (a named tuple is rebuilt differently)
+        return tuple(_detached(item, seen) for item in value)
+    elif isinstance(value, (Cache, CacheLayerMixin)):
+        for name, item in list(vars(value).items()):
+            detached = _detached(item, seen)
+            if detached is not item:
+                setattr(value, name, detached)
+    return value
+
+
+def detach_cache(cache: Optional[Cache]) -> Optional[Cache]:
+    """Detaches, in place, every tensor a cache holds (its layers, nested caches such as an FWL model's
+    ``base_cache``, dicts and lists of states) and returns it: the next segment's graph then starts at the cache.
+
+    transformers' ``DynamicCache`` keeps the keys and values of a forward run with gradients enabled attached to that
+    forward's graph; the next segment's backward would run into the freed graph ("Trying to backward through the
+    graph a second time"). Values are unchanged.
+    """
+    if cache is not None:
+        _detached(cache, set())
+    return cache
+
+
+def loss_reads_every_position(model: nn.Module) -> bool:
+    """Whether ``model``'s loss uses every position's hidden state whatever ``logits_to_keep`` says, so that a scorer
+    can pass ``logits_to_keep=1`` and skip the ``[B, T, V]`` logits: Transformer-XL, whose loss goes through the
+    adaptive softmax. Other causal LMs compute the loss from the logits they keep."""
+    return isinstance(model, TransfoXLForCausalLM)
+
+
 def segment_loss(
     model: nn.Module,
     inputs: torch.Tensor,
@@ -115,11 +171,14 @@ def segment_loss(
 
     Position t of the segment predicts ``targets[:, t]`` (the next token, which may lie in the next segment), so a
     stream cut into segments has every token scored exactly once. ``params`` replaces the model's parameters.
+    (``targets`` is made contiguous: transformers' ``ForCausalLMLoss`` views ``shift_labels``, and a column slice of a
+    batch of rows cannot be viewed.)
     """
     kwargs = dict(
-        input_ids=inputs, labels=inputs, shift_labels=targets, num_items_in_batch=1, use_cache=True, **{CACHE_ARGUMENT: cache}
+        input_ids=inputs, labels=inputs, shift_labels=targets.contiguous(), num_items_in_batch=1, use_cache=True,
+        **{CACHE_ARGUMENT: cache},
     )
-    if getattr(model, "loss_covers_all_positions", False):
+    if loss_reads_every_position(model):
         kwargs["logits_to_keep"] = 1  # the loss does not need [B, T, V] logits (Transformer-XL's adaptive softmax)
     with swapped_parameters(model, params):
         out = model(**kwargs)
@@ -141,7 +200,10 @@ class DynamicEvaluation:
         eps: epsilon of the RMS normalisation.
         gradient_stats: ``{parameter name: mean squared gradient}`` from training data (``gradient_statistics``);
             None with "rms": a running average of the test gradients (``beta``).
-        parameters: names of the parameters to adapt (None: every parameter that requires grad).
+        beta: the running average's decay (MS <- beta MS + (1 - beta) g^2).
+        parameters: names or ``fnmatch`` globs of the parameters to adapt (``"lm_head.weight"``,
+            ``"model.layers.*.mlp.*"``), matched against every name of a tensor (a tied weight answers to all of
+            its names); None: every parameter that requires grad.
     """
 
     def __init__(
@@ -152,25 +214,43 @@ class DynamicEvaluation:
         eps: float = 1e-5,
         gradient_stats: Optional[Params] = None,
         beta: float = 0.9,
-        parameters: Optional[List[str]] = None,
+        parameters: Optional[Sequence[str]] = None,
     ) -> None:
         if method not in ("sgd", "rms"):
             raise ValueError(f"`method` must be 'sgd' or 'rms', got {method!r}")
         if lr < 0:
             raise ValueError(f"`lr` must be >= 0, got {lr}")
+        if isinstance(parameters, str) or (parameters is not None and not parameters):
+            raise ValueError(f"`parameters` must be a non-empty list of names or globs (or None), got {parameters!r}")
         self.lr, self.method, self.decay, self.eps = lr, method, decay, eps
-        self.gradient_stats, self.beta, self.parameters = gradient_stats, beta, parameters
+        self.gradient_stats, self.beta = gradient_stats, beta
+        self.parameters = None if parameters is None else list(parameters)
+
+    def options(self) -> Dict[str, Any]:
+        """Everything but ``lr``, to build the same evaluation with another step size."""
+        return dict(method=self.method, decay=self.decay, eps=self.eps, gradient_stats=self.gradient_stats,
+                    beta=self.beta, parameters=self.parameters)
+
+    def adapted_names(self, model: nn.Module) -> List[str]:
+        """The names (as in ``model.named_parameters()``) of the parameters this evaluation adapts."""
+        if self.parameters is None:
+            return [name for name, p in model.named_parameters() if p.requires_grad]
+        canonical = {id(p): name for name, p in model.named_parameters()}
+        chosen, unmatched = set(), []
+        for pattern in self.parameters:
+            hits = {canonical[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+                    if fnmatch.fnmatchcase(name, pattern)}
+            chosen |= hits
+            if not hits:
+                unmatched.append(pattern)
+        if unmatched:
+            raise ValueError(f"`parameters` names or globs that match no parameter of the model: {unmatched}")
+        return [name for name in canonical.values() if name in chosen]
 
     def initial_params(self, model: nn.Module) -> Params:
         """A private, trainable copy of the adapted parameters (the model's own tensors are never touched)."""
-        names = self.parameters
-        params = {}
-        for name, p in model.named_parameters():
-            if (names is None and p.requires_grad) or (names is not None and name in names):
-                params[name] = p.detach().clone().requires_grad_(True)
-        if names is not None and set(names) - set(params):
-            raise ValueError(f"`parameters` names unknown parameters: {sorted(set(names) - set(params))}")
-        return params
+        named = dict(model.named_parameters())
+        return {name: named[name].detach().clone().requires_grad_(True) for name in self.adapted_names(model)}
 
     @torch.no_grad()
     def step(self, params: Params, grads: Dict[str, Optional[torch.Tensor]], theta0: Params, ms: Params) -> None:
@@ -194,8 +274,8 @@ class DynamicEvaluation:
 def score_segments(
     model: nn.Module, input_ids: torch.Tensor, segment_length: int, dynamic: Optional[DynamicEvaluation] = None
 ) -> Iterator[Tuple[float, int, float]]:
-    """``score_stream`` one segment at a time: yields ``(summed NLL, tokens scored, seconds)`` of every segment, in order
-    (rows one after the other with `dynamic`). The seconds cover the segment's forward (and dynamic evaluation's
+    """``score_stream`` one segment at a time: yields ``(summed NLL, tokens scored, seconds)`` of every segment, in
+    order (rows one after the other with `dynamic`). The seconds cover the segment's forward (and dynamic evaluation's
     backward and step; the weight copy of a row counts towards its first segment). Benchmarks advance several of
     these generators in turn, so that load on a shared machine hits every model at the same moments.
     """
@@ -221,6 +301,8 @@ def score_segments(
                     names = list(params)
                     grads = torch.autograd.grad(loss / targets.numel(), [params[n] for n in names], allow_unused=True)
                     dynamic.step(params, dict(zip(names, grads)), theta0, ms)
+                if dynamic is not None:
+                    cache = detach_cache(cache)  # the next segment's gradient stops here
                 nll = float(loss.detach())
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -246,7 +328,9 @@ def score_stream(
     return result
 
 
-def gradient_statistics(model: nn.Module, input_ids: torch.Tensor, segment_length: int, max_segments: int = 100) -> Params:
+def gradient_statistics(
+    model: nn.Module, input_ids: torch.Tensor, segment_length: int, max_segments: int = 100
+) -> Params:
     """Mean squared gradient of every parameter over training segments (Krause et al. 2019's MS for "rms"), with
     the cache carried as at test time. The model's parameters are not changed (gradients go to a private copy)."""
     evaluation = DynamicEvaluation(lr=0.0)
@@ -265,5 +349,28 @@ def gradient_statistics(model: nn.Module, input_ids: torch.Tensor, segment_lengt
                 for name, g in zip(params, grads):
                     if g is not None:
                         sums[name] += g.detach() ** 2
+                cache = detach_cache(cache)
                 count += 1
     return {n: s / max(count, 1) for n, s in sums.items()}
+
+
+def choose_step_size(
+    score: Callable[[DynamicEvaluation], ScoreResult], candidates: Sequence[float], **options: Any
+) -> Tuple[float, Dict[float, float]]:
+    """The step size among ``candidates`` whose dynamic evaluation scores the lowest perplexity under ``score`` (e.g.
+    scoring the validation split), and ``{step size: perplexity}`` of every candidate tried.
+
+    ``options`` are the other ``DynamicEvaluation`` arguments (``method``, ``decay``, ``parameters``...). A single
+    candidate is returned without scoring (and an empty dict). A best value at either end of a grid is logged as a
+    warning: the grid should be widened.
+    """
+    candidates = [float(lr) for lr in candidates]
+    if not candidates:
+        raise ValueError("`candidates` must hold at least one step size")
+    if len(candidates) == 1:
+        return candidates[0], {}
+    tried = {lr: score(DynamicEvaluation(lr, **options)).perplexity for lr in candidates}
+    best = min(tried, key=tried.get)
+    if best in (min(candidates), max(candidates)):
+        logger.warning("dynamic evaluation: the best step size %g is at the edge of the grid %s", best, candidates)
+    return best, tried

@@ -5,41 +5,41 @@ An export is a folder that loads anywhere transformers 5 runs:
 - ``config.json`` (with ``auto_map``), ``generation_config.json``, ``model.safetensors``;
 - the modeling code and a pure-PyTorch copy of ``fwp_kernels`` (written by ``save_pretrained``, see
   ``modeling_fwp.remote_code``), so ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works
-  without this package;
+  without the ``modeling_fwp`` package;
 - the tokenizer, when given;
 - the results files of the runs (when given) and ``README.md``, this project's model card filled from them
-  (``model_cards``).
+  (:mod:`model_cards.generator`).
 
-Training scripts take Trainer's Hub options (``--push_to_hub``, ``--hub_model_id``, ``--hub_private_repo``,
-``--hub_token``, ``--hub_revision``, plus ``--hub_dry_run``) from :func:`add_hub_arguments` and act on them with
-:func:`push_if_requested` (an :func:`export_for_hub` folder uploaded by :func:`push_folder`), not with
-``TrainingArguments(push_to_hub=True)``, whose upload replaces the card with Trainer's generic one. Uploads are thin
-calls into ``huggingface_hub`` (``create_repo`` + ``upload_folder``) and can be dry runs that only list the files.
+Uploads are thin calls into ``huggingface_hub`` (``create_repo`` + ``upload_folder``) and can be dry runs that only
+list the files. The training scripts reach them through ``training.hub_options`` (Trainer's ``--push_to_hub`` options),
+not through ``TrainingArguments(push_to_hub=True)``, whose upload replaces the card with Trainer's generic one.
 
-This module belongs to the installed package and is never copied into exports.
+Importing this module registers it as ``modeling_fwp``'s publisher (``modeling_fwp.pretrained.register_publisher``):
+from then on the models' ``save_pretrained`` writes this project's card and their ``push_to_hub`` lands in
+:func:`push_to_hub`. (``modeling_fwp`` never imports this package; this module is never copied into exports.)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from huggingface_hub import HfApi
-from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
+from huggingface_hub.utils import filter_repo_objects
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-import model_cards
+import modeling_fwp
+from modeling_fwp.pretrained import register_publisher
+
+from .generator import card_for_folder, validate_card
 
 CARD_NAME = "README.md"
 RESULTS_NAME = "results.json"
-EXPORT_DIR_NAME = "hub_export"  # the folder push_if_requested writes under a script's output directory
-# Command-line arguments never written into results files (which are uploaded with the model).
-SECRET_ARGUMENTS = frozenset({"hub_token"})
 # Never uploaded: caches and bytecode (the same patterns filter the dry-run listing and the upload).
 IGNORE_PATTERNS = ["__pycache__/*", "*/__pycache__/*", "*.pyc", ".cache/*", ".git/*", ".ipynb_checkpoints/*"]
 Results = Union[None, str, os.PathLike, Mapping[str, Any], Sequence[Union[str, os.PathLike, Mapping[str, Any]]]]
@@ -56,7 +56,7 @@ def registered_families() -> Dict[str, Tuple[type, type]]:
         if not model_type.startswith("fwp_"):
             continue
         config_cls = CONFIG_MAPPING[model_type]
-        if not config_cls.__module__.startswith(f"{__package__}."):
+        if not config_cls.__module__.startswith(f"{modeling_fwp.__name__}."):
             continue
         if config_cls in AutoModelForCausalLM._model_mapping:
             families[model_type] = (config_cls, AutoModelForCausalLM._model_mapping[config_cls])
@@ -66,7 +66,7 @@ def registered_families() -> Dict[str, Tuple[type, type]]:
 def write_model_card(
     folder: Union[str, os.PathLike], results: Results = None, *, overwrite: bool = True, **card_options: Any
 ) -> Path:
-    """Writes ``README.md`` into a saved model folder: ``model_cards.card_for_folder`` (validated) from its
+    """Writes ``README.md`` into a saved model folder: :func:`model_cards.card_for_folder` (validated) from its
     ``config.json``, weights and ``results``. Returns the card's path (unchanged if it exists and not ``overwrite``).
 
     ``card_options``: ``repo_id``, ``model_name``, ``license``, ``datasets``, ``base_model``, ``language``, ``tags``.
@@ -74,7 +74,7 @@ def write_model_card(
     path = Path(folder) / CARD_NAME
     if path.exists() and not overwrite:
         return path
-    card = model_cards.validate_card(model_cards.card_for_folder(folder, results, **card_options))
+    card = validate_card(card_for_folder(folder, results, **card_options))
     card.save(path)
     return path
 
@@ -87,7 +87,8 @@ def attach_results(folder: Union[str, os.PathLike], results: Results, **card_opt
     by the ``training/`` scripts (``model_cards.readers``); None writes a card that says it has no numbers.
     """
     folder = Path(folder)
-    sources = [] if results is None else [results] if isinstance(results, (str, os.PathLike, Mapping)) else list(results)
+    single = isinstance(results, (str, os.PathLike, Mapping))
+    sources = [] if results is None else [results] if single else list(results)
     shipped: List[Path] = []
     for index, source in enumerate(sources):
         target = folder / (RESULTS_NAME if isinstance(source, Mapping) else Path(source).name)
@@ -114,7 +115,7 @@ def export_for_hub(
     results files (when given) and a model card filled from those results.
 
     Args:
-        model: any of this package's models (``FastWeightHubMixin`` writes the code with the weights).
+        model: any model of ``modeling_fwp`` (``FastWeightHubMixin`` writes the code with the weights).
         tokenizer: saved next to the model when given.
         out_dir: the folder (created).
         results: the results JSON(s) (paths or dicts) of the runs that trained and evaluated ``model``; None: a
@@ -166,7 +167,7 @@ def check_export(folder: Union[str, os.PathLike]) -> List[str]:
         problems.append(f"no {CARD_NAME} (write one with write_model_card or `python -m model_cards card`)")
     else:
         try:
-            model_cards.validate_card((folder / CARD_NAME).read_text(encoding="utf-8"))
+            validate_card((folder / CARD_NAME).read_text(encoding="utf-8"))
         except ValueError as error:
             problems.append(str(error))
     if problems:
@@ -248,98 +249,4 @@ def load_for_export(folder: Union[str, os.PathLike]) -> Tuple[PreTrainedModel, A
     return model, (AutoTokenizer.from_pretrained(folder) if has_tokenizer else None)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Command-line options of the training scripts
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _hub_repo_id(value: str) -> str:
-    """argparse type of ``--hub_model_id``: ``name`` or ``namespace/name``, checked before any training starts."""
-    try:
-        validate_repo_id(value)
-    except HFValidationError as error:
-        raise argparse.ArgumentTypeError(f"expected a Hub repo id like 'user/model-name', got {value!r}: {error}")
-    return value
-
-
-def add_hub_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Adds the Hub options of ``TrainingArguments`` to a training script's parser, in an argument group.
-
-    ``--push_to_hub``, ``--hub_model_id`` (default: the name of the output directory, in the token's namespace, as
-    Trainer does), ``--hub_private_repo``, ``--hub_token`` (default: ``HF_TOKEN`` or the cached login; never
-    written to results files, see :func:`args_without_secrets`), ``--hub_revision``, and ``--hub_dry_run`` (export
-    and list the files an upload would send, upload nothing). :func:`push_if_requested` acts on them.
-    Returns the group.
-    """
-    group = parser.add_argument_group(
-        "Hugging Face Hub", "export the trained model with its code and this project's model card, and upload it"
-    )
-    group.add_argument("--push_to_hub", action="store_true",
-                       help="after training, write <output_dir>/hub_export (modeling_fwp.hub) and upload it")
-    group.add_argument("--hub_model_id", type=_hub_repo_id, default=None,
-                       help="Hub repo id (user/name); default: the output directory's name in the token's namespace")
-    group.add_argument("--hub_private_repo", action="store_true", default=None,
-                       help="create the repo private (default: the Hub's default visibility)")
-    group.add_argument("--hub_token", default=None,
-                       help="Hub token (default: $HF_TOKEN or `hf auth login`); never written to results files")
-    group.add_argument("--hub_revision", default=None, help="branch to upload to (default: main)")
-    group.add_argument("--hub_dry_run", action="store_true",
-                       help="write the export and list the files an upload would send; upload nothing")
-    return group
-
-
-def args_without_secrets(args: argparse.Namespace) -> Dict[str, Any]:
-    """``vars(args)`` without the values that must not be written into (uploaded) results files (``hub_token``)."""
-    return {key: value for key, value in vars(args).items() if key not in SECRET_ARGUMENTS}
-
-
-def push_if_requested(
-    args: argparse.Namespace,
-    model: PreTrainedModel,
-    tokenizer: Any,
-    output_dir: Union[str, os.PathLike],
-    *,
-    results: Results = None,
-    **card_options: Any,
-) -> Optional[Union[List[str], Any]]:
-    """Acts on the options of :func:`add_hub_arguments` at the end of a training script (main process only).
-
-    Without ``--push_to_hub`` or ``--hub_dry_run`` it does nothing and returns None. Otherwise it writes
-    ``<output_dir>/hub_export`` (:func:`export_for_hub`: weights, config, code, ``tokenizer``, the results files and
-    the card filled from them; a previous export there is replaced) and uploads it (:func:`push_folder`), or with
-    ``--hub_dry_run`` prints and returns the file list.
-
-    Args:
-        args: the parsed arguments (``push_to_hub``, ``hub_model_id``, ``hub_private_repo``, ``hub_token``,
-            ``hub_revision``, ``hub_dry_run``).
-        model: the trained model (any of this package's families).
-        tokenizer: saved with it (None: no tokenizer files).
-        output_dir: the script's output directory; its name is the default repo name.
-        results: the results file(s) or dict(s) of the run (``model_cards.readers`` layouts); None:
-            ``<output_dir>/results.json`` when it exists, else a card that says it has no numbers.
-        card_options: passed to the card (``base_model`` for an FWL fine-tune, ``datasets``, ``license``, ``tags``,
-            ``results_model``...).
-    Returns:
-        None (nothing requested), the file list (dry run) or ``HfApi.upload_folder``'s commit info.
-    """
-    missing = [name for name in ("push_to_hub", "hub_model_id", "hub_private_repo", "hub_token", "hub_revision",
-                                 "hub_dry_run") if not hasattr(args, name)]
-    if missing:
-        raise ValueError(f"`args` must come from a parser set up with add_hub_arguments; it has no {missing}")
-    if not (args.push_to_hub or args.hub_dry_run):
-        return None
-    output_dir = Path(output_dir)
-    repo_id = args.hub_model_id or output_dir.resolve().name
-    if "/" not in repo_id and not args.hub_dry_run:  # Trainer's default: the token's namespace
-        api = HfApi(token=args.hub_token)
-        repo_id = api.create_repo(repo_id, private=args.hub_private_repo, exist_ok=True, repo_type="model").repo_id
-    if results is None and (output_dir / RESULTS_NAME).is_file():
-        results = output_dir / RESULTS_NAME
-    folder = output_dir / EXPORT_DIR_NAME
-    if folder.exists():
-        shutil.rmtree(folder)  # no stale files (old shards, results) from an earlier export
-    export_for_hub(model, tokenizer, folder, results=results, repo_id=repo_id, **card_options)
-    return push_folder(
-        folder, repo_id, token=args.hub_token, private=args.hub_private_repo, revision=args.hub_revision,
-        dry_run=args.hub_dry_run,
-    )
+register_publisher(sys.modules[__name__])

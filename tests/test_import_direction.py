@@ -1,0 +1,73 @@
+"""The packages depend one way (DESIGN.md): training -> modeling_fwp -> fwp_kernels, model_cards beside training.
+
+modeling_fwp holds model code only: none of its modules may import the publishing package (model_cards) or the
+scripts (training); fwp_kernels knows nothing of models or transformers. Checked in fresh interpreters, where
+``sys.modules`` shows everything an import pulled in.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import modeling_fwp
+from modeling_fwp import pretrained
+
+from conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# For each "package:forbidden,names" argument in turn: imports the package and every module under it, then records
+# which forbidden top-level names are in sys.modules by then.
+IMPORT_ALL = r"""
+import importlib, json, pkgutil, sys
+report = []
+for step in sys.argv[1:]:
+    package, forbidden = step.split(":")
+    root = importlib.import_module(package)
+    names = [package] + [info.name for info in pkgutil.walk_packages(root.__path__, package + ".")]
+    for name in names:
+        importlib.import_module(name)
+    loaded = sorted({key.split(".")[0] for key in sys.modules} & set(forbidden.split(",")))
+    report.append({"package": package, "file": root.__file__, "modules": names, "loaded": loaded})
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        # model_cards after modeling_fwp in one interpreter: model_cards may import modeling_fwp, never training
+        [("modeling_fwp", ["model_cards", "training"]), ("model_cards", ["training"])],
+        [("fwp_kernels", ["modeling_fwp", "transformers", "model_cards", "training"])],
+    ],
+    ids=["modeling_fwp-then-model_cards", "fwp_kernels"],
+)
+def test_packages_import_one_way(steps):
+    arguments = [f"{package}:{','.join(forbidden)}" for package, forbidden in steps]
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for report in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert Path(report["file"]).resolve().is_relative_to(ROOT), report["file"]  # this checkout, not an installed copy
+        assert len(report["modules"]) > 1  # the walk found the package's modules
+        assert report["loaded"] == [], f"importing {report['package']} imported {report['loaded']}"
+
+
+def test_without_a_publisher_models_save_without_a_card(tmp_path, monkeypatch):
+    """modeling_fwp writes cards only through the publisher model_cards registers; without one, save_pretrained
+    writes the checkpoint and its code, no card, and push_to_hub is transformers' own."""
+    import model_cards
+
+    assert pretrained.registered_publisher() is model_cards.hub
+    model = tiny_model(modeling_fwp.DeltaNetConfig)
+    model.save_pretrained(tmp_path / "with")
+    monkeypatch.setattr(pretrained, "_PUBLISHER", None)
+    model.save_pretrained(tmp_path / "without")
+    assert (tmp_path / "with" / "README.md").is_file() and not (tmp_path / "without" / "README.md").exists()
+    with_files = {p.name for p in (tmp_path / "with").iterdir()} - {"README.md"}
+    assert with_files == {p.name for p in (tmp_path / "without").iterdir()}
+    with pytest.raises(ImportError, match="import model_cards"):
+        model.save_pretrained(tmp_path / "push", push_to_hub=True, repo_id="me/x")
