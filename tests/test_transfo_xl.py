@@ -443,7 +443,7 @@ def test_fwl_state_after_two_segments_is_the_decayed_sum_of_per_token_gradients(
     g1 = slow_gradients(model, h1[:-1], ids1[0, 1:])
     g2 = slow_gradients(model, torch.cat([h1[-1:], h2[:-1]]), torch.cat([ids2[0, :1], ids2[0, 1:]]))
     for name in model.fwl_head.fast_parameter_names:
-        expected = model.fwl_decay.gamma(name) * g1[name] + g2[name]
+        expected = model.fwl_head.decay.gamma(name) * g1[name] + g2[name]
         torch.testing.assert_close(state[f"sum.{name}"][0], expected, rtol=1e-4, atol=1e-5, msg=name)
         assert not state[f"sum.{name}"].requires_grad
     assert int(state["segment.tokens"][0]) == 5
@@ -468,7 +468,7 @@ def test_fwl_fast_outputs_are_the_slow_head_after_a_gradient_step(residual):
             totals = slow_gradients(model, hs[:t], ys[1 : t + 1])
         else:
             new = slow_gradients(model, hs[5:t], ys[6 : t + 1])
-            totals = {name: model.fwl_decay.gamma(name) * carried[name] + new[name] for name in new}
+            totals = {name: model.fwl_head.decay.gamma(name) * carried[name] + new[name] for name in new}
         params = dict(slow.named_parameters())
         for name in head.fast_parameter_names:
             params[name] = params[name] - head.step_size(name) * totals[name]
@@ -552,7 +552,7 @@ def test_fwl_gradients_reach_the_decay_but_not_earlier_segments():
     embeddings = model.model.word_embeddings
     assert embeddings.layers[0].weight.grad is None and embeddings.projections[0].weight.grad is None
     assert embeddings.layers[1].weight.grad.abs().sum() > 0
-    assert model.fwl_decay.raw_decay.grad.abs().min() > 0  # every gamma is learned
+    assert model.fwl_head.decay.raw_decay.grad.abs().min() > 0  # every gamma is learned
     assert model.fwl_head.raw_step_size.grad.abs().min() > 0
 
 
