@@ -89,7 +89,8 @@ class FWLHeadConfigMixin:
         unknown = [name for name in names if name not in FAST_PARAMETER_NAMES]
         if unknown:
             raise ValueError(
-                f"`fwl_fast_parameters` names {unknown}, which are not FWL parameters; known: {list(FAST_PARAMETER_NAMES)}"
+                f"`fwl_fast_parameters` names {unknown}, which are not FWL parameters; known: "
+                f"{list(FAST_PARAMETER_NAMES)}"
             )
         if len(set(names)) != len(names):
             raise ValueError(f"`fwl_fast_parameters` lists a name twice: {names}")

@@ -145,12 +145,13 @@ class TransfoXLConfig(FWLHeadConfigMixin, PreTrainedConfig):
         not_hidden = [name for name in self.fwl_fast_parameters if name not in HIDDEN_PARAMETERS]
         if not_hidden:
             raise ValueError(
-                f"`fwl_fast_parameters` may only name the FWL's own parameters {list(HIDDEN_PARAMETERS)} with the adaptive "
-                f"softmax (its output layer stays slow), got {not_hidden}"
+                f"`fwl_fast_parameters` may only name the FWL's own parameters {list(HIDDEN_PARAMETERS)} with the "
+                f"adaptive softmax (its output layer stays slow), got {not_hidden}"
             )
         if self.fwl_output_bias:
             raise ValueError("`fwl_output_bias` must be False: the adaptive softmax output layer has its own biases")
         if self.fwl_gradient_dtype is not None:
             raise ValueError(
-                f"`fwl_gradient_dtype` must be None with the adaptive softmax output layer, got {self.fwl_gradient_dtype!r}"
+                "`fwl_gradient_dtype` must be None with the adaptive softmax output layer, got "
+                f"{self.fwl_gradient_dtype!r}"
             )

@@ -105,7 +105,9 @@ class FWLSlowHead(nn.Module):
     merge_previous_position: bool = False
     output_parameter_names: Tuple[str, ...] = ()
 
-    def __init__(self, hidden_size: int, intermediate_size: int, residual: bool = False, layer_norm_eps: float = 1e-5) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, residual: bool = False, layer_norm_eps: float = 1e-5
+    ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.up_proj = nn.Linear(hidden_size, intermediate_size)  # h U + a
@@ -269,8 +271,8 @@ class DenseFWLSlowHead(FWLSlowHead):
         return weight, bias
 
     def output_preactivation(self, o: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """``z = o E^T + c`` (plus E's own bias) in one fused matmul (``fwp_kernels.dense_linear``: oneDNN on CPU outside
-        autograd), computed in `dtype` when given."""
+        """``z = o E^T + c`` (plus E's own bias) in one fused matmul (``fwp_kernels.dense_linear``: oneDNN on CPU
+        outside autograd), computed in `dtype` when given."""
         weight, bias = self._output_layer(dtype)
         return dense_linear(o if dtype is None else o.to(dtype), weight, bias)
 
@@ -279,7 +281,16 @@ class DenseFWLSlowHead(FWLSlowHead):
             return z
         return torch.tanh(z / self.logit_softcapping) * self.logit_softcapping
 
-    def output_gradients(self, inter, labels, weights, input_gradient, logits_gradient, overwrite_logits, compute_dtype):
+    def output_gradients(
+        self,
+        inter: Intermediates,
+        labels: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        input_gradient: bool,
+        logits_gradient: bool,
+        overwrite_logits: bool,
+        compute_dtype: Optional[torch.dtype],
+    ) -> Dict[str, torch.Tensor]:
         """dCE/dz ``[B, T, V]`` (``grads["logits"]``, when asked for or when ``inter`` holds the logits) and dCE/do
         (``grads["f"]``, when `input_gradient`). Without a transform and without logits, dCE/do comes from
         ``fwp_kernels.linear_cross_entropy_input_gradient``: outside autograd in row blocks, no ``[B, T, V]`` tensor."""
@@ -487,7 +498,9 @@ class FWLHead(nn.Module):
         self._set_active(self.fast_parameter_names)
 
     @classmethod
-    def from_config(cls, config, slow_head_class: type, hidden_size: int, output_layer: nn.Module, **output_options) -> "FWLHead":
+    def from_config(
+        cls, config, slow_head_class: type, hidden_size: int, output_layer: nn.Module, **output_options
+    ) -> "FWLHead":
         """The head a config with the ``FWLHeadConfigMixin`` fields describes, on `output_layer` (the base model's
         output embedding or adaptive softmax, shared) through `slow_head_class`; `output_options` go to that class."""
         slow = slow_head_class(
@@ -588,7 +601,9 @@ class FWLHead(nn.Module):
             return state, None
         return self.decay(state)
 
-    def _forward(self, hidden_states, input_ids, attention_mask, state: State, logits_to_keep, output_state: bool, return_hidden: bool):
+    def _forward(
+        self, hidden_states, input_ids, attention_mask, state: State, logits_to_keep, output_state: bool, return_hidden: bool
+    ) -> Tuple[torch.Tensor, State]:
         """``(logits or o, state after these positions or None)``: slow pass, per-token gradients, fast pass."""
         B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
         active_output = [name for name in self._active if name not in HIDDEN_PARAMETERS]

@@ -23,8 +23,8 @@ from .cache_fwp import CACHE_ARGUMENT, StatefulPreTrainedModel, output_cache, re
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
 # Config fields with which a causal LM transforms its logits after the output embedding. Soft-capping
-# (``cap * tanh(z / cap)``: Gemma 2 and 3, ...) becomes part of the FWL's output layer; the others are refused, since the
-# FWL head, which applies the output embedding itself, would silently drop them.
+# (``cap * tanh(z / cap)``: Gemma 2 and 3, ...) becomes part of the FWL's output layer; the others are refused, since
+# the FWL head, which applies the output embedding itself, would silently drop them.
 SOFTCAPPING_FIELD = "final_logit_softcapping"
 UNSUPPORTED_LOGIT_TRANSFORMS = {
     "logit_scale": "multiplies the logits (Cohere)",

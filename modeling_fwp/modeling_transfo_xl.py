@@ -421,7 +421,9 @@ class AdaptiveSoftmaxFWLSlowHead(FWLSlowHead):
     ) -> None:
         super().__init__(hidden_size, intermediate_size, residual, layer_norm_eps)
         if not isinstance(adaptive_softmax, ProjectedAdaptiveLogSoftmax):
-            raise TypeError(f"`adaptive_softmax` must be a ProjectedAdaptiveLogSoftmax, got {type(adaptive_softmax).__name__}")
+            raise TypeError(
+                f"`adaptive_softmax` must be a ProjectedAdaptiveLogSoftmax, got {type(adaptive_softmax).__name__}"
+            )
         if output_bias:
             raise ValueError("`output_bias` must be False: the adaptive softmax output layer has its own biases")
         self.vocab_size = adaptive_softmax.vocab_size
@@ -432,7 +434,16 @@ class AdaptiveSoftmaxFWLSlowHead(FWLSlowHead):
         """``log p(. | o) [..., V]``."""
         return self.output_embedding.log_prob(o if dtype is None else o.to(dtype))
 
-    def output_gradients(self, inter, labels, weights, input_gradient, logits_gradient, overwrite_logits, compute_dtype):
+    def output_gradients(
+        self,
+        inter: Dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        input_gradient: bool,
+        logits_gradient: bool,
+        overwrite_logits: bool,
+        compute_dtype: Optional[torch.dtype],
+    ) -> Dict[str, torch.Tensor]:
         """dCE/df from the adaptive softmax (the target's clusters only); no ``[T, V]`` logits exist here."""
         return {"f": self.output_embedding.input_gradient(inter["o"], labels, weights)}
 
@@ -512,6 +523,23 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             allowed = (allowed & key_mask.bool()[:, None, None, :]) | (distance == 0)[None, None]
         return allowed
 
+    def _checked_cache(
+        self, cache: Optional[TransfoXLCache], batch_size: int, use_cache: bool
+    ) -> Optional[TransfoXLCache]:
+        """The cache to continue from and update: the caller's (validated), a new one if `use_cache`, or None."""
+        if cache is not None and not isinstance(cache, TransfoXLCache):
+            raise ValueError(
+                f"`cache` (`past_key_values`) must be a TransfoXLCache (or None), got {type(cache).__name__}"
+            )
+        if cache is not None and cache.batch_size not in (-1, batch_size):
+            raise ValueError(
+                f"`cache` (`past_key_values`) holds memories for batch size {cache.batch_size}, but the input has "
+                f"batch size {batch_size}"
+            )
+        if cache is None and use_cache:
+            cache = TransfoXLCache(self.config.num_hidden_layers, use_fwl=self.config.use_fwl)
+        return cache
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -547,18 +575,7 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             check_token_ids(input_ids, config.vocab_size, "input_ids")
             inputs_embeds = self.word_embeddings(input_ids)
         B, T = inputs_embeds.shape[:2]
-        cache = resolve_cache_argument(cache, past_key_values)
-        if cache is not None and not isinstance(cache, TransfoXLCache):
-            raise ValueError(
-                f"`cache` (`past_key_values`) must be a TransfoXLCache (or None), got {type(cache).__name__}"
-            )
-        if cache is not None and cache.batch_size not in (-1, B):
-            raise ValueError(
-                f"`cache` (`past_key_values`) holds memories for batch size {cache.batch_size}, but the input has "
-                f"batch size {B}"
-            )
-        if cache is None and use_cache:
-            cache = TransfoXLCache(config.num_hidden_layers, use_fwl=config.use_fwl)
+        cache = self._checked_cache(resolve_cache_argument(cache, past_key_values), B, use_cache)
         past_len = cache.get_seq_length() if cache is not None else 0
         M = cache.memory_length() if cache is not None else 0
         token_mask = padding_mask(attention_mask, B, T, past_len)
