@@ -404,6 +404,9 @@ def test_save_load_round_trip_keeps_ties_and_untied_variants(tmp_path):
         (dict(tie_projs=[True]), "tie_projs"),
         (dict(same_length=True, mem_len=0), "mem_len"),
         (dict(div_val=4, embedding_size=32), "embedding_size"),
+        (dict(use_fwl=True, fwl_output_bias=True), "fwl_output_bias"),  # the adaptive softmax: no c, a slow output
+        (dict(use_fwl=True, fwl_fast_parameters=["output_bias"]), "fwl_fast_parameters"),
+        (dict(use_fwl=True, fwl_gradient_dtype="bfloat16"), "fwl_gradient_dtype"),
     ],
 )
 def test_bad_config_raises_naming_the_argument(kwargs, argument):
@@ -542,6 +545,29 @@ def test_residual_fwl_starts_as_the_base_model_and_continued_training_loads_it(t
     model.save_pretrained(tmp_path / "fwl")
     with pytest.raises(ValueError, match="--use_fwl"):
         continued_model(tmp_path / "fwl", args)
+
+
+def test_fwl_checkpoints_keep_the_decay_key_and_reload_exactly(tmp_path):
+    """The segment decay is part of the FWL head (``fwl_head.decay``); saved folders keep its key
+    ``fwl_decay.raw_decay`` (renamed on load and back on save), so folders saved before and after load alike."""
+    from safetensors import safe_open
+
+    model = fwl_model()
+    with torch.no_grad():
+        model.fwl_head.decay.raw_decay.add_(torch.linspace(-1, 1, 6))
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "fwl_decay.raw_decay" in keys and not any("decay" in k for k in keys - {"fwl_decay.raw_decay"})
+    loaded = TransfoXLForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded.fwl_head.decay.raw_decay, model.fwl_head.decay.raw_decay, rtol=0, atol=0)
+    ids = ids_of(2, 9)
+    cache_a = model(ids[:, :5], use_cache=True).past_key_values
+    cache_b = loaded(ids[:, :5], use_cache=True).past_key_values
+    torch.testing.assert_close(
+        loaded(ids[:, 5:], past_key_values=cache_b).logits, model(ids[:, 5:], past_key_values=cache_a).logits,
+        rtol=0, atol=0,
+    )
 
 
 def test_fwl_gradients_reach_the_decay_but_not_earlier_segments():
