@@ -42,7 +42,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .cache_fwp import FastWeightCacheLayer
-from .configuration_fwl import DEFAULT_FAST_PARAMETERS, HIDDEN_PARAMETERS
+from .configuration_fwl import DEFAULT_FAST_PARAMETERS, HIDDEN_PARAMETERS, FWLHeadConfigMixin
 from .kernel_api import dense_linear, linear_attention, linear_cross_entropy_input_gradient
 
 # For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
@@ -499,7 +499,7 @@ class FWLHead(nn.Module):
 
     @classmethod
     def from_config(
-        cls, config, slow_head_class: type, hidden_size: int, output_layer: nn.Module, **output_options
+        cls, config: FWLHeadConfigMixin, slow_head_class: type, hidden_size: int, output_layer: nn.Module, **output_options
     ) -> "FWLHead":
         """The head a config with the ``FWLHeadConfigMixin`` fields describes, on `output_layer` (the base model's
         output embedding or adaptive softmax, shared) through `slow_head_class`; `output_options` go to that class."""
