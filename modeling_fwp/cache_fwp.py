@@ -61,6 +61,11 @@ class FastWeightCacheLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0
 
+    def set_states(self, states: Dict[str, torch.Tensor], num_new_tokens: int) -> None:
+        """Replaces the state by the one after `num_new_tokens` more tokens."""
+        self.states = dict(states)
+        self.seen_tokens += num_new_tokens
+
     def get_seq_length(self) -> int:
         return self.seen_tokens
 
@@ -119,9 +124,7 @@ class FastWeightCache(Cache):
         return dict(states) if states else None
 
     def set_state(self, layer_idx: int, state: Dict[str, torch.Tensor], num_new_tokens: int) -> None:
-        layer = self.layers[layer_idx]
-        layer.states = dict(state)
-        layer.seen_tokens += num_new_tokens
+        self.layers[layer_idx].set_states(state, num_new_tokens)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):

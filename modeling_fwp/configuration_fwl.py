@@ -1,5 +1,12 @@
-"""Configuration of ``FWLForCausalLM``: a Fast Weight Layer head (Clark et al. 2022) on any causal LM."""
+"""Configuration of ``FWLForCausalLM``: a Fast Weight Layer head (Clark et al. 2022) on any causal LM.
+
+``FWLHeadConfigMixin`` is the FWL's own block of fields, shared by ``FWLConfig`` and ``TransfoXLConfig`` (one set of
+names and defaults, one validation).
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
@@ -7,10 +14,8 @@ from transformers.configuration_utils import SubConfigSpec
 KERNEL_MODES = ("auto", "recurrent", "chunk")
 GRADIENT_DTYPES = (None, "bfloat16", "float16", "float32", "float64")
 
-# The paper's default: every parameter of the FWL's MLP and LayerNorm gets fast weights; the output embedding E
-# (shared with the base model) and the output bias c stay slow. ``["output_bias"]`` is the paper's "bias only"
-# ablation.
-DEFAULT_FAST_PARAMETERS = (
+# The parameters of the FWL's MLP and LayerNorm (everything before the output layer).
+HIDDEN_PARAMETERS = (
     "up_proj.weight",
     "up_proj.bias",
     "down_proj.weight",
@@ -18,9 +23,95 @@ DEFAULT_FAST_PARAMETERS = (
     "norm.weight",
     "norm.bias",
 )
+# Every name that can get fast weights: the hidden parameters and a dense output layer's E, E's bias and c.
+FAST_PARAMETER_NAMES = HIDDEN_PARAMETERS + ("output_embedding.weight", "output_embedding.bias", "output_bias")
+# The paper's default: every parameter of the FWL's MLP and LayerNorm gets fast weights; the output embedding E
+# (shared with the base model) and the output bias c stay slow. ``["output_bias"]`` is the paper's "bias only"
+# ablation.
+DEFAULT_FAST_PARAMETERS = HIDDEN_PARAMETERS
 
 
-class FWLConfig(PreTrainedConfig):
+@dataclass(kw_only=True)
+class FWLHeadConfigMixin:
+    r"""The fields of a Fast Weight Layer head (Clark et al., EMNLP 2022), shared by every config that has one.
+
+    Args:
+        fwl_intermediate_size: width of the FWL's hidden layer (U is ``[hidden_size, fwl_intermediate_size]``).
+            None: the model's ``hidden_size``.
+        fwl_fast_parameters: names (as in ``fwl_head.slow.named_parameters()``) that get fast weights: any of
+            ``up_proj.weight`` (U), ``up_proj.bias`` (a), ``down_proj.weight`` (W), ``down_proj.bias`` (b),
+            ``norm.weight``, ``norm.bias`` (the LayerNorm gain and bias) and, with a dense output layer,
+            ``output_embedding.weight`` (E), ``output_embedding.bias``, ``output_bias`` (c). None: the MLP and
+            LayerNorm parameters (the paper's default).
+        fwl_output_bias: give the head its own output bias c (initialised to zero; dense output layers only).
+        fwl_residual: the output layer reads ``h + f(h)`` instead of ``f(h)``. With it the LayerNorm gain starts at
+            zero, so a freshly attached head reproduces the base model's outputs exactly (fine-tuning a pretrained
+            model for few steps); without it (the paper's form) the gain starts at one.
+        fwl_step_size_init: initial value of every learned step size alpha (alpha = softplus(raw) > 0).
+        fwl_decay_init: None (no decay: the fast update keeps growing over the whole text) or the initial learned
+            decay gamma in (0, 1) of the carried update at segment boundaries, ``Delta <- gamma Delta +
+            stopgrad(sum of the segment's gradients)`` (Clark et al. sec. 3; gamma = sigmoid(raw), one per fast
+            parameter).
+        fwl_segment_length: with a decay, the carried update decays once per this many tokens (at the start of the
+            first forward call that begins at or past the boundary); None: once per forward call that continues from
+            a cache (one call = one segment, the papers' evaluation protocol).
+        fwl_layer_norm_eps: epsilon of the FWL LayerNorm.
+        fwl_kernel_mode, fwl_chunk_size: forwarded to ``fwp_kernels.linear_attention`` (the chunk size changes the
+            results only by float rounding).
+        fwl_gradient_dtype: None (exact) or a dtype name ("bfloat16") in which the vocabulary-sized part of the
+            per-token gradients is computed (slow logits, softmax, dlogits E): an approximation of the fast weight
+            update that runs about 2.5x faster on CPUs with bf16 matrix units (dense output layers only).
+    """
+
+    fwl_intermediate_size: Optional[int] = None
+    fwl_fast_parameters: Optional[list[str]] = None
+    fwl_output_bias: bool = True
+    fwl_residual: bool = False
+    fwl_step_size_init: float = 1e-3
+    fwl_decay_init: Optional[float] = None
+    fwl_segment_length: Optional[int] = None
+    fwl_layer_norm_eps: float = 1e-5
+    fwl_kernel_mode: str = "auto"
+    fwl_chunk_size: int = 256
+    fwl_gradient_dtype: Optional[str] = None
+
+    def resolve_fwl_fields(self, hidden_size: int) -> None:
+        """Fills the None defaults that depend on the model (``fwl_intermediate_size``, ``fwl_fast_parameters``) and
+        validates every FWL field; a bad value raises a ValueError (TypeError for a wrong type) naming the field."""
+        if self.fwl_intermediate_size is None:
+            self.fwl_intermediate_size = hidden_size
+        if self.fwl_fast_parameters is None:
+            self.fwl_fast_parameters = list(DEFAULT_FAST_PARAMETERS)
+        names = self.fwl_fast_parameters
+        if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+            raise TypeError(f"`fwl_fast_parameters` must be a list of parameter names, got {names!r}")
+        self.fwl_fast_parameters = list(names)
+        unknown = [name for name in names if name not in FAST_PARAMETER_NAMES]
+        if unknown:
+            raise ValueError(
+                f"`fwl_fast_parameters` names {unknown}, which are not FWL parameters; known: "
+                f"{list(FAST_PARAMETER_NAMES)}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"`fwl_fast_parameters` lists a name twice: {names}")
+        checks = {
+            "fwl_intermediate_size": (self.fwl_intermediate_size >= 1, ">= 1"),
+            "fwl_step_size_init": (self.fwl_step_size_init > 0, "> 0 (step sizes are positive)"),
+            "fwl_decay_init": (self.fwl_decay_init is None or 0.0 < self.fwl_decay_init < 1.0, "None or in (0, 1)"),
+            "fwl_segment_length": (self.fwl_segment_length is None or self.fwl_segment_length >= 1, "None or >= 1"),
+            "fwl_layer_norm_eps": (self.fwl_layer_norm_eps > 0, "> 0"),
+            "fwl_kernel_mode": (self.fwl_kernel_mode in KERNEL_MODES, f"one of {KERNEL_MODES}"),
+            "fwl_chunk_size": (self.fwl_chunk_size >= 1, ">= 1"),
+            "fwl_gradient_dtype": (self.fwl_gradient_dtype in GRADIENT_DTYPES, f"one of {GRADIENT_DTYPES}"),
+        }
+        for field, (valid, requirement) in checks.items():
+            if not valid:
+                raise ValueError(f"`{field}` must be {requirement}, got {getattr(self, field)!r}")
+        if self.fwl_segment_length is not None and self.fwl_decay_init is None:
+            raise ValueError("`fwl_segment_length` sets where the carried update decays: it needs `fwl_decay_init`")
+
+
+class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
     r"""Configuration of a Fast Weight Layer head on a causal LM (Clark et al., EMNLP 2022, sec. 2).
 
     The head computes ``f(h) = LayerNorm(ReLU(h U + a)^2 W + b)`` and ``logits = f(h) E^T + c`` on the base model's
@@ -30,22 +121,7 @@ class FWLConfig(PreTrainedConfig):
     Args:
         text_config: config of the wrapped causal LM (any ``AutoModelForCausalLM`` architecture; a dict with a
             ``model_type`` or a config instance).
-        fwl_intermediate_size: width of the FWL's hidden layer (the paper's U is ``[hidden_size, fwl_intermediate_size]``).
-            None: the base model's ``hidden_size``.
-        fwl_fast_parameters: names (as in ``FWLForCausalLM.fwl_head.slow.named_parameters()``) that get fast
-            weights: any of ``up_proj.weight`` (U), ``up_proj.bias`` (a), ``down_proj.weight`` (W), ``down_proj.bias``
-            (b), ``norm.weight``, ``norm.bias`` (the LayerNorm gain and bias), ``output_embedding.weight`` (E),
-            ``output_bias`` (c). None: the MLP and LayerNorm parameters (the paper's default).
-        fwl_output_bias: give the head its own output bias c (initialised to zero).
-        fwl_residual: ``logits = (h + f(h)) E^T + c`` instead of ``f(h) E^T + c``. With it the LayerNorm gain starts at
-            zero, so a freshly attached head reproduces the base model's logits exactly (useful when fine-tuning a
-            pretrained model for few steps); without it (the paper's form) the gain starts at one.
-        fwl_step_size_init: initial value of every learned step size alpha (alpha = softplus(raw) > 0).
-        fwl_layer_norm_eps: epsilon of the FWL LayerNorm.
-        fwl_kernel_mode, fwl_chunk_size: forwarded to ``fwp_kernels.linear_attention``.
-        fwl_gradient_dtype: None (exact) or a dtype name ("bfloat16") in which the vocabulary-sized part of the per-token
-            gradients is computed (slow logits, softmax, dlogits E): an approximation of the fast weight update that
-            runs about 2.5x faster on CPUs with bf16 matrix units; the output logits keep the model's dtype.
+        fwl_*: the FWL head's fields (``FWLHeadConfigMixin``).
         initializer_range: std of the normal initialisation of U and W.
     """
 
@@ -54,15 +130,6 @@ class FWLConfig(PreTrainedConfig):
     sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
 
     text_config: dict | PreTrainedConfig | None = None
-    fwl_intermediate_size: int | None = None
-    fwl_fast_parameters: list[str] | None = None
-    fwl_output_bias: bool = True
-    fwl_residual: bool = False
-    fwl_step_size_init: float = 1e-3
-    fwl_layer_norm_eps: float = 1e-5
-    fwl_kernel_mode: str = "auto"
-    fwl_chunk_size: int = 256
-    fwl_gradient_dtype: str | None = None
     initializer_range: float = 0.02
 
     use_cache: bool = True
@@ -75,23 +142,7 @@ class FWLConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         text = self.text_config
-        if self.fwl_intermediate_size is None:
-            self.fwl_intermediate_size = text.hidden_size
-        if self.fwl_fast_parameters is None:
-            self.fwl_fast_parameters = list(DEFAULT_FAST_PARAMETERS)
-        if isinstance(self.fwl_fast_parameters, str) or not all(isinstance(n, str) for n in self.fwl_fast_parameters):
-            raise TypeError(f"`fwl_fast_parameters` must be a list of parameter names, got {self.fwl_fast_parameters!r}")
-        self.fwl_fast_parameters = list(self.fwl_fast_parameters)
-        if self.fwl_intermediate_size < 1:
-            raise ValueError(f"`fwl_intermediate_size` must be >= 1, got {self.fwl_intermediate_size}")
-        if not self.fwl_step_size_init > 0:
-            raise ValueError(f"`fwl_step_size_init` must be > 0 (step sizes are positive), got {self.fwl_step_size_init}")
-        if self.fwl_kernel_mode not in KERNEL_MODES:
-            raise ValueError(f"`fwl_kernel_mode` must be one of {KERNEL_MODES}, got {self.fwl_kernel_mode!r}")
-        if self.fwl_gradient_dtype not in GRADIENT_DTYPES:
-            raise ValueError(f"`fwl_gradient_dtype` must be one of {GRADIENT_DTYPES}, got {self.fwl_gradient_dtype!r}")
-        if self.fwl_chunk_size < 1:
-            raise ValueError(f"`fwl_chunk_size` must be >= 1, got {self.fwl_chunk_size}")
+        self.resolve_fwl_fields(text.hidden_size)
         # Generation reads the special tokens from the top-level config: take the base model's.
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if getattr(self, name) is None:

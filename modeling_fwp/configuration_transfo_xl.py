@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-from .configuration_fwl import DEFAULT_FAST_PARAMETERS, KERNEL_MODES
+from .configuration_fwl import HIDDEN_PARAMETERS, FWLHeadConfigMixin
 
 
-class TransfoXLConfig(PreTrainedConfig):
+class TransfoXLConfig(FWLHeadConfigMixin, PreTrainedConfig):
     r"""Transformer-XL with relative positional attention, segment memories, adaptive input and projected adaptive
     softmax (Dai et al., ACL 2019), and an optional Fast Weight Layer head (Clark et al., EMNLP 2022, sec. 3).
 
@@ -42,17 +42,9 @@ class TransfoXLConfig(PreTrainedConfig):
     Fast Weight Layer (``use_fwl=True``): the FWL head of ``modeling_fwp.fwl`` on the last hidden states, with the
     adaptive softmax as its output layer, and the paper's segment recurrence of the running update
     ``Delta <- gamma * Delta + stopgrad(sum of the segment's gradients)`` (learned gamma per fast parameter).
-        fwl_intermediate_size: width of the FWL hidden layer (None: hidden_size).
-        fwl_fast_parameters: fast parameter names of the FWL's slow net (None: U, a, W, b and the LayerNorm).
-        fwl_residual: the adaptive softmax reads ``h + f(h)`` instead of ``f(h)``, with the FWL LayerNorm gain
-            initialised to zero, so that a head attached to a trained Transformer-XL starts from its exact outputs
-            (fine-tuning for few steps); False (the paper's form): ``f(h)``, gain initialised to one.
-        fwl_step_size_init: initial learned step size alpha.
-        fwl_decay_init: initial learned decay gamma in (0, 1) (gamma = sigmoid(raw)).
-        fwl_segment_length: the carried update decays once per this many tokens (at the start of the first forward call
-            that begins at or past the boundary); None: once per forward call that continues from a cache (one call =
-            one segment, the papers' evaluation protocol). Set it to the training segment length for generation.
-        fwl_kernel_mode, fwl_chunk_size: forwarded to ``fwp_kernels.linear_attention``.
+        fwl_*: the FWL head's fields (``FWLHeadConfigMixin``), with two defaults of their own: ``fwl_decay_init``
+            0.9 (the segment decay is on) and ``fwl_output_bias`` False (the adaptive softmax has its biases; an
+            extra c is unsupported, as are fast output parameters and ``fwl_gradient_dtype``).
     """
 
     model_type = "fwp_transfo_xl"
@@ -94,15 +86,10 @@ class TransfoXLConfig(PreTrainedConfig):
     proj_init_std: float = 0.01
 
     use_fwl: bool = False
-    fwl_intermediate_size: int | None = None
-    fwl_fast_parameters: list[str] | None = None
-    fwl_residual: bool = False
-    fwl_step_size_init: float = 1e-3
-    fwl_decay_init: float = 0.9
-    fwl_segment_length: int | None = None
-    fwl_layer_norm_eps: float = 1e-5
-    fwl_kernel_mode: str = "auto"
-    fwl_chunk_size: int = 64
+    # FWLHeadConfigMixin's fields; these two defaults differ: the decay is part of the Transformer-XL FWL (Clark et al.
+    # sec. 3), and the adaptive softmax output layer has no room for an extra bias c.
+    fwl_decay_init: float | None = 0.9
+    fwl_output_bias: bool = False
 
     use_cache: bool = True
     tie_word_embeddings: bool = True
@@ -149,17 +136,22 @@ class TransfoXLConfig(PreTrainedConfig):
         if self.same_length and self.mem_len < 1:
             raise ValueError("`same_length=True` limits attention to `mem_len` keys: it needs `mem_len` >= 1")
         if self.use_fwl:
-            if self.fwl_intermediate_size is None:
-                self.fwl_intermediate_size = self.hidden_size
-            if self.fwl_fast_parameters is None:
-                self.fwl_fast_parameters = list(DEFAULT_FAST_PARAMETERS)
-            self.fwl_fast_parameters = list(self.fwl_fast_parameters)
-            if not 0.0 < self.fwl_decay_init < 1.0:
-                raise ValueError(f"`fwl_decay_init` must be in (0, 1), got {self.fwl_decay_init}")
-            if not self.fwl_step_size_init > 0:
-                raise ValueError(f"`fwl_step_size_init` must be > 0, got {self.fwl_step_size_init}")
-            if self.fwl_segment_length is not None and self.fwl_segment_length < 1:
-                raise ValueError(f"`fwl_segment_length` must be >= 1 or None, got {self.fwl_segment_length}")
-            if self.fwl_kernel_mode not in KERNEL_MODES:
-                raise ValueError(f"`fwl_kernel_mode` must be one of {KERNEL_MODES}, got {self.fwl_kernel_mode!r}")
+            self.resolve_fwl_fields(self.hidden_size)
+            self._check_adaptive_softmax_fwl()
         super().__post_init__(**kwargs)
+
+    def _check_adaptive_softmax_fwl(self) -> None:
+        """What the adaptive softmax output layer of the FWL does not support (its output layer stays slow)."""
+        not_hidden = [name for name in self.fwl_fast_parameters if name not in HIDDEN_PARAMETERS]
+        if not_hidden:
+            raise ValueError(
+                f"`fwl_fast_parameters` may only name the FWL's own parameters {list(HIDDEN_PARAMETERS)} with the "
+                f"adaptive softmax (its output layer stays slow), got {not_hidden}"
+            )
+        if self.fwl_output_bias:
+            raise ValueError("`fwl_output_bias` must be False: the adaptive softmax output layer has its own biases")
+        if self.fwl_gradient_dtype is not None:
+            raise ValueError(
+                "`fwl_gradient_dtype` must be None with the adaptive softmax output layer, got "
+                f"{self.fwl_gradient_dtype!r}"
+            )

@@ -20,9 +20,14 @@ over earlier positions. Bias, LayerNorm and output-bias vectors become cumulativ
 slow pass, one analytic backward of all per-token losses at once, and one fast pass: linear in T. Nothing is
 detached, so training backpropagates through the gradient computation (second order), as in the paper.
 
-Generation uses the same code on one token at a time: the cache keeps the running gradient sums (the fast weight
-state of every linear attention) and the slow pass of the last position, whose loss becomes known only when the
-next token arrives.
+The output layer is explicit (``FWLSlowHead``'s output-layer interface): a dense ``o E^T + c`` on the base model's
+output embedding, optionally followed by a logit transform (``DenseFWLSlowHead``, e.g. Gemma 2's soft-capping), or
+Transformer-XL's projected adaptive softmax (``AdaptiveSoftmaxFWLSlowHead`` in ``modeling_transfo_xl``).
+
+Generation uses the same code on one token at a time: a ``FastWeightCacheLayer`` keeps the running gradient sums (the
+fast weight state of every linear attention) and the slow pass of the last position, whose loss becomes known only
+when the next token arrives. Optionally (Clark et al. sec. 3) the carried sums decay at segment boundaries,
+``Delta <- gamma Delta + stopgrad(sum of the segment's gradients)`` (``SegmentDecay``).
 """
 from __future__ import annotations
 
@@ -34,10 +39,11 @@ import torch
 import torch.nn.functional as F
 from fwp_kernels import dense_linear, linear_attention, linear_cross_entropy_input_gradient
 from torch import nn
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .cache_fwp import FastWeightCacheLayer
-from .configuration_fwl import DEFAULT_FAST_PARAMETERS
+from .configuration_fwl import DEFAULT_FAST_PARAMETERS, HIDDEN_PARAMETERS, FWLHeadConfigMixin
 
 # For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
 # its upstream gradient = the value). Names are those of `FWLSlowHead.named_parameters()`.
@@ -48,14 +54,12 @@ GRADIENT_TERMS: Dict[str, Tuple[Optional[str], str]] = {
     "down_proj.bias": (None, "z2"),  # b
     "norm.weight": (None, "gain"),  # LayerNorm gain: df_j * n_j
     "norm.bias": (None, "f"),  # LayerNorm bias: df_j
-    "output_embedding.weight": ("o", "logits"),  # E: dlogits_j o_j^T
+    "output_embedding.weight": ("o", "logits"),  # E: dz_j o_j^T (z = the logits before any transform)
     "output_embedding.bias": (None, "logits"),
     "output_bias": (None, "logits"),  # c
 }
 # How deep the analytic backward must go for each upstream gradient.
 _GRADIENT_DEPTH = {"logits": 0, "f": 1, "gain": 1, "z2": 2, "z1": 3}
-# Parameters whose fast values change the hidden layer (everything before the output embedding).
-_HIDDEN_PARAMETERS = ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias", "norm.weight", "norm.bias")
 
 Intermediates = Dict[str, torch.Tensor]
 State = Optional[Dict[str, torch.Tensor]]
@@ -66,75 +70,73 @@ def _inverse_softplus(x: float) -> float:
     return x + math.log(-math.expm1(-x))
 
 
+def _inverse_sigmoid(x: float) -> float:
+    """raw with sigmoid(raw) = x."""
+    return math.log(x / (1 - x))
+
+
+def layer_normalize(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(x - mean) / sqrt(var + eps)`` over the last dim (biased variance, as ``nn.LayerNorm``); returns (n, rstd)."""
+    centered = x - x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    return centered * rstd, rstd
+
+
 class FWLSlowHead(nn.Module):
-    """The FWL with slow weights: ``forward(h [B, T, D]) -> logits [B, T, V]`` (eq. 1), using only its own parameters.
+    r"""The FWL with slow weights (eq. 1): the hidden layer ``f(h) = LayerNorm(ReLU(h U + a)^2 W + b)`` (``up_proj``
+    U, a; ``down_proj`` W, b; ``norm``), read by an output layer that each subclass implements. ``forward(h [B, T, D])
+    -> logits [B, T, V]`` uses only the module's own parameters (the slow head of the FWL contract).
 
-    ``up_proj`` holds U and a, ``down_proj`` W and b, ``norm`` the LayerNorm, ``output_embedding`` is the base
-    model's output embedding E (the same module, shared), ``output_bias`` the head's own c.
+    The output-layer interface (what ``FWLHead`` uses), with ``o = f(h)`` (or ``h + f(h)`` when ``residual``):
 
-    ``merge_previous_position``: whether ``FWLHead`` computes the gradient of the previous call's last position in the
-    same ``per_token_gradients`` call as the new positions (concatenating the slow-pass intermediates). False here:
-    they include ``[B, T, V]`` logits, which would have to be copied; heads without vocabulary-sized intermediates
-    set it to True and save one call per segment.
+    - ``vocab_size``; ``output_parameter_names``: the output layer's parameters that may get fast weights.
+    - ``output_preactivation(o, dtype) -> z [..., V]``: the part of the output layer that is linear in its parameters;
+      ``transform_logits(z) -> logits``: what follows (identity by default).
+    - ``output_gradients(inter, labels, weights, ...) -> {"f": dCE/do, "logits": dCE/dz}``: the output layer's share
+      of the per-token backward.
+    - ``merge_previous_position``: whether ``FWLHead`` computes the gradient of the previous call's last position in
+      the same ``per_token_gradients`` call as the new positions (concatenating the slow-pass intermediates): only
+      worth it when they hold no vocabulary-sized tensor, which would have to be copied.
+
+    Subclasses build their output layer after ``super().__init__`` and end their ``__init__`` with
+    ``self.reset_parameters()``.
     """
 
     merge_previous_position: bool = False
+    output_parameter_names: Tuple[str, ...] = ()
 
     def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        output_embedding: nn.Linear,
-        output_bias: bool = True,
-        residual: bool = False,
-        layer_norm_eps: float = 1e-5,
+        self, hidden_size: int, intermediate_size: int, residual: bool = False, layer_norm_eps: float = 1e-5
     ) -> None:
         super().__init__()
-        if not isinstance(output_embedding, nn.Linear):
-            raise ValueError(
-                "The FWL head needs the base model's output embedding as an `nn.Linear` [vocab_size, hidden_size] "
-                f"(from `get_output_embeddings()`), got {type(output_embedding).__name__}"
-            )
-        if output_embedding.in_features != hidden_size:
-            raise ValueError(
-                f"The output embedding takes inputs of size {output_embedding.in_features}, but the hidden states have "
-                f"size {hidden_size}"
-            )
         self.hidden_size = hidden_size
-        self.vocab_size = output_embedding.out_features
         self.up_proj = nn.Linear(hidden_size, intermediate_size)  # h U + a
         self.down_proj = nn.Linear(intermediate_size, hidden_size)  # s W + b
         self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-        self.output_embedding = output_embedding  # E, shared with the base model
-        self.output_bias = nn.Parameter(torch.zeros(self.vocab_size)) if output_bias else None  # c
         self.residual = residual
-        self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, initializer_range: float = 0.02) -> None:
-        """A fresh head: U, W ~ N(0, initializer_range); a, b, c = 0; LayerNorm bias 0 and gain 1, or gain 0 when
-        `residual` so that ``h + f(h) = h`` and the wrapped model starts exactly at the base model. E is untouched."""
-        for linear in (self.up_proj, self.down_proj):
-            nn.init.normal_(linear.weight, std=initializer_range)
-            nn.init.zeros_(linear.bias)
-        nn.init.constant_(self.norm.weight, 0.0 if self.residual else 1.0)
-        nn.init.zeros_(self.norm.bias)
-        if self.output_bias is not None:
-            nn.init.zeros_(self.output_bias)
+    def reset_parameters(self) -> None:
+        """The FWL's own initial values: a, b = 0, LayerNorm bias 0 and gain 1, or gain 0 when `residual` so that
+        ``h + f(h) = h`` and the wrapped model starts exactly at its base model. U and W keep the initialisation of
+        their ``nn.Linear`` (in a model: transformers' N(0, initializer_range)); the output layer's own values come
+        from ``reset_output_parameters``. Honours transformers' "already initialised" flags (loaded weights)."""
+        init.zeros_(self.up_proj.bias)
+        init.zeros_(self.down_proj.bias)
+        init.constant_(self.norm.weight, 0.0 if self.residual else 1.0)
+        init.zeros_(self.norm.bias)
+        self.reset_output_parameters()
+
+    def reset_output_parameters(self) -> None:
+        """Initial values of the output layer's own parameters (not of a shared base-model module)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.forward_with_intermediates(hidden_states)["logits"]
-
-    def forward_with_intermediates(self, hidden_states: torch.Tensor) -> Intermediates:
-        """Slow pass: ``hidden_intermediates`` plus the logits ``[B, T, V]``."""
-        inter = self.hidden_intermediates(hidden_states)
-        inter["logits"] = self.output_logits(inter["o"])
-        return inter
+        return self.output_logits(self.hidden_intermediates(hidden_states)["o"])
 
     def hidden_intermediates(self, hidden_states: torch.Tensor) -> Intermediates:
-        """Slow pass up to the input of E; returns what the analytic backward and the fast pass need, ``[B, T, *]``:
-        h (input), r = ReLU(z1), s = r^2, n (normalised z2), rstd (1 / std of z2, ``[B, T, 1]``), o (input of E).
-        """
+        """Slow pass up to the input of the output layer; returns what the analytic backward and the fast pass need,
+        ``[B, T, *]``: h (input), r = ReLU(z1), s = r^2, n (normalised z2), rstd (1 / std of z2, ``[B, T, 1]``),
+        o (input of the output layer)."""
         h = hidden_states
         r = F.relu(self.up_proj(h))  # z1 = h U + a
         s = r * r
@@ -145,19 +147,26 @@ class FWLSlowHead(nn.Module):
         return {"h": h, "r": r, "s": s, "n": n, "rstd": rstd, "o": o}
 
     def output_logits(self, o: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """``o E^T + c`` (plus E's own bias if the base model's output embedding has one), one fused matmul
-        (``fwp_kernels.dense_linear``: oneDNN on CPU outside autograd), computed in `dtype` when given."""
-        weight, bias = self._output_layer(dtype)
-        return dense_linear(o if dtype is None else o.to(dtype), weight, bias)
+        """The slow output layer: ``o [..., D] -> logits [..., V]``, computed in `dtype` when given."""
+        return self.transform_logits(self.output_preactivation(o, dtype))
 
-    def _output_layer(self, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(E [V, D], the total output bias [V] or None), cast to `dtype` when given."""
-        weight, bias = self.output_embedding.weight, self.output_embedding.bias
-        if self.output_bias is not None:
-            bias = self.output_bias if bias is None else bias + self.output_bias
-        if dtype is not None and dtype != weight.dtype:
-            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        return weight, bias
+    def output_preactivation(self, o: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def transform_logits(self, z: torch.Tensor) -> torch.Tensor:
+        return z
+
+    def output_gradients(
+        self,
+        inter: Intermediates,
+        labels: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        input_gradient: bool,
+        logits_gradient: bool,
+        overwrite_logits: bool,
+        compute_dtype: Optional[torch.dtype],
+    ) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
 
     def per_token_gradients(
         self,
@@ -176,52 +185,21 @@ class FWLSlowHead(nn.Module):
             labels: ``[B, T]`` ids (any value where the weight is 0).
             weights: ``[B, T]`` 0/1 loss weights, or None for all ones.
             depth: how far back to go (0: logits only ... 3: down to z1, see ``_GRADIENT_DEPTH``).
-            logits_gradient: also return dCE/dlogits ``[B, T, V]`` (a fast output bias or embedding needs it). When
-                False and the intermediates hold no logits, dCE/df comes from
-                ``fwp_kernels.linear_cross_entropy_input_gradient``: outside autograd in row blocks, without any
-                ``[B, T, V]`` tensor.
-            overwrite_logits: outside autograd, turn the logits (``inter["logits"]`` or the ones computed here) into
-                their gradient in place: no second ``[B, T, V]`` tensor.
-            compute_dtype: dtype of the vocabulary-sized part (logits, softmax, ``dlogits E``); None: that of the
+            logits_gradient: also return dCE/dz ``[B, T, V]`` (a fast output-layer parameter needs it).
+            overwrite_logits: outside autograd, the output layer may turn the slow logits it computes itself into
+                their gradient in place (no second ``[B, T, V]`` tensor).
+            compute_dtype: dtype of the vocabulary-sized part (logits, softmax, ``dz E``); None: that of the
                 intermediates. ``torch.bfloat16`` is an approximation that runs on CPU matrix units.
         Returns:
-            a dict of ``[B, T, *]`` tensors: logits (dCE/dlogits, in `compute_dtype`, if asked for), f (dCE/df),
-            gain (df * n), z2, z1. Each row only depends on its own position, so the per-token gradient of a
-            parameter is read off without any sum.
+            a dict of ``[B, T, *]`` tensors: logits (dCE/dz, if asked for), f (dCE/df), gain (df * n), z2, z1. Each
+            row only depends on its own position, so the per-token gradient of a parameter is read off without a sum.
         """
-        dtype = compute_dtype or inter["o"].dtype
-        grads: Dict[str, torch.Tensor] = {}
-        if logits_gradient or "logits" in inter or depth < 1:
-            logits = inter["logits"].to(dtype) if "logits" in inter else self.output_logits(inter["o"], dtype=dtype)
-            # dCE/dlogits = softmax(logits) - onehot(label)
-            if overwrite_logits:  # nothing else reads these logits: softmax in place
-                grad = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-                grad = grad.div_(grad.sum(-1, keepdim=True))
-            else:
-                grad = torch.softmax(logits, dim=-1)
-                if torch.is_grad_enabled() and grad.requires_grad:
-                    grad = grad.clone()  # softmax's backward needs its own output unmodified
-            if weights is not None:
-                row_weights = weights[..., None].to(dtype)
-                grad, minus_one = grad.mul_(row_weights), -row_weights
-            else:
-                minus_one = grad.new_full((*labels.shape, 1), -1.0)
-            index = labels.clamp(0, logits.shape[-1] - 1)[..., None]
-            grads["logits"] = grad = grad.scatter_add_(-1, index, minus_one)
-            if depth >= 1:
-                # dCE/do = dlogits E
-                df = dense_linear(grad, self.output_embedding.weight.to(dtype).t())
-        elif depth >= 1:
-            # dCE/do = w (softmax(o E^T + c) - onehot(label)) E, without materialising dlogits
-            o = inter["o"]
-            weight, bias = self._output_layer(dtype)
-            rows = o.reshape(-1, o.shape[-1]).to(dtype)
-            scale = None if weights is None else weights.reshape(-1)
-            df = linear_cross_entropy_input_gradient(rows, weight, bias, labels.reshape(-1), scale).view(o.shape)
+        grads = self.output_gradients(
+            inter, labels, weights, depth >= 1, logits_gradient, overwrite_logits, compute_dtype
+        )
         if depth >= 1:
             # o = f (+ h): dCE/df = dCE/do
-            grads["f"] = df = df.to(inter["o"].dtype)
-            grads["gain"] = df * inter["n"]
+            grads["gain"] = grads["f"] * inter["n"]
         if depth >= 2:
             # LayerNorm backward: dz2 = rstd (dn - mean(dn) - n mean(dn n)), dn = df * gain
             dn = grads["f"] * self.norm.weight
@@ -233,11 +211,171 @@ class FWLSlowHead(nn.Module):
         return grads
 
 
-def layer_normalize(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(x - mean) / sqrt(var + eps)`` over the last dim (biased variance, as ``nn.LayerNorm``); returns (n, rstd)."""
-    centered = x - x.mean(-1, keepdim=True)
-    rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
-    return centered * rstd, rstd
+class DenseFWLSlowHead(FWLSlowHead):
+    r"""The slow FWL with a dense output layer: ``logits = T(o E^T + c)``, where E is the base model's output embedding
+    (the same ``nn.Linear`` module, shared, with its bias if it has one), c the head's own ``output_bias`` and T the
+    base model's logit transform: the identity, or soft-capping ``T(z) = cap * tanh(z / cap)`` (Gemma 2's
+    ``final_logit_softcapping``). The fast weights of E and c act on z, before T.
+
+    Args:
+        hidden_size, intermediate_size, residual, layer_norm_eps: as in ``FWLSlowHead``.
+        output_embedding: E, ``nn.Linear [V, hidden_size]``.
+        output_bias: give the head its own output bias c.
+        logit_softcapping: None, or the cap of the soft-capping transform.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        output_embedding: nn.Linear,
+        *,
+        output_bias: bool = True,
+        residual: bool = False,
+        layer_norm_eps: float = 1e-5,
+        logit_softcapping: Optional[float] = None,
+    ) -> None:
+        super().__init__(hidden_size, intermediate_size, residual, layer_norm_eps)
+        if not isinstance(output_embedding, nn.Linear):
+            raise ValueError(
+                "The FWL head needs the base model's output embedding as an `nn.Linear` [vocab_size, hidden_size] "
+                f"(from `get_output_embeddings()`), got {type(output_embedding).__name__}"
+            )
+        if output_embedding.in_features != hidden_size:
+            raise ValueError(
+                f"The output embedding takes inputs of size {output_embedding.in_features}, but the hidden states have "
+                f"size {hidden_size}"
+            )
+        if logit_softcapping is not None and not logit_softcapping > 0:
+            raise ValueError(f"`logit_softcapping` must be None or > 0, got {logit_softcapping}")
+        self.vocab_size = output_embedding.out_features
+        self.output_embedding = output_embedding  # E, shared with the base model
+        self.output_bias = nn.Parameter(torch.empty(self.vocab_size)) if output_bias else None  # c
+        self.logit_softcapping = logit_softcapping
+        self.output_parameter_names = tuple(
+            name for name, _ in self.named_parameters() if name.startswith("output_")
+        )
+        self.reset_parameters()
+
+    def reset_output_parameters(self) -> None:
+        if self.output_bias is not None:
+            init.zeros_(self.output_bias)
+
+    def _output_layer(self, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(E [V, D], the total output bias [V] or None), cast to `dtype` when given."""
+        weight, bias = self.output_embedding.weight, self.output_embedding.bias
+        if self.output_bias is not None:
+            bias = self.output_bias if bias is None else bias + self.output_bias
+        if dtype is not None and dtype != weight.dtype:
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return weight, bias
+
+    def output_preactivation(self, o: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``z = o E^T + c`` (plus E's own bias) in one fused matmul (``fwp_kernels.dense_linear``: oneDNN on CPU
+        outside autograd), computed in `dtype` when given."""
+        weight, bias = self._output_layer(dtype)
+        return dense_linear(o if dtype is None else o.to(dtype), weight, bias)
+
+    def transform_logits(self, z: torch.Tensor) -> torch.Tensor:
+        if self.logit_softcapping is None:
+            return z
+        return torch.tanh(z / self.logit_softcapping) * self.logit_softcapping
+
+    def output_gradients(
+        self,
+        inter: Intermediates,
+        labels: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        input_gradient: bool,
+        logits_gradient: bool,
+        overwrite_logits: bool,
+        compute_dtype: Optional[torch.dtype],
+    ) -> Dict[str, torch.Tensor]:
+        """dCE/dz ``[B, T, V]`` (``grads["logits"]``, when asked for or when ``inter`` holds the logits) and dCE/do
+        (``grads["f"]``, when `input_gradient`). Without a transform and without logits, dCE/do comes from
+        ``fwp_kernels.linear_cross_entropy_input_gradient``: outside autograd in row blocks, no ``[B, T, V]`` tensor."""
+        dtype = compute_dtype or inter["o"].dtype
+        grads: Dict[str, torch.Tensor] = {}
+        fused = self.logit_softcapping is None and not logits_gradient and "logits" not in inter
+        if fused and input_gradient:
+            # dCE/do = w (softmax(o E^T + c) - onehot(label)) E, without materialising dlogits
+            o = inter["o"]
+            weight, bias = self._output_layer(dtype)
+            rows = o.reshape(-1, o.shape[-1]).to(dtype)
+            scale = None if weights is None else weights.reshape(-1)
+            df = linear_cross_entropy_input_gradient(rows, weight, bias, labels.reshape(-1), scale).view(o.shape)
+        else:
+            grads["logits"] = grad = self._logits_gradient(inter, labels, weights, overwrite_logits, dtype)
+            if input_gradient:
+                # dCE/do = dz E
+                df = dense_linear(grad, self.output_embedding.weight.to(dtype).t())
+        if input_gradient:
+            grads["f"] = df.to(inter["o"].dtype)
+        return grads
+
+    def _logits_gradient(self, inter, labels, weights, overwrite_logits: bool, dtype: torch.dtype) -> torch.Tensor:
+        """dCE/dz ``= w (softmax(logits) - onehot(label)) * T'(z)`` ``[B, T, V]`` in `dtype`."""
+        logits = inter["logits"].to(dtype) if "logits" in inter else self.output_logits(inter["o"], dtype=dtype)
+        slope = None
+        if self.logit_softcapping is not None:  # T'(z) = 1 - tanh(z / cap)^2 = 1 - (logits / cap)^2
+            slope = 1 - (logits / self.logit_softcapping).square()
+        # dCE/dlogits = softmax(logits) - onehot(label)
+        if overwrite_logits:  # nothing else reads these logits: softmax in place
+            grad = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+            grad = grad.div_(grad.sum(-1, keepdim=True))
+        else:
+            grad = torch.softmax(logits, dim=-1)
+            if torch.is_grad_enabled() and grad.requires_grad:
+                grad = grad.clone()  # softmax's backward needs its own output unmodified
+        if weights is not None:
+            row_weights = weights[..., None].to(dtype)
+            grad, minus_one = grad.mul_(row_weights), -row_weights
+        else:
+            minus_one = grad.new_full((*labels.shape, 1), -1.0)
+        index = labels.clamp(0, logits.shape[-1] - 1)[..., None]
+        grad = grad.scatter_add_(-1, index, minus_one)
+        return grad if slope is None else grad * slope
+
+
+class SegmentDecay(nn.Module):
+    r"""Learned decay of the FWL's carried update across segments (Clark et al. 2022 sec. 3):
+
+        Delta_s = gamma * Delta_{s-1} + stopgrad(sum of segment s's per-token gradients),   gamma = sigmoid(raw) per
+        fast parameter tensor.
+
+    Within a segment the FWL runs in parallel from ``gamma * Delta_{s-1}``; the carried sums are detached, so gradients
+    reach gamma (through the current segment) but never earlier segments. A boundary: every call that continues from
+    a state (``segment_length`` None), or once ``segment_length`` tokens were seen since the last one.
+    """
+
+    def __init__(self, fast_parameter_names: Iterable[str], decay_init: float, segment_length: Optional[int]) -> None:
+        super().__init__()
+        self.names = tuple(fast_parameter_names)
+        self.decay_init = decay_init
+        self.segment_length = segment_length
+        self.raw_decay = nn.Parameter(torch.empty(len(self.names)))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.constant_(self.raw_decay, _inverse_sigmoid(self.decay_init))
+
+    def gamma(self, name: str) -> torch.Tensor:
+        return torch.sigmoid(self.raw_decay[self.names.index(name)])
+
+    def forward(self, state: State) -> Tuple[State, Optional[torch.Tensor]]:
+        """Decays the carried sums ``sum.<name>`` if a segment boundary was passed. Returns ``(state for this call,
+        tokens of the current segment seen before it [B] or None)``."""
+        if state is None:
+            return None, None
+        count = state.get("segment.tokens")
+        if self.segment_length is None or count is None or int(count.max()) >= self.segment_length:
+            state = {
+                key: self.gamma(key[len("sum.") :]).to(t.dtype) * t if key.startswith("sum.") else t
+                for key, t in state.items()
+            }
+            count = None
+        return state, count
 
 
 class _FastUpdates:
@@ -297,48 +435,47 @@ class FWLHead(nn.Module):
 
     - ``head(hidden_states [B, T, D], input_ids [B, T]) -> logits [B, T, V]``: the parallel fast forward; the label of
       position j is ``input_ids[:, j + 1]``, and position t only uses the labels of positions j < t.
-    - ``head.slow``: the head with slow weights (``FWLSlowHead``), a plain module ``forward(h) -> logits``.
+    - ``head.slow``: the head with slow weights (an ``FWLSlowHead``), a plain module ``forward(h) -> logits``.
     - ``head.fast_parameter_names``: names (as in ``head.slow.named_parameters()``) that get fast weights.
     - ``head.step_size(name)``: the learned step size alpha of that parameter, ``softplus(raw) > 0``.
+    - ``head.decay``: None, or the ``SegmentDecay`` of the carried update (Clark et al. sec. 3).
+
+    Its state lives in one ``FastWeightCacheLayer`` of the model's cache (``forward(..., cache_layer=...)``).
 
     Args:
-        hidden_size: D, the size of the hidden states (and of E's input).
-        output_embedding: the base model's output embedding E (``nn.Linear [V, D]``), shared, not copied.
-        intermediate_size: width of the hidden layer (default: D).
+        slow: the slow head, which fixes the output layer (``DenseFWLSlowHead``, ``AdaptiveSoftmaxFWLSlowHead``).
         fast_parameters: names of the fast parameters (see ``GRADIENT_TERMS``).
-        output_bias: give the head its own output bias c.
-        residual: ``logits = (h + f(h)) E^T + c``.
         step_size_init: initial alpha of every fast parameter.
-        layer_norm_eps, kernel_mode, chunk_size: LayerNorm epsilon; ``fwp_kernels.linear_attention`` options.
-        gradient_dtype: dtype of the per-token gradients' vocabulary-sized part (slow logits, softmax, ``dlogits E``):
+        decay_init, segment_length: None (no decay), or the initial gamma in (0, 1) and the segment length of a
+            ``SegmentDecay``.
+        kernel_mode, chunk_size: ``fwp_kernels.linear_attention`` options.
+        gradient_dtype: dtype of the per-token gradients' vocabulary-sized part (slow logits, softmax, ``dz E``):
             None (exact, the hidden states' dtype) or e.g. ``torch.bfloat16`` (approximate; fast on CPU matrix units).
     """
 
     def __init__(
         self,
-        hidden_size: int,
-        output_embedding: nn.Linear,
+        slow: FWLSlowHead,
         *,
-        intermediate_size: Optional[int] = None,
         fast_parameters: Iterable[str] = DEFAULT_FAST_PARAMETERS,
-        output_bias: bool = True,
-        residual: bool = False,
         step_size_init: float = 1e-3,
-        layer_norm_eps: float = 1e-5,
+        decay_init: Optional[float] = None,
+        segment_length: Optional[int] = None,
         kernel_mode: str = "auto",
         chunk_size: int = 256,
         gradient_dtype: Optional[Union[torch.dtype, str]] = None,
     ) -> None:
         super().__init__()
-        self.slow = FWLSlowHead(
-            hidden_size, intermediate_size or hidden_size, output_embedding, output_bias, residual, layer_norm_eps
-        )
-        available = [name for name, _ in self.slow.named_parameters(remove_duplicate=False)]
+        if not isinstance(slow, FWLSlowHead):
+            raise TypeError(f"`slow` must be an FWLSlowHead, got {type(slow).__name__}")
+        self.slow = slow
+        available = list(HIDDEN_PARAMETERS) + list(slow.output_parameter_names)
         fast_parameters = list(fast_parameters)
         for name in fast_parameters:
             if name not in available:
                 raise ValueError(
-                    f"`fast_parameters` contains {name!r}, which is not a parameter of the FWL head; available: {available}"
+                    f"`fast_parameters` contains {name!r}, which is not a parameter of the FWL head that can be fast; "
+                    f"available: {available}"
                 )
         if len(set(fast_parameters)) != len(fast_parameters):
             raise ValueError(f"`fast_parameters` lists a name twice: {fast_parameters}")
@@ -353,15 +490,54 @@ class FWLHead(nn.Module):
             raise ValueError(f"`gradient_dtype` must be None or a floating point dtype, got {gradient_dtype!r}")
         self.gradient_dtype = dtype
         # alpha = softplus(raw), one per fast parameter tensor
-        self.raw_step_size = nn.Parameter(torch.full((len(fast_parameters),), _inverse_softplus(step_size_init)))
+        self.raw_step_size = nn.Parameter(torch.empty(len(fast_parameters)))
+        self.decay = None
+        if decay_init is not None:
+            self.decay = SegmentDecay(self.fast_parameter_names, decay_init, segment_length)
+        self.reset_parameters()
         self._set_active(self.fast_parameter_names)
+
+    @classmethod
+    def from_config(
+        cls, config: FWLHeadConfigMixin, slow_head_class: type, hidden_size: int, output_layer: nn.Module, **output_options
+    ) -> "FWLHead":
+        """The head a config with the ``FWLHeadConfigMixin`` fields describes, on `output_layer` (the base model's
+        output embedding or adaptive softmax, shared) through `slow_head_class`; `output_options` go to that class."""
+        slow = slow_head_class(
+            hidden_size,
+            config.fwl_intermediate_size,
+            output_layer,
+            output_bias=config.fwl_output_bias,
+            residual=config.fwl_residual,
+            layer_norm_eps=config.fwl_layer_norm_eps,
+            **output_options,
+        )
+        return cls(
+            slow,
+            fast_parameters=config.fwl_fast_parameters,
+            step_size_init=config.fwl_step_size_init,
+            decay_init=config.fwl_decay_init,
+            segment_length=config.fwl_segment_length,
+            kernel_mode=config.fwl_kernel_mode,
+            chunk_size=config.fwl_chunk_size,
+            gradient_dtype=config.fwl_gradient_dtype,
+        )
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The head's initial values: alpha = ``step_size_init`` for every fast parameter, the slow head's and the
+        decay's own ``reset_parameters``."""
+        init.constant_(self.raw_step_size, _inverse_softplus(self.step_size_init))
+        self.slow.reset_parameters()
+        if self.decay is not None:
+            self.decay.reset_parameters()
 
     def _set_active(self, names: Tuple[str, ...]) -> None:
         """The parameters whose fast values the forward computes (all fast ones, or none inside ``slow_only``)."""
         self._active = names
         self._value_names = {GRADIENT_TERMS[name][1] for name in names}
         self._gradient_depth = max((_GRADIENT_DEPTH[v] for v in self._value_names), default=-1)
-        self._fast_hidden = any(name in _HIDDEN_PARAMETERS for name in names)
+        self._fast_hidden = any(name in HIDDEN_PARAMETERS for name in names)
 
     @contextlib.contextmanager
     def slow_only(self) -> Iterator["FWLHead"]:
@@ -380,33 +556,59 @@ class FWLHead(nn.Module):
         return F.softplus(self.raw_step_size[self.fast_parameter_names.index(name)])
 
     def forward(
-        self, hidden_states: torch.Tensor, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        """Parallel fast forward: ``hidden_states [B, T, D]``, ``input_ids [B, T]`` (``attention_mask [B, T]``, 0 =
-        padding: padded positions neither learn nor teach) -> ``logits [B, T, V]``."""
-        return self.forward_with_state(hidden_states, input_ids, attention_mask)[0]
-
-    def forward_with_state(
         self,
         hidden_states: torch.Tensor,
         input_ids: torch.LongTensor,
         attention_mask: Optional[torch.Tensor] = None,
-        state: State = None,
+        cache_layer: Optional[FastWeightCacheLayer] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
-        output_state: bool = False,
-    ) -> Tuple[torch.Tensor, State]:
-        """The fast forward continuing from `state` (a previous call's output state, or None at the start).
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Parallel fast forward, continuing the state in `cache_layer`.
 
         Args:
             hidden_states: ``[B, T, D]``; input_ids: ``[B, T]``, the tokens at those positions.
-            attention_mask: ``[B, T]`` (or ``[B, past + T]``) padding mask, or None.
-            state: running gradient sums ``sum.<name>`` and the previous position's slow pass ``prev.<key>``.
-            logits_to_keep: an int n keeps the last n positions' logits (0 keeps all), a tensor selects positions.
-            output_state: return the state to continue from (kept constant in size: sums + one position).
+            attention_mask: ``[B, T]`` (or ``[B, past + T]``) padding mask, 0 = padding: padded positions neither
+                learn nor teach; or None.
+            cache_layer: where the FWL state lives (running gradient sums ``sum.<name>``, the previous position's slow
+                pass ``prev.<key>``, with a decay the tokens of the current segment ``segment.tokens``): read (decayed
+                at a segment boundary), then replaced by the state after these positions (constant in size). None:
+                start fresh, keep nothing.
+            logits_to_keep: an int n keeps the last n positions (0 keeps all), a tensor selects positions.
+            return_hidden: return the fast output layer input ``o [B, T', D]`` instead of logits (the caller applies
+                the slow output layer; only when no output-layer parameter is fast).
         Returns:
-            ``(logits [B, T', V], state or None)``.
+            ``logits [B, T', V]`` (or ``o [B, T', D]``).
         """
+        state, count = self._read_state(cache_layer)
+        out, new_state = self._forward(
+            hidden_states, input_ids, attention_mask, state, logits_to_keep, cache_layer is not None, return_hidden
+        )
+        if cache_layer is not None:
+            T = hidden_states.shape[1]
+            if self.decay is not None:
+                new_state["segment.tokens"] = (count + T) if count is not None else torch.full(
+                    (hidden_states.shape[0],), T, dtype=torch.long, device=hidden_states.device
+                )
+            cache_layer.set_states(new_state, T)
+        return out
+
+    def _read_state(self, cache_layer: Optional[FastWeightCacheLayer]) -> Tuple[State, Optional[torch.Tensor]]:
+        """(the state to continue from, decayed if a segment boundary was passed; the tokens of the current segment
+        seen so far [B] or None)."""
+        state = dict(cache_layer.states) if cache_layer is not None and cache_layer.states else None
+        if self.decay is None:
+            return state, None
+        return self.decay(state)
+
+    def _forward(
+        self, hidden_states, input_ids, attention_mask, state: State, logits_to_keep, output_state: bool, return_hidden: bool
+    ) -> Tuple[torch.Tensor, State]:
+        """``(logits or o, state after these positions or None)``: slow pass, per-token gradients, fast pass."""
         B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
+        active_output = [name for name in self._active if name not in HIDDEN_PARAMETERS]
+        if return_hidden and active_output:
+            raise ValueError(f"`return_hidden` needs a slow output layer, but {active_output} are fast")
         mask = None if attention_mask is None else attention_mask[:, -T:].to(hidden_states.dtype)
         slow = self.slow
         inter = slow.hidden_intermediates(hidden_states)  # slow pass (eq. 1)
@@ -414,28 +616,54 @@ class FWLHead(nn.Module):
         keep = _keep_index(logits_to_keep, T)
         compute_dtype = self.gradient_dtype if self.gradient_dtype not in (None, hidden_states.dtype) else None
         # The slow logits of every position exist only where they are needed as such: as the output when only
-        # output-side parameters are fast, or as the value of a fast output bias / embedding (dCE/dlogits; outside
+        # output-side parameters are fast, or as the value of a fast output bias / embedding (dCE/dz; outside
         # autograd computed in place). Otherwise the per-token gradients go straight to dCE/df in row blocks.
-        logits_gradient = "logits" in self._value_names
         in_place = fast_output and not torch.is_grad_enabled() and (compute_dtype or hidden_states.dtype) in (torch.float32, torch.float64)
-        if not fast_output:
-            inter["logits"] = slow.output_logits(inter["o"])  # every position's slow logits
+        preactivation = None
+        if not fast_output and not return_hidden:
+            preactivation = slow.output_preactivation(inter["o"])  # every position's slow z
+            inter["logits"] = slow.transform_logits(preactivation)
+        keys, values = self._gradient_terms(inter, input_ids, mask, state, compute_dtype, in_place)
+        updates = _FastUpdates(self, keys, values, state, output_state)
 
-        # Per-token gradients (eq. 2) of the positions whose label is known: the previous call's last position
-        # (label input_ids[:, 0]) and the new ones but the last (label input_ids[:, j + 1]).
-        depth = self._gradient_depth
-        prev = None
-        if state is not None and "prev.h" in state:
-            prev = {key[len("prev.") :]: t for key, t in state.items() if key.startswith("prev.") and key != "prev.mask"}
+        # Fast pass: every parameter replaced by its fast value.
+        o = self._fast_hidden_layer(hidden_states, updates) if self._fast_hidden else inter["o"]
+        if return_hidden:
+            out, last_slow_logits = o[:, keep], None
+        else:
+            out, last_slow_logits = self._fast_logits(o, inter, preactivation, updates, keep, output_state)
+        new_state = None
+        if output_state:
+            new_state = dict(updates.final_state)  # every fast parameter's running sum, through position T - 2
+            for key, t in inter.items():
+                new_state[f"prev.{key}"] = t[:, -1:].detach()
+            if last_slow_logits is not None:
+                new_state["prev.logits"] = last_slow_logits.detach()
+            new_state["prev.mask"] = mask[:, -1:].detach() if mask is not None else hidden_states.new_ones(B, 1)
+        return out, new_state
+
+    def _gradient_terms(self, inter, input_ids, mask, state: State, compute_dtype, in_place: bool):
+        """Per-token gradients (eq. 2) of the positions whose label is known: the previous call's last position (label
+        ``input_ids[:, 0]``) and the new ones but the last (label ``input_ids[:, j + 1]``). Returns (keys, values) of
+        the linear attentions, ``[B, T, *]``, entry t holding position t - 1."""
         keys: Dict[str, torch.Tensor] = {}
         values: Dict[str, torch.Tensor] = {}
-        if prev is not None:  # the previous position teaches only if it and this call's first position are tokens
-            prev_weights = state["prev.mask"].to(hidden_states.dtype)
+        depth, slow = self._gradient_depth, self.slow
+        if depth < 0:
+            return keys, values
+        dtype = inter["h"].dtype
+        logits_gradient = "logits" in self._value_names
+        prev = prev_weights = None
+        if state is not None and "prev.h" in state:
+            prev = {key[len("prev.") :]: t for key, t in state.items() if key.startswith("prev.") and key != "prev.mask"}
+            # the previous position teaches only if it and this call's first position are tokens
+            prev_weights = state["prev.mask"].to(dtype)
             if mask is not None:
                 prev_weights = prev_weights * mask[:, :1]
-        if depth >= 0 and prev is not None and slow.merge_previous_position:
+        if prev is not None and slow.merge_previous_position:
             # One backward for the positions [previous, 0, ..., T-2], whose labels are exactly input_ids: entry t of
             # every key and value then holds position t - 1 (the shift of `_shift_in`) without a second call.
+            B, T = input_ids.shape
             new_weights = mask[:, :-1] * mask[:, 1:] if mask is not None else prev_weights.new_ones(B, T - 1)
             weights = torch.cat([prev_weights, new_weights], 1)
             shifted = {key: _shift_in(t[:, :-1], prev[key]) for key, t in inter.items() if key in prev}
@@ -444,68 +672,64 @@ class FWLHead(nn.Module):
             )
             for name in self.fast_parameter_names:
                 key_name, value_name = GRADIENT_TERMS[name]
-                values.setdefault(value_name, grads[value_name].to(hidden_states.dtype))
+                values.setdefault(value_name, grads[value_name].to(dtype))
                 if key_name is not None:
                     keys.setdefault(key_name, shifted[key_name])
-        elif depth >= 0:
-            weights = None if mask is None else mask[:, :-1] * mask[:, 1:]
-            grads = slow.per_token_gradients(
-                _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, logits_gradient=logits_gradient,
-                overwrite_logits=in_place, compute_dtype=compute_dtype,
+            return keys, values
+        weights = None if mask is None else mask[:, :-1] * mask[:, 1:]
+        grads = slow.per_token_gradients(
+            _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, logits_gradient=logits_gradient,
+            overwrite_logits=in_place, compute_dtype=compute_dtype,
+        )
+        prev_grads = None
+        if prev is not None:
+            prev_grads = slow.per_token_gradients(
+                prev, input_ids[:, :1], prev_weights, depth, logits_gradient=logits_gradient, compute_dtype=compute_dtype
             )
-            prev_grads = None
-            if prev is not None:
-                prev_grads = slow.per_token_gradients(
-                    prev, input_ids[:, :1], prev_weights, depth, logits_gradient=logits_gradient, compute_dtype=compute_dtype
-                )
-            for name in self.fast_parameter_names:
-                key_name, value_name = GRADIENT_TERMS[name]
-                if value_name not in values:
-                    new = grads[value_name].to(hidden_states.dtype)
-                    values[value_name] = _shift_in(new, prev_grads and prev_grads[value_name])
-                if key_name is not None and key_name not in keys:
-                    keys[key_name] = _shift_in(inter[key_name][:, :-1], prev and prev[key_name])
-        updates = _FastUpdates(self, keys, values, state, output_state)
+        for name in self.fast_parameter_names:
+            key_name, value_name = GRADIENT_TERMS[name]
+            if value_name not in values:
+                values[value_name] = _shift_in(grads[value_name].to(dtype), prev_grads and prev_grads[value_name])
+            if key_name is not None and key_name not in keys:
+                keys[key_name] = _shift_in(inter[key_name][:, :-1], prev and prev[key_name])
+        return keys, values
 
-        # Fast pass: every parameter replaced by its fast value.
-        if self._fast_hidden:
-            h = hidden_states
-            z1 = updates.subtract(updates.subtract(slow.up_proj(h), "up_proj.weight", h), "up_proj.bias")
-            r = F.relu(z1)
-            s = r * r
-            z2 = updates.subtract(updates.subtract(slow.down_proj(s), "down_proj.weight", s), "down_proj.bias")
-            n, _ = layer_normalize(z2, slow.norm.eps)
-            o = n * updates.subtract(slow.norm.weight, "norm.weight") + updates.subtract(slow.norm.bias, "norm.bias")
-            if slow.residual:
-                o = o + h
-        else:  # only output parameters are fast: the hidden layer is the slow one
-            o = inter["o"]
+    def _fast_hidden_layer(self, hidden_states: torch.Tensor, updates: _FastUpdates) -> torch.Tensor:
+        """The hidden layer with fast U, a, W, b and LayerNorm: ``o_t [B, T, D]``."""
+        slow = self.slow
+        h = hidden_states
+        z1 = updates.subtract(updates.subtract(slow.up_proj(h), "up_proj.weight", h), "up_proj.bias")
+        r = F.relu(z1)
+        s = r * r
+        z2 = updates.subtract(updates.subtract(slow.down_proj(s), "down_proj.weight", s), "down_proj.bias")
+        n, _ = layer_normalize(z2, slow.norm.eps)
+        o = n * updates.subtract(slow.norm.weight, "norm.weight") + updates.subtract(slow.norm.bias, "norm.bias")
+        if slow.residual:
+            o = o + h
+        return o
+
+    def _fast_logits(self, o, inter, preactivation, updates: _FastUpdates, keep, output_state: bool):
+        """(the fast logits of the kept positions, the last position's slow logits or None): the output layer with
+        fast E and output biases, applied to z before the logit transform."""
+        slow = self.slow
         last_slow_logits = None
-        if fast_output:
+        if preactivation is None:  # the hidden layer or E is fast
             o_keep = o[:, keep]
             if output_state and o_keep.shape[1] == 1:
-                # A decode step: the fast logits and the last position's slow logits (for its gradient in the next
-                # call) in one matmul, so that E is read from memory once for both.
-                both = slow.output_logits(torch.cat([o_keep, inter["o"][:, -1:]], 1))
-                logits, last_slow_logits = both[:, :1].contiguous(), both[:, 1:]
+                # A decode step: the fast z and the last position's slow one (for its gradient in the next call) in
+                # one matmul, so that E is read from memory once for both.
+                both = slow.output_preactivation(torch.cat([o_keep, inter["o"][:, -1:]], 1))
+                z, last_slow_logits = both[:, :1].contiguous(), slow.transform_logits(both[:, 1:])
             else:
-                logits = slow.output_logits(o_keep)
+                z = slow.output_preactivation(o_keep)
                 if output_state:  # the last position's slow logits, for its gradient in the next call
                     last_slow_logits = slow.output_logits(inter["o"][:, -1:])
-            logits = updates.subtract(logits, "output_embedding.weight", o, keep)
+            z = updates.subtract(z, "output_embedding.weight", o, keep)
         else:
-            logits = inter["logits"][:, keep]
+            z = preactivation[:, keep]
             last_slow_logits = inter["logits"][:, -1:]
-        logits = updates.subtract(updates.subtract(logits, "output_embedding.bias", keep=keep), "output_bias", keep=keep)
-
-        new_state = None
-        if output_state:
-            new_state = dict(updates.final_state)  # every fast parameter's running sum, through position T - 2
-            for key, t in inter.items():
-                new_state[f"prev.{key}"] = t[:, -1:].detach()
-            new_state["prev.logits"] = last_slow_logits.detach()
-            new_state["prev.mask"] = mask[:, -1:].detach() if mask is not None else hidden_states.new_ones(B, 1)
-        return logits, new_state
+        z = updates.subtract(updates.subtract(z, "output_embedding.bias", keep=keep), "output_bias", keep=keep)
+        return slow.transform_logits(z), last_slow_logits
 
     def _check_inputs(self, hidden_states, input_ids, attention_mask) -> Tuple[int, int]:
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != self.slow.hidden_size:
@@ -531,6 +755,16 @@ class FWLHead(nn.Module):
         return B, T
 
 
+def init_fwl_weights(module: nn.Module) -> None:
+    """The FWL's share of a model's ``_init_weights``, after transformers' generic rules (which draw U and W from
+    N(0, initializer_range)): the FWL modules' ``reset_parameters``, the one definition of their initial values. They
+    draw nothing at random and skip loaded tensors, so that applying them more than once is harmless; ``FWLHead``'s
+    covers the whole head because transformers skips custom modules without a parameter of their own (a slow head
+    whose output layer is shared), which would leave a residual head's LayerNorm gain at 1."""
+    if isinstance(module, (FWLSlowHead, FWLHead, SegmentDecay)):
+        module.reset_parameters()
+
+
 def _shift_in(new: torch.Tensor, first: Optional[torch.Tensor]) -> torch.Tensor:
     """``[B, T - 1, *]`` rows of positions 0..T-2, preceded by the previous call's last position (zeros at the
     start) -> ``[B, T, *]``: entry t holds position t - 1, so a sum over entries <= t is a sum over positions < t."""
@@ -553,9 +787,10 @@ class FWLCache(Cache):
     """Cache of ``FWLForCausalLM``: the base model's cache plus the FWL state, both constant per token for the FWL.
 
     ``base_cache`` is whatever the base model uses (a ``DynamicCache`` of keys and values, a ``FastWeightCache``...);
-    the FWL state lives in one ``FastWeightCacheLayer``: the running gradient sums ``sum.<parameter>``
-    (``[B, Dv, Dk]`` for matrices, ``[B, Dv]`` for vectors) and the last position's slow pass ``prev.<key>``
-    (``[B, 1, *]``), whose gradient is added once its label (the next token) arrives. Beam search reorders both.
+    the FWL state lives in one ``FastWeightCacheLayer``, ``fwl_layer``, which ``FWLHead`` reads and writes: the running
+    gradient sums ``sum.<parameter>`` (``[B, Dv, Dk]`` for matrices, ``[B, Dv]`` for vectors) and the last position's
+    slow pass ``prev.<key>`` (``[B, 1, *]``), whose gradient is added once its label (the next token) arrives. Beam
+    search reorders both.
     """
 
     def __init__(self, base_cache: Optional[Cache] = None) -> None:
@@ -565,14 +800,6 @@ class FWLCache(Cache):
     @property
     def fwl_layer(self) -> FastWeightCacheLayer:
         return self.layers[0]
-
-    def get_state(self) -> State:
-        states = self.fwl_layer.states
-        return dict(states) if states else None
-
-    def set_state(self, state: Dict[str, torch.Tensor], num_new_tokens: int) -> None:
-        self.fwl_layer.states = dict(state)
-        self.fwl_layer.seen_tokens += num_new_tokens
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.base_cache is not None:

@@ -13,16 +13,40 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
-from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_fwl import FWLConfig
-from .fwl import FWLCache, FWLHead, FWLSlowHead, _inverse_softplus
+from .fwl import DenseFWLSlowHead, FWLCache, FWLHead, init_fwl_weights
 from .cache_fwp import CACHE_ARGUMENT, output_cache, resolve_cache_argument
 from .pretrained import StatefulPreTrainedModel
 
 # Keyword arguments that belong to the loss (Trainer passes them), not to the base model.
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+# Config fields with which a causal LM transforms its logits after the output embedding. Soft-capping
+# (``cap * tanh(z / cap)``: Gemma 2 and 3, ...) becomes part of the FWL's output layer; the others are refused, since
+# the FWL head, which applies the output embedding itself, would silently drop them.
+SOFTCAPPING_FIELD = "final_logit_softcapping"
+UNSUPPORTED_LOGIT_TRANSFORMS = {
+    "logit_scale": "multiplies the logits (Cohere)",
+    "logits_scaling": "scales the logits (Granite, HyperCLOVA X)",
+    "output_multiplier": "multiplies the logits",
+    "lm_head_multiplier": "multiplies the logits (Falcon-H1)",
+}
+
+
+def logit_softcapping(text_config) -> Optional[float]:
+    """The soft-capping of a base model's logits (None: none); a ValueError naming the field if the base transforms
+    its logits in a way the FWL's output layer does not reproduce."""
+    config = text_config.get_text_config()
+    for field, effect in UNSUPPORTED_LOGIT_TRANSFORMS.items():
+        value = getattr(config, field, None)
+        if value is not None and value != 1:
+            raise ValueError(
+                f"The base model's `{field}` = {value} {effect} after the output embedding; the FWL head applies the "
+                "output embedding itself and does not support this transform"
+            )
+    return getattr(config, SOFTCAPPING_FIELD, None)
 
 
 class FWLPreTrainedModel(StatefulPreTrainedModel):
@@ -33,14 +57,7 @@ class FWLPreTrainedModel(StatefulPreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # U, W ~ N(0, initializer_range); a, b = 0; LayerNorm gain 1, bias 0
-        if isinstance(module, FWLSlowHead):
-            if module.residual:
-                # f(h) = 0 at the start: h + f(h) reproduces the base model's logits exactly.
-                init.zeros_(module.norm.weight)
-            if module.output_bias is not None:
-                init.zeros_(module.output_bias)
-        elif isinstance(module, FWLHead):
-            init.constant_(module.raw_step_size, _inverse_softplus(module.step_size_init))
+        init_fwl_weights(module)
 
 
 class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
@@ -69,21 +86,13 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
                 f"{type(language_model).__name__} exposes no inner decoder (`base_model_prefix`): the FWL head needs its "
                 "last hidden states"
             )
-        self.fwl_head = FWLHead(
+        self.fwl_head = FWLHead.from_config(
+            config,
+            DenseFWLSlowHead,
             config.text_config.hidden_size,
             output_embedding,
-            intermediate_size=config.fwl_intermediate_size,
-            fast_parameters=config.fwl_fast_parameters,
-            output_bias=config.fwl_output_bias,
-            residual=config.fwl_residual,
-            step_size_init=config.fwl_step_size_init,
-            layer_norm_eps=config.fwl_layer_norm_eps,
-            kernel_mode=config.fwl_kernel_mode,
-            chunk_size=config.fwl_chunk_size,
-            gradient_dtype=config.fwl_gradient_dtype,
+            logit_softcapping=logit_softcapping(config.text_config),
         )
-        # transformers 5 only runs `_init_weights` inside from_pretrained: a head built here must be fresh already.
-        self.fwl_head.slow.reset_parameters(config.initializer_range)
         # E is one module reached from two places: declare the FWL's path tied to the name under which the base
         # model stores it (its input embedding's when the base model ties them).
         embedding_name = next(name for name, m in language_model.named_modules() if m is output_embedding)
@@ -193,19 +202,13 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
 
         if use_cache and cache is None:
             cache = FWLCache(output_cache(outputs))
-        state = cache.get_state() if cache is not None else None
-        if state is not None:
-            state = {name: t.detach() for name, t in state.items()}  # gradients stop at segment boundaries
-        logits, new_state = self.fwl_head.forward_with_state(
+        logits = self.fwl_head(
             hidden_states,
             input_ids,
             attention_mask=attention_mask,
-            state=state,
+            cache_layer=cache.fwl_layer if cache is not None else None,
             logits_to_keep=logits_to_keep,
-            output_state=cache is not None,
         )
-        if cache is not None:
-            cache.set_state(new_state, input_ids.shape[1])
 
         loss = None
         if labels is not None:

@@ -24,13 +24,22 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, output_cache, resolve_cache_argument
+from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, FastWeightCacheLayer, output_cache, resolve_cache_argument
 from .configuration_transfo_xl import TransfoXLConfig
-from .fwl import _HIDDEN_PARAMETERS, FWLHead, FWLSlowHead, _inverse_softplus
+from .fwl import FWLHead, FWLSlowHead, init_fwl_weights
 from .modeling_fwp import FeedForward, sinusoidal_position_embedding
 from .pretrained import StatefulPreTrainedModel
+
+# The FWL's segment decay is part of its head (``fwl_head.decay``); checkpoints keep its older name
+# ``fwl_decay.raw_decay``: renamed on load, and back on save (transformers reverses the mapping), so saved folders keep
+# their keys.
+register_checkpoint_conversion_mapping(
+    "fwp_transfo_xl", [WeightRenaming("fwl_decay.raw_decay", "fwl_head.decay.raw_decay")], overwrite=True
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -43,14 +52,20 @@ class TransfoXLCache(FastWeightCache):
 
     Layer l holds ``memory [B, M, D]`` (the inputs of layer l for the last ``M <= mem_len`` tokens, detached) and
     ``memory_mask [B, M]`` (1 = a real token, 0 = left padding). ``get_seq_length`` counts the tokens seen, not the
-    memory length. With an FWL head, one more layer (``fwl_layer_idx``) holds the FWL's running update. Beam search
-    reorders every row; crop is refused (memories cannot be rolled back past ``mem_len``).
+    memory length. With an FWL head, one more layer (``fwl_layer``, index ``fwl_layer_idx``) holds the FWL state, which
+    ``FWLHead`` reads and writes. Beam search reorders every row; crop is refused (memories cannot be rolled back past
+    ``mem_len``).
     """
 
     def __init__(self, num_hidden_layers: int, use_fwl: bool = False) -> None:
         super().__init__(num_hidden_layers + int(use_fwl))
         self.num_memory_layers = num_hidden_layers
         self.fwl_layer_idx = num_hidden_layers if use_fwl else None
+
+    @property
+    def fwl_layer(self) -> Optional[FastWeightCacheLayer]:
+        """The layer holding the FWL state, or None without an FWL head."""
+        return None if self.fwl_layer_idx is None else self.layers[self.fwl_layer_idx]
 
     def get_memory(self, layer_idx: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(memory [B, M, D], memory_mask [B, M])`` of a layer, or ``(None, None)`` before the first segment."""
@@ -374,15 +389,15 @@ class TransfoXLBlock(GradientCheckpointingLayer):
 
 
 class AdaptiveSoftmaxFWLSlowHead(FWLSlowHead):
-    r"""The FWL's slow net (Clark et al. eq. 1) with the projected adaptive softmax as output layer:
+    r"""The FWL's slow net (Clark et al. eq. 1) with the projected adaptive softmax as its output layer:
     ``f(h) = LayerNorm(ReLU(h U + a)^2 W + b)``, ``log p(. | h) = AdaptiveLogSoftmax(f(h))`` (``lm_head``, shared).
 
-    ``forward(h)`` gives the log-probabilities (the slow head of the FWL contract). Inside ``FWLHead`` the output
-    layer is the identity (``output_logits(o) = o``): the fast pass returns the fast ``f(h)`` and
-    ``TransfoXLForCausalLM`` applies the adaptive softmax itself, so that the loss evaluates only the head cluster and
-    each target's cluster. The per-token gradients need dCE/df only, which the adaptive softmax gives the same way
-    (``ProjectedAdaptiveLogSoftmax.input_gradient``, Clark et al. sec. 3): no ``[T, V]`` softmax anywhere. With
-    ``residual`` the output layer reads ``h + f(h)`` (dCE/df is unchanged: it is dCE/d(h + f(h))).
+    ``forward(h)`` gives the log-probabilities (the slow head of the FWL contract; they are this output layer's
+    logits, with no transform). ``TransfoXLForCausalLM`` asks ``FWLHead`` for the fast ``f(h)`` instead
+    (``return_hidden``) and applies the adaptive softmax itself, so that its loss evaluates only the head cluster and
+    each target's cluster. The per-token gradients need dCE/df only, which the adaptive softmax gives without any
+    ``[T, V]`` softmax (``ProjectedAdaptiveLogSoftmax.input_gradient``, Clark et al. sec. 3); its parameters stay slow.
+    With ``residual`` the output layer reads ``h + f(h)`` (dCE/df is unchanged: it is dCE/d(h + f(h))).
     """
 
     # The intermediates are [B, T, D]-sized: the previous segment's last position joins the new ones in one backward.
@@ -393,103 +408,38 @@ class AdaptiveSoftmaxFWLSlowHead(FWLSlowHead):
         hidden_size: int,
         intermediate_size: int,
         adaptive_softmax: ProjectedAdaptiveLogSoftmax,
-        layer_norm_eps: float,
+        *,
+        output_bias: bool = False,
         residual: bool = False,
+        layer_norm_eps: float = 1e-5,
     ) -> None:
-        nn.Module.__init__(self)  # FWLSlowHead.__init__ expects a dense nn.Linear output embedding
-        self.hidden_size, self.vocab_size = hidden_size, adaptive_softmax.vocab_size
-        self.up_proj = nn.Linear(hidden_size, intermediate_size)  # h U + a
-        self.down_proj = nn.Linear(intermediate_size, hidden_size)  # s W + b
-        self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-        self.norm.zero_gain_init = residual  # read by TransfoXLPreTrainedModel._init_weights
+        super().__init__(hidden_size, intermediate_size, residual, layer_norm_eps)
+        if not isinstance(adaptive_softmax, ProjectedAdaptiveLogSoftmax):
+            raise TypeError(
+                f"`adaptive_softmax` must be a ProjectedAdaptiveLogSoftmax, got {type(adaptive_softmax).__name__}"
+            )
+        if output_bias:
+            raise ValueError("`output_bias` must be False: the adaptive softmax output layer has its own biases")
+        self.vocab_size = adaptive_softmax.vocab_size
         self.output_embedding = adaptive_softmax  # lm_head: slow log-probabilities and dCE/df
-        self.output_bias = None
-        self.residual = residual
+        self.reset_parameters()
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``log p(. | h) [B, T, V]`` with the slow weights."""
-        return self.output_embedding.log_prob(self.hidden_intermediates(hidden_states)["o"])
+    def output_preactivation(self, o: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``log p(. | o) [..., V]``."""
+        return self.output_embedding.log_prob(o if dtype is None else o.to(dtype))
 
-    def output_logits(
-        self, o: torch.Tensor, out: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None
-    ) -> torch.Tensor:
-        """Identity: ``FWLHead`` returns the fast ``f(h) [B, T, D]``; the model applies the adaptive softmax."""
-        return o
-
-    def per_token_gradients(self, inter, labels, weights, depth: int, **kwargs) -> Dict[str, torch.Tensor]:
-        """As ``FWLSlowHead.per_token_gradients`` (f, gain, z2, z1), with dCE/df from the adaptive softmax (no
-        ``[T, V]`` logits exist here, so the parent's in-place options do not apply)."""
-        df = self.output_embedding.input_gradient(inter["o"], labels, weights)
-        grads = {"f": df, "gain": df * inter["n"]}
-        if depth >= 2:  # LayerNorm backward: dz2 = rstd (dn - mean(dn) - n mean(dn n)), dn = df * gain
-            dn, n = df * self.norm.weight, inter["n"]
-            grads["z2"] = inter["rstd"] * (dn - dn.mean(-1, keepdim=True) - n * (dn * n).mean(-1, keepdim=True))
-        if depth >= 3:  # s = ReLU(z1)^2: dz1 = (dz2 W) * 2 ReLU(z1)
-            grads["z1"] = (grads["z2"] @ self.down_proj.weight) * (2 * inter["r"])
-        return grads
-
-
-def build_adaptive_fwl_head(config: TransfoXLConfig, adaptive_softmax: ProjectedAdaptiveLogSoftmax) -> FWLHead:
-    """The shared ``FWLHead`` (parallel fast pass, step sizes, running sums) over an ``AdaptiveSoftmaxFWLSlowHead``."""
-    not_hidden = sorted(set(config.fwl_fast_parameters) - set(_HIDDEN_PARAMETERS))
-    if not_hidden:
-        raise ValueError(
-            f"`fwl_fast_parameters` may only name the FWL's own parameters {list(_HIDDEN_PARAMETERS)} with the adaptive "
-            f"softmax (its output layer stays slow), got {not_hidden}"
-        )
-    head = FWLHead(
-        config.hidden_size,
-        nn.Linear(config.hidden_size, 1, bias=False, device="meta"),  # placeholder, replaced just below
-        intermediate_size=config.fwl_intermediate_size,
-        fast_parameters=config.fwl_fast_parameters,
-        output_bias=False,
-        step_size_init=config.fwl_step_size_init,
-        layer_norm_eps=config.fwl_layer_norm_eps,
-        kernel_mode=config.fwl_kernel_mode,
-        chunk_size=config.fwl_chunk_size,
-    )
-    head.slow = AdaptiveSoftmaxFWLSlowHead(
-        config.hidden_size, config.fwl_intermediate_size, adaptive_softmax, config.fwl_layer_norm_eps, config.fwl_residual
-    )
-    return head
-
-
-class SegmentDecay(nn.Module):
-    r"""Learned decay of the FWL's carried update across segments (Clark et al. 2022 sec. 3):
-
-        Delta_s = gamma * Delta_{s-1} + stopgrad(sum of segment s's per-token gradients),   gamma = sigmoid(raw) per
-        fast parameter tensor.
-
-    Within a segment the FWL runs in parallel from ``gamma * Delta_{s-1}``; the carried sums are detached, so gradients
-    reach gamma (through the current segment) but never earlier segments.
-    """
-
-    def __init__(self, fast_parameter_names, decay_init: float, segment_length: Optional[int]) -> None:
-        super().__init__()
-        self.names = tuple(fast_parameter_names)
-        self.decay_init = decay_init
-        self.segment_length = segment_length
-        self.raw_decay = nn.Parameter(torch.full((len(self.names),), math.log(decay_init / (1 - decay_init))))
-
-    def gamma(self, name: str) -> torch.Tensor:
-        return torch.sigmoid(self.raw_decay[self.names.index(name)])
-
-    def forward(
-        self, state: Optional[Dict[str, torch.Tensor]]
-    ) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[torch.Tensor]]:
-        """Decays the carried sums ``sum.<name>`` if a segment boundary was passed. Returns ``(state for this call,
-        tokens of the current segment seen before it [B] or None)``. A boundary: every call that continues from a state
-        (``segment_length`` None), or once ``segment_length`` tokens were seen since the last one."""
-        if state is None:
-            return None, None
-        count = state.get("segment.tokens")
-        if self.segment_length is None or count is None or int(count.max()) >= self.segment_length:
-            state = {
-                key: self.gamma(key[len("sum.") :]).to(t.dtype) * t if key.startswith("sum.") else t
-                for key, t in state.items()
-            }
-            count = None
-        return state, count
+    def output_gradients(
+        self,
+        inter: Dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        input_gradient: bool,
+        logits_gradient: bool,
+        overwrite_logits: bool,
+        compute_dtype: Optional[torch.dtype],
+    ) -> Dict[str, torch.Tensor]:
+        """dCE/df from the adaptive softmax (the target's clusters only); no ``[T, V]`` logits exist here."""
+        return {"f": self.output_embedding.input_gradient(inter["o"], labels, weights)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -518,14 +468,7 @@ class TransfoXLPreTrainedModel(StatefulPreTrainedModel):
         elif isinstance(module, ProjectedAdaptiveLogSoftmax) and module.num_clusters:
             init.normal_(module.cluster_weight, mean=0.0, std=std)
             init.zeros_(module.cluster_bias)
-        elif isinstance(module, nn.LayerNorm) and getattr(module, "zero_gain_init", False):
-            # the residual FWL's LayerNorm (the head itself has no direct parameters, so transformers skips it):
-            # f(h) = 0 at the start, h + f(h) = h, the base model's outputs exactly
-            init.zeros_(module.weight)
-        elif isinstance(module, FWLHead):
-            init.constant_(module.raw_step_size, _inverse_softplus(module.step_size_init))
-        elif isinstance(module, SegmentDecay):
-            init.constant_(module.raw_decay, math.log(module.decay_init / (1 - module.decay_init)))
+        init_fwl_weights(module)
 
 
 class TransfoXLModel(TransfoXLPreTrainedModel):
@@ -574,6 +517,23 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             allowed = (allowed & key_mask.bool()[:, None, None, :]) | (distance == 0)[None, None]
         return allowed
 
+    def _checked_cache(
+        self, cache: Optional[TransfoXLCache], batch_size: int, use_cache: bool
+    ) -> Optional[TransfoXLCache]:
+        """The cache to continue from and update: the caller's (validated), a new one if `use_cache`, or None."""
+        if cache is not None and not isinstance(cache, TransfoXLCache):
+            raise ValueError(
+                f"`cache` (`past_key_values`) must be a TransfoXLCache (or None), got {type(cache).__name__}"
+            )
+        if cache is not None and cache.batch_size not in (-1, batch_size):
+            raise ValueError(
+                f"`cache` (`past_key_values`) holds memories for batch size {cache.batch_size}, but the input has "
+                f"batch size {batch_size}"
+            )
+        if cache is None and use_cache:
+            cache = TransfoXLCache(self.config.num_hidden_layers, use_fwl=self.config.use_fwl)
+        return cache
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -609,18 +569,7 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             check_token_ids(input_ids, config.vocab_size, "input_ids")
             inputs_embeds = self.word_embeddings(input_ids)
         B, T = inputs_embeds.shape[:2]
-        cache = resolve_cache_argument(cache, past_key_values)
-        if cache is not None and not isinstance(cache, TransfoXLCache):
-            raise ValueError(
-                f"`cache` (`past_key_values`) must be a TransfoXLCache (or None), got {type(cache).__name__}"
-            )
-        if cache is not None and cache.batch_size not in (-1, B):
-            raise ValueError(
-                f"`cache` (`past_key_values`) holds memories for batch size {cache.batch_size}, but the input has "
-                f"batch size {B}"
-            )
-        if cache is None and use_cache:
-            cache = TransfoXLCache(config.num_hidden_layers, use_fwl=config.use_fwl)
+        cache = self._checked_cache(resolve_cache_argument(cache, past_key_values), B, use_cache)
         past_len = cache.get_seq_length() if cache is not None else 0
         M = cache.memory_length() if cache is not None else 0
         token_mask = padding_mask(attention_mask, B, T, past_len)
@@ -698,8 +647,8 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
 
     With ``config.use_fwl`` (Clark et al. 2022 sec. 3) the adaptive softmax reads ``f_t(h_t)``, the FWL
     (``fwl_head``, the shared ``FWLHead``) with every position's fast weights: within a segment the parallel fast pass,
-    across segments the running update carried in the cache, decayed by the learned ``fwl_decay`` (gamma per fast
-    parameter) at segment boundaries. The memories and the FWL state live in one ``TransfoXLCache``.
+    across segments the running update carried in the cache, decayed by the learned ``fwl_head.decay`` (gamma per
+    fast parameter) at segment boundaries. The memories and the FWL state live in one ``TransfoXLCache``.
     """
 
     def __init__(self, config: TransfoXLConfig) -> None:
@@ -707,8 +656,7 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
         self.model = TransfoXLModel(config)
         self.lm_head = ProjectedAdaptiveLogSoftmax(config)
         if config.use_fwl:
-            self.fwl_head = build_adaptive_fwl_head(config, self.lm_head)
-            self.fwl_decay = SegmentDecay(self.fwl_head.fast_parameter_names, config.fwl_decay_init, config.fwl_segment_length)
+            self.fwl_head = FWLHead.from_config(config, AdaptiveSoftmaxFWLSlowHead, config.hidden_size, self.lm_head)
         self._tied_weights_keys = self._tie_mapping()
         self.post_init()
 
@@ -775,22 +723,12 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
         attention_mask: Optional[torch.Tensor],
         cache: Optional[TransfoXLCache],
     ) -> torch.Tensor:
-        """FWL fast pass of one segment (Clark et al. 2022 sec. 3), continuing the decayed carried update:
+        """FWL fast pass of one segment (Clark et al. 2022 sec. 3), continuing the decayed carried update in the cache:
         ``[B, T, D] -> f_t(h_t) [B, T, D]`` with every position's own fast weights."""
         if input_ids is None:
             raise ValueError("`use_fwl=True` needs `input_ids`: the next token of each position is its fast-update label")
-        state = cache.get_state(cache.fwl_layer_idx) if cache is not None else None
-        state, count = self.fwl_decay(state)
-        fast_hidden, new_state = self.fwl_head.forward_with_state(
-            hidden_states, input_ids, attention_mask, state=state, output_state=cache is not None
-        )
-        if cache is not None:
-            T = hidden_states.shape[1]
-            new_state["segment.tokens"] = (count + T) if count is not None else torch.full(
-                (hidden_states.shape[0],), T, dtype=torch.long, device=hidden_states.device
-            )
-            cache.set_state(cache.fwl_layer_idx, new_state, T)
-        return fast_hidden
+        cache_layer = cache.fwl_layer if cache is not None else None
+        return self.fwl_head(hidden_states, input_ids, attention_mask, cache_layer=cache_layer, return_hidden=True)
 
     def forward(
         self,

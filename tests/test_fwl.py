@@ -5,9 +5,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, LlamaModel, pipeline
+from transformers import (
+    AutoModelForCausalLM,
+    CohereConfig,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+    pipeline,
+)
 
-from modeling_fwp import FWLCache, FWLConfig, FWLForCausalLM, FWLHead
+from modeling_fwp import FWLCache, FWLConfig, FWLForCausalLM, TransfoXLConfig
+from modeling_fwp.configuration_fwl import FWLHeadConfigMixin
+from modeling_fwp.fwl import DenseFWLSlowHead
 
 from conftest import accelerate_launch_two_processes, tiny_config
 
@@ -27,12 +39,23 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kwargs)
 
 
+def tiny_gemma2_config(**overrides):
+    """Gemma 2 soft-caps its logits, ``cap * tanh(z / cap)``; a cap of 0.05 makes the transform far from linear here."""
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, final_logit_softcapping=0.05,
+    )
+    kwargs.update(overrides)
+    return Gemma2Config(**kwargs)
+
+
 def tiny_fwl(base="llama", seed=0, **fwl):
     """An FWL model on a tiny random base; a large step size so that the fast weights matter."""
     torch.manual_seed(seed)
     text_config = {
         "llama": tiny_llama_config,
         "delta_net": tiny_config,
+        "gemma2": tiny_gemma2_config,
         "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2),
     }[base]()
     fwl.setdefault("fwl_step_size_init", 0.1)
@@ -48,13 +71,19 @@ def random_ids(batch, length, seed=1):
 
 
 @pytest.mark.parametrize(
-    "fast_parameters,residual",
-    [(None, False), (ALL_FAST, False), (ALL_FAST, True), (["output_bias"], False), (["output_embedding.weight"], True)],
+    "fast_parameters,residual,base",
+    [
+        (None, False, "llama"), (ALL_FAST, False, "llama"), (ALL_FAST, True, "llama"), (["output_bias"], False, "llama"),
+        (["output_embedding.weight"], True, "llama"), (ALL_FAST, False, "gemma2"), (["output_bias"], True, "gemma2"),
+    ],
 )
 @pytest.mark.parametrize("mode", ["recurrent", "chunk"])
-def test_contract_fast_logits_are_one_gradient_step_on_earlier_losses(fast_parameters, residual, mode):
-    """Position t == head.slow at theta - alpha * sum_{j<t} grad CE(head.slow(h_j), x_{j+1}), plain autograd."""
-    model = tiny_fwl(fwl_fast_parameters=fast_parameters, fwl_residual=residual, fwl_kernel_mode=mode, fwl_chunk_size=4)
+def test_contract_fast_logits_are_one_gradient_step_on_earlier_losses(fast_parameters, residual, base, mode):
+    """Position t == head.slow at theta - alpha * sum_{j<t} grad CE(head.slow(h_j), x_{j+1}), plain autograd; with
+    Gemma 2's soft-capping inside head.slow, so that the fast E and c act before the cap."""
+    model = tiny_fwl(
+        base, fwl_fast_parameters=fast_parameters, fwl_residual=residual, fwl_kernel_mode=mode, fwl_chunk_size=4
+    )
     head = model.fwl_head.double()
     B, T = 2, 11
     ids = random_ids(B, T)
@@ -113,7 +142,7 @@ def test_no_leakage_of_future_tokens(base):
         assert not torch.allclose(other[:, t + 1 :], logits[:, t + 1 :])
 
 
-@pytest.mark.parametrize("base", ["llama", "delta_net"])
+@pytest.mark.parametrize("base", ["llama", "delta_net", "gemma2"])
 @pytest.mark.parametrize("mode", ["recurrent", "chunk"])
 def test_cached_steps_equal_parallel_forward(base, mode):
     model = tiny_fwl(base, fwl_fast_parameters=ALL_FAST, fwl_kernel_mode=mode, fwl_chunk_size=4)
@@ -291,12 +320,8 @@ def test_bad_input():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="output embedding"):
         FWLForCausalLM(FWLConfig(text_config=tiny_llama_config()), language_model=LlamaModel(tiny_llama_config()))
-    with pytest.raises(ValueError, match="not a parameter of the FWL head"):
-        FWLForCausalLM(FWLConfig(text_config=tiny_llama_config(), fwl_fast_parameters=["up_proj.wieght"]))
     with pytest.raises(ValueError, match="not a parameter of the FWL head"):  # no c when fwl_output_bias=False
         FWLForCausalLM(FWLConfig(text_config=tiny_llama_config(), fwl_output_bias=False, fwl_fast_parameters=["output_bias"]))
-    with pytest.raises(ValueError, match="fwl_step_size_init"):
-        FWLConfig(text_config=tiny_llama_config(), fwl_step_size_init=0.0)
     with pytest.raises(ValueError, match="Unknown FWLConfig fields"):
         FWLForCausalLM.from_base_pretrained(LlamaForCausalLM(tiny_llama_config()), fwl_step_size=0.1)
     model = tiny_fwl("llama")
@@ -315,7 +340,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(1)
     with pytest.raises(ValueError, match="nn.Linear"):
-        FWLHead(32, torch.nn.Embedding(VOCAB, 32))
+        DenseFWLSlowHead(32, 32, torch.nn.Embedding(VOCAB, 32))
 
 
 def tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=2):
@@ -461,3 +486,147 @@ def test_finetune_script_under_accelerate_launch_two_processes(tmp_path, word_to
     for stage in ("base", "base_finetuned", "base_fwl"):
         assert ddp[stage]["tokens"] == alone[stage]["tokens"]  # every validation block scored once
         assert ddp[stage]["ppl"] == pytest.approx(alone[stage]["ppl"], rel=1e-4), stage
+
+
+def test_softcapped_base_is_the_slow_output_layer_and_other_logit_transforms_are_refused():
+    """Gemma 2 soft-caps its logits: the FWL's output layer does too, so that a fresh residual head with its fast
+    update switched off gives exactly the base model's logits (the uncapped ones differ by far more); a base that
+    scales its logits (Cohere's ``logit_scale``) is refused by name."""
+    torch.manual_seed(0)
+    base = Gemma2ForCausalLM(tiny_gemma2_config()).eval()
+    model = FWLForCausalLM.from_base_pretrained(base, fwl_residual=True, fwl_fast_parameters=ALL_FAST).eval()
+    assert model.fwl_head.slow.logit_softcapping == 0.05
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        expected = base(ids).logits
+        uncapped = base.lm_head(base.model(ids).last_hidden_state)
+        assert (uncapped - expected).abs().max() > 0.1
+        with model.fwl_head.slow_only():
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+        fast = model(ids).logits
+        torch.testing.assert_close(fast[:, 0], expected[:, 0], rtol=0, atol=0)  # no earlier loss yet
+        assert (fast[:, 1:] - expected[:, 1:]).abs().max() > 1e-3
+        assert fast.abs().max() <= 0.05  # the fast logits are capped too
+        model.fwl_head.raw_step_size.fill_(-30.0)  # alpha = softplus(-30) ~ 1e-13: no fast update
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-6, atol=1e-9)
+    cohere = CohereConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    with pytest.raises(ValueError, match="logit_scale"):
+        FWLForCausalLM(FWLConfig(text_config=cohere))
+
+
+def tiny_fwl_transfo_xl_config(**fwl):
+    return TransfoXLConfig(
+        vocab_size=VOCAB, cutoffs=[20, 40], hidden_size=32, num_attention_heads=4, head_dim=8, intermediate_size=48,
+        num_hidden_layers=1, div_val=2, mem_len=4, use_fwl=True, **fwl,
+    )
+
+
+CONFIGS_WITH_AN_FWL = {
+    "fwl": lambda **fwl: FWLConfig(text_config=tiny_llama_config(), **fwl),
+    "transfo_xl": tiny_fwl_transfo_xl_config,
+}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS_WITH_AN_FWL))
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("fwl_intermediate_size", 0), ("fwl_fast_parameters", ["up_proj.wieght"]),
+        ("fwl_fast_parameters", ["norm.bias", "norm.bias"]), ("fwl_step_size_init", 0.0), ("fwl_decay_init", 1.0),
+        ("fwl_segment_length", 0), ("fwl_layer_norm_eps", 0.0), ("fwl_kernel_mode", "fast"), ("fwl_chunk_size", 0),
+        ("fwl_gradient_dtype", "bf16"),
+    ],
+)
+def test_one_fwl_config_block_validates_both_configs(family, field, value):
+    """FWLConfig and TransfoXLConfig share FWLHeadConfigMixin's fields: a bad value raises naming the field in both."""
+    make = CONFIGS_WITH_AN_FWL[family]
+    make()  # the defaults are valid
+    with pytest.raises(ValueError, match=field):
+        make(**{field: value})
+
+
+def test_one_fwl_config_block_has_one_set_of_names_and_defaults():
+    """The same FWL fields and defaults in both configs, but the two Transformer-XL keeps for its output layer and its
+    paper's recurrence (no output bias c next to the adaptive softmax; the segment decay on)."""
+    shared = FWLHeadConfigMixin.__dataclass_fields__
+    own_defaults = {"fwl_output_bias": False, "fwl_decay_init": 0.9}
+    for config_class in (FWLConfig, TransfoXLConfig):
+        fields = config_class.__dataclass_fields__
+        assert sorted(name for name in fields if name.startswith("fwl_")) == sorted(shared)
+        for name, field in shared.items():
+            expected = own_defaults.get(name, field.default) if config_class is TransfoXLConfig else field.default
+            assert fields[name].default == expected, (config_class.__name__, name)
+    with pytest.raises(ValueError, match="fwl_segment_length"):  # a segment length means nothing without a decay
+        FWLConfig(text_config=tiny_llama_config(), fwl_segment_length=4)
+
+
+@pytest.mark.parametrize(
+    "family,residual,output_bias",
+    [("fwl", False, True), ("fwl", True, True), ("fwl", True, False), ("transfo_xl", False, False), ("transfo_xl", True, False)],
+)
+def test_one_init_path_gives_the_documented_initial_head(family, residual, output_bias, tmp_path):
+    """A fresh head, built with its model or initialised by from_pretrained as the part a checkpoint lacks: U, W ~
+    N(0, 0.02), a = b = c = 0, LayerNorm bias 0 and gain 1 (0 when residual: the head starts as the identity), every
+    step size alpha and decay gamma at its initial value. (The residual head without c started with gain 1 before:
+    transformers skipped its initialisation.)"""
+    from safetensors.torch import load_file, save_file
+
+    fwl = dict(fwl_residual=residual, fwl_intermediate_size=256, fwl_step_size_init=0.05, fwl_decay_init=0.6)
+    if family == "fwl":
+        fwl.update(fwl_output_bias=output_bias)
+    torch.manual_seed(0)
+    fresh = AutoModelForCausalLM.from_config(CONFIGS_WITH_AN_FWL[family](**fwl))
+    fresh.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("fwl_")}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    completed = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not torch.equal(completed.fwl_head.slow.up_proj.weight, fresh.fwl_head.slow.up_proj.weight)  # new draws
+    for model in (fresh, completed):
+        head = model.fwl_head
+        slow = head.slow
+        for weight in (slow.up_proj.weight, slow.down_proj.weight):
+            assert abs(weight.std().item() / 0.02 - 1) < 0.05 and abs(weight.mean().item()) < 1e-3
+        zeros = [slow.up_proj.bias, slow.down_proj.bias, slow.norm.bias] + ([slow.output_bias] if output_bias else [])
+        assert all(torch.equal(t, torch.zeros_like(t)) for t in zeros)
+        assert torch.equal(slow.norm.weight, torch.full_like(slow.norm.weight, 0.0 if residual else 1.0))
+        for name in head.fast_parameter_names:
+            assert head.step_size(name).item() == pytest.approx(0.05, rel=1e-6)
+            assert head.decay.gamma(name).item() == pytest.approx(0.6, rel=1e-6)
+
+
+def test_segment_decay_is_an_optional_part_of_the_head_on_any_base():
+    """``fwl_decay_init`` on FWLForCausalLM (Clark et al. sec. 3): at every segment boundary (4 tokens) the carried
+    sums become gamma * Delta + the new segment's gradients, which are taken at the slow weights and so equal those of
+    the same head without decay; one token at a time decays where segments of 4 do; one uncached call has no
+    boundary."""
+    model = tiny_fwl("llama", fwl_fast_parameters=ALL_FAST, fwl_decay_init=0.5, fwl_segment_length=4)
+    plain = tiny_fwl("llama", fwl_fast_parameters=ALL_FAST)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "decay" not in k})
+    ids = random_ids(2, 12)
+
+    def run(m, length):
+        cache, logits, states = None, [], []
+        for start in range(0, 12, length):
+            out = m(ids[:, start : start + length], cache=cache, use_cache=True)
+            cache = out.cache
+            logits.append(out.logits)
+            states.append(dict(cache.fwl_layer.states))
+        return torch.cat(logits, 1), states
+
+    with torch.no_grad():
+        segments, decayed = run(model, 4)
+        steps, _ = run(model, 1)
+        _, sums = run(plain, 4)
+        torch.testing.assert_close(steps, segments, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    assert decayed[1]["segment.tokens"].tolist() == [4, 4]
+    for name in ALL_FAST:
+        key, gamma = f"sum.{name}", model.fwl_head.decay.gamma(name)
+        torch.testing.assert_close(decayed[0][key], sums[0][key], rtol=0, atol=0)
+        new = sums[1][key] - sums[0][key]  # the second segment's gradients
+        torch.testing.assert_close(decayed[1][key], gamma * decayed[0][key] + new, rtol=1e-5, atol=1e-6, msg=name)
+        assert (decayed[1][key] - sums[1][key]).abs().max() > 1e-4, name  # the decay does change the state

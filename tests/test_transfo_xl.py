@@ -404,6 +404,9 @@ def test_save_load_round_trip_keeps_ties_and_untied_variants(tmp_path):
         (dict(tie_projs=[True]), "tie_projs"),
         (dict(same_length=True, mem_len=0), "mem_len"),
         (dict(div_val=4, embedding_size=32), "embedding_size"),
+        (dict(use_fwl=True, fwl_output_bias=True), "fwl_output_bias"),  # the adaptive softmax: no c, a slow output
+        (dict(use_fwl=True, fwl_fast_parameters=["output_bias"]), "fwl_fast_parameters"),
+        (dict(use_fwl=True, fwl_gradient_dtype="bfloat16"), "fwl_gradient_dtype"),
     ],
 )
 def test_bad_config_raises_naming_the_argument(kwargs, argument):
@@ -443,7 +446,7 @@ def test_fwl_state_after_two_segments_is_the_decayed_sum_of_per_token_gradients(
     g1 = slow_gradients(model, h1[:-1], ids1[0, 1:])
     g2 = slow_gradients(model, torch.cat([h1[-1:], h2[:-1]]), torch.cat([ids2[0, :1], ids2[0, 1:]]))
     for name in model.fwl_head.fast_parameter_names:
-        expected = model.fwl_decay.gamma(name) * g1[name] + g2[name]
+        expected = model.fwl_head.decay.gamma(name) * g1[name] + g2[name]
         torch.testing.assert_close(state[f"sum.{name}"][0], expected, rtol=1e-4, atol=1e-5, msg=name)
         assert not state[f"sum.{name}"].requires_grad
     assert int(state["segment.tokens"][0]) == 5
@@ -468,7 +471,7 @@ def test_fwl_fast_outputs_are_the_slow_head_after_a_gradient_step(residual):
             totals = slow_gradients(model, hs[:t], ys[1 : t + 1])
         else:
             new = slow_gradients(model, hs[5:t], ys[6 : t + 1])
-            totals = {name: model.fwl_decay.gamma(name) * carried[name] + new[name] for name in new}
+            totals = {name: model.fwl_head.decay.gamma(name) * carried[name] + new[name] for name in new}
         params = dict(slow.named_parameters())
         for name in head.fast_parameter_names:
             params[name] = params[name] - head.step_size(name) * totals[name]
@@ -544,6 +547,29 @@ def test_residual_fwl_starts_as_the_base_model_and_continued_training_loads_it(t
         continued_model(tmp_path / "fwl", args)
 
 
+def test_fwl_checkpoints_keep_the_decay_key_and_reload_exactly(tmp_path):
+    """The segment decay is part of the FWL head (``fwl_head.decay``); saved folders keep its key
+    ``fwl_decay.raw_decay`` (renamed on load and back on save), so folders saved before and after load alike."""
+    from safetensors import safe_open
+
+    model = fwl_model()
+    with torch.no_grad():
+        model.fwl_head.decay.raw_decay.add_(torch.linspace(-1, 1, 6))
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "fwl_decay.raw_decay" in keys and not any("decay" in k for k in keys - {"fwl_decay.raw_decay"})
+    loaded = TransfoXLForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded.fwl_head.decay.raw_decay, model.fwl_head.decay.raw_decay, rtol=0, atol=0)
+    ids = ids_of(2, 9)
+    cache_a = model(ids[:, :5], use_cache=True).past_key_values
+    cache_b = loaded(ids[:, :5], use_cache=True).past_key_values
+    torch.testing.assert_close(
+        loaded(ids[:, 5:], past_key_values=cache_b).logits, model(ids[:, 5:], past_key_values=cache_a).logits,
+        rtol=1e-6, atol=1e-6,
+    )
+
+
 def test_fwl_gradients_reach_the_decay_but_not_earlier_segments():
     model = fwl_model(tie_word_embeddings=False).train()
     first, second = torch.arange(0, 10)[None], torch.arange(20, 30)[None]  # clusters 0 and 1
@@ -552,7 +578,7 @@ def test_fwl_gradients_reach_the_decay_but_not_earlier_segments():
     embeddings = model.model.word_embeddings
     assert embeddings.layers[0].weight.grad is None and embeddings.projections[0].weight.grad is None
     assert embeddings.layers[1].weight.grad.abs().sum() > 0
-    assert model.fwl_decay.raw_decay.grad.abs().min() > 0  # every gamma is learned
+    assert model.fwl_head.decay.raw_decay.grad.abs().min() > 0  # every gamma is learned
     assert model.fwl_head.raw_step_size.grad.abs().min() > 0
 
 
