@@ -79,7 +79,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))", "self._map(lambda t: t)",
              ("tests/test_model.py", "tests/test_rfwp.py"), "reorder_cache leaves the rows as they are"),
     Mutation("cache_seen_tokens_off_by_one", CACHE,
-             "layer.seen_tokens += num_new_tokens", "layer.seen_tokens += num_new_tokens + 1",
+             "self.seen_tokens += num_new_tokens", "self.seen_tokens += num_new_tokens + 1",
              ("tests/test_model.py", "tests/test_rfwp.py"), "get_seq_length counts one token too many per call"),
     # --- recurrent FWP layers
     Mutation("ddn_inner_fast_weight_written_at_padding", RFWP_LAYERS,
