@@ -1,0 +1,161 @@
+"""The layers against the papers' equations, written here token by token in float64.
+
+- Delta rule with attention normalisation: Schlag, Irie, Schmidhuber 2021, sec. 4.2, eqs. 20-28.
+- FAVOR+: the same paper, sec. 5.3, eqs. 31-32.
+- Delta MLP: Irie, Schlag, Csordas, Schmidhuber 2021, sec. 3.1, eqs. 13-14 (and appendix A.2).
+"""
+import math
+
+import pytest
+import torch
+
+from modeling_fwp import DeltaNetConfig
+from modeling_fwp.fast_weight_layers import FastWeightLinearAttention
+
+from conftest import relative_error, tiny_config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# feature maps as the papers write them
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def phi_reference(x: torch.Tensor, kind: str, sum_normalization: bool) -> torch.Tensor:
+    """eq. 30 (ELU + 1) or ReLU, then optionally eq. 29 (divide by the sum of the components; 0 stays 0)."""
+    phi = torch.where(x > 0, x + 1, torch.exp(x)) if kind == "elu" else x.clamp_min(0)
+    if sum_normalization:
+        total = phi.sum(-1, keepdim=True)
+        phi = phi / torch.where(total > 0, total, torch.ones_like(total))
+    return phi
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. delta rule with attention normalisation (Schlag et al. 2021, eqs. 20-28)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def attention_normalized_delta_reference(layer, x, kind, sum_normalization, normalize_retrieval=True):
+    """The layer's output by eqs. 4, 21, 26, 27, 24, 28, one token at a time, in float64, from its weights
+    (``W_0 = 0``, ``z_0 = 0``); with ``normalize_retrieval=False`` eq. 20 replaces eq. 27.
+
+    ``x [B, T, D]``. Returns ``(output [B, T, D], W [B, H, d, F], z [B, H, F])``.
+    """
+    H, d = layer.num_heads, layer.head_dim
+    B, T, _ = x.shape
+    x = x.double()
+    W_q, W_k, W_v = layer.qkv_proj.weight.double().view(3, H, d, -1)
+    W_beta, b_beta = layer.beta_proj.weight.double(), layer.beta_proj.bias.double()
+    outputs, W, z = [], None, None
+    for t in range(T):
+        x_t = x[:, t]
+        # eq. 4 per head, then phi; eq. 21
+        k = phi_reference(torch.einsum("hdi,bi->bhd", W_k, x_t), kind, sum_normalization)
+        q = phi_reference(torch.einsum("hdi,bi->bhd", W_q, x_t), kind, sum_normalization)
+        v = torch.einsum("hdi,bi->bhd", W_v, x_t)
+        beta = torch.sigmoid(x_t @ W_beta.T + b_beta)  # [B, H]
+        if W is None:
+            W, z = x.new_zeros(B, H, d, k.shape[-1]), x.new_zeros(B, H, k.shape[-1])
+        # eq. 27: v_bar = W_{t-1} phi(k_t) / (z_{t-1} . phi(k_t)); v_bar_1 = 0 (z_0 = 0)
+        s = (z * k).sum(-1, keepdim=True)
+        retrieved = torch.einsum("bhvf,bhf->bhv", W, k)
+        assert (retrieved[(s == 0).expand_as(retrieved)] == 0).all()
+        v_bar = torch.where(s != 0, retrieved / torch.where(s != 0, s, 1), torch.zeros_like(retrieved))
+        if not normalize_retrieval:
+            v_bar = retrieved  # eq. 20
+        W = W + beta[..., None, None] * torch.einsum("bhv,bhf->bhvf", v - v_bar, k)  # eq. 24
+        z = z + k  # eq. 26
+        # eq. 28: y = W_t phi(q_t) / (z_t . phi(q_t)); where the denominator is 0 so is the numerator: y = 0
+        numerator, denominator = torch.einsum("bhvf,bhf->bhv", W, q), (z * q).sum(-1, keepdim=True)
+        assert (numerator[(denominator == 0).expand_as(numerator)] == 0).all()
+        outputs.append(numerator / torch.where(denominator != 0, denominator, 1))
+    y = torch.stack(outputs, dim=1).flatten(2)  # [B, T, H * d]
+    return y @ layer.o_proj.weight.double().T, W, z
+
+
+def disjoint_keys_layer(layer):
+    """ReLU keys with disjoint supports: input unit i < D/2 writes only the first half of every head's key features,
+    i >= D/2 only the second half, so a key of the second kind meets z_{t-1} != 0 with z_{t-1} . phi(k_t) = 0."""
+    H, d = layer.num_heads, layer.head_dim
+    with torch.no_grad():
+        W_k = layer.qkv_proj.weight.view(3, H, d, -1)[1]
+        D = W_k.shape[-1]
+        W_k.abs_()
+        W_k[:, : d // 2, D // 2 :] *= -1
+        W_k[:, d // 2 :, : D // 2] *= -1
+    return layer
+
+
+CASES = {
+    # (feature map, eq. 29 sum normalisation, inputs)
+    "elu": ("elu", False, "random"),
+    "elu_sumnorm": ("elu", True, "random"),
+    "relu_zero_first_keys": ("relu", False, "zero_start"),
+    "relu_disjoint_keys": ("relu", False, "disjoint"),
+}
+
+
+def case_layer_and_inputs(case, kernel_mode, dtype=torch.float64):
+    kind, sum_normalization, inputs = CASES[case]
+    config = tiny_config(DeltaNetConfig, hidden_size=16, num_attention_heads=2, feature_map=kind,
+                         sum_normalization=sum_normalization, attention_normalization=True, kernel_mode=kernel_mode,
+                         chunk_size=4)
+    torch.manual_seed(0)
+    layer = FastWeightLinearAttention(config).to(dtype).eval()
+    generator = torch.Generator().manual_seed(1)
+    T = 13
+    if inputs == "disjoint":
+        disjoint_keys_layer(layer)
+        units = torch.randint(0, 8, (2, T), generator=generator)
+        units[:, 4:] += 8 * torch.randint(0, 2, (2, T - 4), generator=generator)  # 4 tokens of the first kind first
+        x = torch.nn.functional.one_hot(units, 16).to(dtype)
+    else:
+        x = torch.randn(2, T, 16, generator=generator, dtype=dtype)
+        if inputs == "zero_start":
+            x[:, :3] = 0  # phi(k) = 0 for three tokens: z stays 0 and the fourth token has v_bar = 0 again
+    return layer, x, kind, sum_normalization
+
+
+@pytest.mark.parametrize("kernel_mode", ["recurrent", "chunk"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_normalized_delta_rule_follows_eqs_26_28(case, kernel_mode):
+    layer, x, kind, sum_normalization = case_layer_and_inputs(case, kernel_mode)
+    expected, W, z = attention_normalized_delta_reference(layer, x, kind, sum_normalization)
+    with torch.no_grad():
+        full, state = layer(x)
+        torch.testing.assert_close(full, expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(state["fast_weight"], W, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(state["normalizer"][:, :, 0], z, rtol=1e-10, atol=1e-12)
+        # prefill 6 tokens, then one token, then the rest from the cache
+        outputs, state = [], None
+        for part in (slice(0, 6), slice(6, 7), slice(7, None)):
+            out, state = layer(x[:, part], state=state)
+            outputs.append(out)
+        torch.testing.assert_close(torch.cat(outputs, 1), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["elu", "elu_sumnorm"])
+def test_retrieval_normalisation_of_eq_27_changes_the_output(case):
+    """The test data tell eq. 27 from eq. 20: the layer is far from the delta rule normalised by eq. 28 alone."""
+    layer, x, kind, sum_normalization = case_layer_and_inputs(case, "chunk")
+    output_only, _, _ = attention_normalized_delta_reference(layer, x, kind, sum_normalization, False)
+    with torch.no_grad():
+        out, _ = layer(x)
+    assert relative_error(out, output_only) > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["elu_sumnorm", "relu_zero_first_keys", "relu_disjoint_keys"])
+def test_attention_normalized_delta_rule_low_precision(case, dtype):
+    """float32 / bfloat16 layers: finite, float32 states, within their precision of the float64 equations."""
+    layer, x, kind, sum_normalization = case_layer_and_inputs(case, "chunk", dtype)
+    expected, W, _ = attention_normalized_delta_reference(layer, x, kind, sum_normalization)
+    # measured norm-wise relative errors: float32 <= 1.5e-7, bfloat16 <= 4.6e-3 (every case here)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    with torch.no_grad():
+        prefill, state = layer(x[:, :6])
+        rest, state = layer(x[:, 6:], state=state)
+    out = torch.cat([prefill, rest], 1)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in state.values())
+    assert relative_error(out, expected) < tolerance
+    assert relative_error(state["fast_weight"], W) < tolerance
