@@ -143,7 +143,7 @@ _ONLY_WITH = {"dpfp_nu": ("feature_map", "dpfp"), "favor_features": ("feature_ma
 FEATURE_MAPS = {
     "elu": "ELU + 1 (Katharopoulos et al. 2020)",
     "dpfp": "DPFP-{dpfp_nu} (Schlag et al. 2021, eq. 37; dimension 2 x head_dim x {dpfp_nu})",
-    "favor": "FAVOR+ with {favor_features} positive random features (Choromanski et al. 2021)",
+    "favor": "FAVOR+ with m = {favor_features} random features, dimension 2m (Schlag et al. 2021, eqs. 31-32)",
     "relu": "ReLU",
     "identity": "identity (phi(x) = x)",
     "softmax": "softmax (applied inside the recurrence, as in Irie et al. 2021)",

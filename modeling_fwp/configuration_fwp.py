@@ -18,11 +18,12 @@ class FastWeightConfig(PreTrainedConfig):
 
     Fast-weight layer knobs (Schlag, Irie, Schmidhuber 2021):
         update_rule: "sum" (linear attention, eq. 5) or "delta" (eqs. 17-20).
-        feature_map: "elu" (ELU+1), "dpfp" (eq. 37, dimension 2 * head_dim * dpfp_nu), "favor" (FAVOR+ with
-            ``favor_features`` positive random features), "relu" or "identity".
+        feature_map: "elu" (ELU+1, eq. 30), "dpfp" (eq. 37, dimension 2 * head_dim * dpfp_nu), "favor" (FAVOR+,
+            eqs. 31-32: ``h(x) / sqrt(m) [exp(R x); exp(-R x)]``, dimension d_dot = 2 * favor_features), "relu" or
+            "identity".
         dpfp_nu: DPFP's nu, in 1 .. head_dim // 2 - 1.
-        favor_features: m, the number of FAVOR+ random features (redrawn every training batch, fixed and saved
-            with the model for evaluation).
+        favor_features: m, the number of FAVOR+ random features: the rows of R [m, head_dim], drawn from N(0, I)
+            (sec. 5.3; redrawn every training batch, fixed and saved with the model for evaluation). d_dot = 2 m.
         sum_normalization: phi(x) / sum_i phi(x)_i for keys and queries (eq. 29). None: on for the delta rule with
             a non-negative feature map, off otherwise.
         attention_normalization: divide the output by z_t . phi(q_t), z_t = sum_{s<=t} phi(k_s) (eqs. 26-28).
@@ -107,7 +108,7 @@ class FastWeightConfig(PreTrainedConfig):
         if self.feature_map == "dpfp":
             return 2 * self.head_dim * self.dpfp_nu
         if self.feature_map == "favor":
-            return self.favor_features
+            return 2 * self.favor_features  # eq. 32: [exp(R x); exp(-R x)]
         return self.head_dim
 
 

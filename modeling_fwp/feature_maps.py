@@ -31,44 +31,38 @@ def dpfp_feature_map(x: torch.Tensor, nu: int) -> torch.Tensor:
 
 
 def favor_feature_map(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """FAVOR+ positive random features (Choromanski et al. 2021), as used by Schlag et al. 2021 sec. 5.
+    """FAVOR+ (Choromanski et al. 2021) as Schlag et al. 2021 write it, sec. 5.3, eqs. 31-32.
 
-    ``phi(x) = exp(w_i . x' - |x'|^2 / 2) / sqrt(m)`` with ``x' = x * d^{-1/4}`` so that
-    ``E[phi(q) . phi(k)] = exp(q . k / sqrt(d))``.
+    ``h(x) = exp(-|x|^2 / 2) / sqrt(2)`` (eq. 31), ``phi(x) = h(x) / sqrt(m) [exp(R x); exp(-R x)]`` (eq. 32), so that
+    ``E_R[phi(x) . phi(y)] = exp(x . y)`` for rows of R drawn from N(0, I). Computed as
+    ``exp(+-R x - |x|^2 / 2) / sqrt(2 m)``, the same numbers without overflowing ``exp(R x)`` for large inputs.
 
     Args:
-        x: ``[B, H, T, d]``.
-        projection: ``[H, m, d]`` random features w (one set per head).
+        x: ``[B, H, T, d_key]``.
+        projection: ``[H, m, d_key]``, R (one per head).
     Returns:
-        ``[B, H, T, m]``, positive.
+        ``[B, H, T, 2 m]`` (d_dot = 2 m), positive.
     """
-    d = x.shape[-1]
     m = projection.shape[-2]
-    x = x * d**-0.25
-    wx = torch.einsum("bhtd,hmd->bhtm", x, projection.to(x.dtype))
-    return torch.exp(wx - 0.5 * x.pow(2).sum(-1, keepdim=True)) / math.sqrt(m)
+    acc = torch.promote_types(x.dtype, torch.float32)  # the exponent of a bfloat16 input in float32
+    xf = x.to(acc)
+    rx = torch.einsum("bhtd,hmd->bhtm", xf, projection.to(acc))
+    half_norm = 0.5 * xf.pow(2).sum(-1, keepdim=True)
+    return (torch.exp(torch.cat([rx, -rx], dim=-1) - half_norm) / math.sqrt(2 * m)).to(x.dtype)
 
 
-def orthogonal_random_features(num_heads: int, m: int, d: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draws ``[num_heads, m, d]`` orthogonal Gaussian features (blocks of d orthogonal rows, norms chi(d))."""
-    blocks = []
-    for _ in range(num_heads):
-        rows = []
-        for _ in range(math.ceil(m / d)):
-            q, _ = torch.linalg.qr(torch.randn(d, d, generator=generator))
-            rows.append(q.T)
-        w = torch.cat(rows, dim=0)[:m]
-        norms = torch.randn(m, d, generator=generator).norm(dim=-1, keepdim=True)
-        blocks.append(w * norms)
-    return torch.stack(blocks)
+def gaussian_random_features(num_heads: int, m: int, d: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """FAVOR+'s R for each head: ``[num_heads, m, d]``, every row drawn from N(0, I_d) (Schlag et al. 2021, sec. 5.3)."""
+    return torch.randn(num_heads, m, d, generator=generator)
 
 
 class FeatureMap(nn.Module):
     """phi applied to keys and queries, followed by the optional sum normalisation (eq. 29).
 
-    ``forward(x [B, H, T, head_dim]) -> [B, H, T, feature_dim]``. For FAVOR+ the random projection is a saved
-    buffer; ``redraw()`` draws a new one (the model calls it once per training batch, outside any
-    gradient-checkpointed region so a replayed block sees the same features).
+    ``forward(x [B, H, T, head_dim]) -> [B, H, T, feature_dim]``. For FAVOR+ (eqs. 31-32, feature_dim = 2 m) the
+    random projection R is a saved buffer; ``redraw()`` draws a new one: as in sec. 5.3, the model calls it once per
+    training batch (outside any gradient-checkpointed region so a replayed block sees the same features) and keeps
+    R fixed in evaluation.
     """
 
     def __init__(self, config) -> None:
@@ -79,7 +73,7 @@ class FeatureMap(nn.Module):
         if self.kind == "favor":
             self.register_buffer(
                 "projection",
-                orthogonal_random_features(config.num_attention_heads, config.favor_features, config.head_dim),
+                gaussian_random_features(config.num_attention_heads, config.favor_features, config.head_dim),
                 persistent=True,
             )
 
@@ -87,7 +81,7 @@ class FeatureMap(nn.Module):
     def redraw(self) -> None:
         if self.kind == "favor":
             H, m, d = self.projection.shape
-            self.projection.copy_(orthogonal_random_features(H, m, d).to(self.projection))
+            self.projection.copy_(gaussian_random_features(H, m, d).to(self.projection))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "elu":

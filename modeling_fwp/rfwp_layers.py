@@ -47,7 +47,7 @@ def feature_output_dim(config: PretrainedConfig, dim: int) -> int:
     if config.feature_map == "dpfp":
         return 2 * dim * config.dpfp_nu
     if config.feature_map == "favor":
-        return config.favor_features
+        return 2 * config.favor_features  # Schlag et al. 2021 eq. 32
     return dim
 
 

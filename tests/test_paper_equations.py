@@ -159,3 +159,54 @@ def test_attention_normalized_delta_rule_low_precision(case, dtype):
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in state.values())
     assert relative_error(out, expected) < tolerance
     assert relative_error(state["fast_weight"], W) < tolerance
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. FAVOR+ (Schlag et al. 2021, sec. 5.3, eqs. 31-32)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def favor_reference(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """eq. 31: h(x) = exp(-|x|^2 / 2) / sqrt(2); eq. 32: phi(x) = h(x) / sqrt(m) [exp(R x); exp(-R x)].
+
+    ``x [B, H, T, d]``, ``R [H, m, d]`` -> ``[B, H, T, 2 m]``, in float64."""
+    x, R = x.double(), R.double()
+    h = torch.exp(-x.pow(2).sum(-1, keepdim=True) / 2) / math.sqrt(2)
+    Rx = torch.einsum("hmd,bhtd->bhtm", R, x)
+    return h / math.sqrt(R.shape[1]) * torch.cat([torch.exp(Rx), torch.exp(-Rx)], dim=-1)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_favor_feature_map_is_eqs_31_32(dtype, rtol):
+    from modeling_fwp.feature_maps import FeatureMap, favor_feature_map
+
+    config = tiny_config(DeltaNetConfig, hidden_size=24, num_attention_heads=3, feature_map="favor", favor_features=5,
+                         sum_normalization=False)
+    fmap = FeatureMap(config).to(dtype)
+    x = torch.randn(2, 3, 7, 8, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    phi = fmap(x)
+    assert phi.shape == (2, 3, 7, 10) and config.feature_dim == 10  # d_dot = 2 m
+    torch.testing.assert_close(phi.double(), favor_reference(x, fmap.projection), rtol=rtol, atol=0)
+    torch.testing.assert_close(favor_feature_map(x, fmap.projection), phi, rtol=0, atol=0)
+
+
+def test_favor_features_estimate_the_softmax_kernel():
+    """Rows of R from N(0, I) (as FeatureMap draws them) make phi(x) . phi(y) an unbiased estimate of exp(x . y)
+    (Schlag et al. 2021 eq. 12's kernel), and phi(x) . phi(-x) = exp(-|x|^2) exactly for any R."""
+    from modeling_fwp.feature_maps import FeatureMap
+
+    m, d = 20000, 4
+    config = tiny_config(DeltaNetConfig, hidden_size=4, num_attention_heads=1, feature_map="favor", favor_features=m,
+                         sum_normalization=False)
+    fmap = FeatureMap(config).double()
+    x = torch.randn(1, 1, 6, d, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.3
+    torch.manual_seed(0)
+    estimate = 0
+    for _ in range(4):  # four draws of R, as four training batches
+        fmap.redraw()
+        phi = fmap(x)[0, 0]
+        estimate = estimate + phi @ phi.T / 4
+        torch.testing.assert_close((phi * fmap(-x)[0, 0]).sum(-1), torch.exp(-x[0, 0].pow(2).sum(-1)), rtol=1e-12, atol=0)
+    # measured over 20 seeds: max relative error 2.4e-2; inputs scaled by d^-1/4 (as Performer's code does) would
+    # estimate exp(x . y / 2) instead, up to 37 % off here
+    torch.testing.assert_close(estimate, torch.exp(x[0, 0] @ x[0, 0].T), rtol=4e-2, atol=0)

@@ -160,7 +160,7 @@ class MemorySpec:
         if self.feature_map == "dpfp":
             return 2 * d_key * self.dpfp_nu
         if self.feature_map == "favor":
-            return self.favor_features
+            return 2 * self.favor_features  # eq. 32: [exp(R k); exp(-R k)]
         return d_key
 
 
