@@ -135,8 +135,8 @@ _HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "Model")
 CONFIG_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "intermediate_size",
     "update_rule", "feature_map", "dpfp_nu", "favor_features", "sum_normalization", "attention_normalization",
-    "position_embedding_type", "version", "fast_net_depth", "mem_len", "clamp_len", "cutoffs", "use_fwl",
-    "fwl_intermediate_size", "fwl_fast_parameters", "fwl_step_size_init", "fwl_residual", "fwl_output_bias",
+    "position_embedding_type", "version", "fast_net_depth", "fast_net_activation", "mem_len", "clamp_len", "cutoffs",
+    "use_fwl", "fwl_intermediate_size", "fwl_fast_parameters", "fwl_step_size_init", "fwl_residual", "fwl_output_bias",
     "tie_word_embeddings",
 )
 _ONLY_WITH = {"dpfp_nu": ("feature_map", "dpfp"), "favor_features": ("feature_map", "favor")}

@@ -11,6 +11,7 @@ FEATURE_MAPS = ("elu", "dpfp", "favor", "relu", "identity")
 UPDATE_RULES = ("sum", "delta")
 POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 KERNEL_MODES = ("auto", "recurrent", "chunk")
+FAST_NET_ACTIVATIONS = ("softmax", "feature_map")  # the Delta MLP's f (Irie et al. 2021, eq. 13)
 
 
 class FastWeightConfig(PreTrainedConfig):
@@ -159,17 +160,42 @@ class RecurrentFastWeightConfig(FastWeightConfig):
 
 
 class DeltaMLPConfig(RecurrentFastWeightConfig):
-    """Delta MLP (eqs. 13-14): feedforward slow net, delta rule, fast net a residual MLP of `fast_net_depth`
-    blocks, each two delta-rule fast weight matrices (head_dim -> 4 head_dim -> head_dim) with a slow LayerNorm."""
+    r"""Delta MLP (Irie et al. 2021, sec. 3.1, eqs. 13-14; appendix A.2): feedforward slow net, delta rule, fast net
+    a residual MLP of `fast_net_depth` blocks, each two delta-rule fast weight matrices (head_dim -> 4 head_dim ->
+    head_dim) with a slow LayerNorm.
+
+    Args:
+        fast_net_depth: the number of blocks K (appendix A.2's versions A and B: 4 and 2).
+        fast_net_activation: f of eq. 13, applied to every input of a fast weight matrix (its query):
+            "softmax" (default): the paper's choice (sec. 3.1: "we apply the softmax activation f to the vectors to
+            be used as a query", positive and summing to one as the delta rule needs). Keys still go through the
+            config's feature map, which must then keep head_dim (elu, relu or identity; the paper assumes
+            phi: R^d_key -> R^d_key, sec. 2.2).
+            "feature_map": the config's feature map and sum normalisation (ELU+1 then sum normalisation by
+            default), what the official code (IDSIA/recurrent-fwp, ``CudaDeepFastNetLayer``) applies instead of
+            the softmax; it takes every feature map.
+            The default is the paper's: no pretrained Delta MLP checkpoint exists whose behaviour it would change.
+    """
 
     model_type = "fwp_delta_mlp"
     fast_weight_layer = "delta_mlp"
     fast_net_depth: int = 1
+    fast_net_activation: str = "softmax"
 
     def __post_init__(self, **kwargs):
         if not isinstance(self.fast_net_depth, int) or self.fast_net_depth < 1:
             raise ValueError(f"`fast_net_depth` must be an int >= 1, got {self.fast_net_depth!r}")
+        if self.fast_net_activation not in FAST_NET_ACTIVATIONS:
+            raise ValueError(
+                f"`fast_net_activation` must be one of {FAST_NET_ACTIVATIONS}, got {self.fast_net_activation!r}"
+            )
         super().__post_init__(**kwargs)
+        if self.fast_net_activation == "softmax" and self.feature_dim != self.head_dim:
+            raise ValueError(
+                f"`fast_net_activation`='softmax' reads the fast weights with head_dim-sized queries, so "
+                f"`feature_map` must keep head_dim (elu, relu or identity), got {self.feature_map!r} (dimension "
+                f"{self.feature_dim}); use fast_net_activation='feature_map' with it"
+            )
 
 
 class DeltaDeltaNetConfig(RecurrentFastWeightConfig):

@@ -131,15 +131,19 @@ class RecurrentFastWeightLayer(nn.Module):
 
 @register_fast_weight_layer("delta_mlp")
 class DeltaMLPLayer(RecurrentFastWeightLayer):
-    """Delta MLP (eqs. 13-14): a feedforward slow net programs a residual fast MLP of K = ``fast_net_depth`` blocks.
+    """Delta MLP (sec. 3.1, eqs. 13-14): a feedforward slow net programs a residual fast MLP of K = ``fast_net_depth``
+    blocks.
 
-    Per head, with ``h^0 = q_t = W_q x_t`` and, for l = 1..K, fast matrices ``U^l [4d, F(d)]``, ``V^l [d, F(4d)]``::
+    Per head, with ``h^0 = q_t = W_q x_t`` and, for l = 1..K, fast matrices ``U^l [4d, F]``, ``V^l [d, F']``::
 
-        h^l = h^{l-1} + V^l_t phi(U^l_t phi(LN^l(h^{l-1})))        (eq. 13)
-        U^l_t, V^l_t: delta rule with their own slow k, v, beta   (eq. 14)
-        y_t = h^K
+        h^l = h^{l-1} + V^l_t f(U^l_t f(LN^l(h^{l-1})))           (eq. 13, as a Transformer feed-forward block)
+        U^l_t, V^l_t: delta rule with their own slow k, v, beta   (eqs. 8-10; keys through the config's phi)
+        y_t = h^K                                                 (eq. 14)
 
-    LN^l are slow LayerNorms over head_dim (shared by the heads); phi is the config's feature map.
+    f is ``config.fast_net_activation``: softmax (the paper; F = d, F' = 4d) or the config's feature map with its sum
+    normalisation (the official code: F = F(d), F' = F(4d)). Eq. 13 itself is ``h^l = W^l_t f(h^{l-1})``; appendix
+    A.2 and the official code make each pair of fast layers a Transformer feed-forward block (head_dim -> 4 head_dim
+    -> head_dim) with a slow LayerNorm LN^l (over head_dim, shared by the heads) and a residual connection.
     """
 
     def __init__(self, config, layer_idx: int = 0) -> None:
@@ -147,6 +151,7 @@ class DeltaMLPLayer(RecurrentFastWeightLayer):
         d, H = self.head_dim, self.num_heads
         self.depth = config.fast_net_depth
         self.inner_dim = FAST_NET_EXPANSION * d
+        self.activation = config.fast_net_activation
         sizes = {"q": d}
         for l in range(self.depth):
             sizes.update({f"k{l}_up": d, f"v{l}_up": self.inner_dim, f"k{l}_down": self.inner_dim, f"v{l}_down": d})
@@ -166,12 +171,13 @@ class DeltaMLPLayer(RecurrentFastWeightLayer):
         for l in range(self.depth):
             x = self.norms[l](h)
             for j, (part, phi) in enumerate((("up", self.phi), ("down", self.phi_inner))):
-                # eq. 14: U^l_t, V^l_t written by the delta rule; eq. 13: x <- U^l_t phi(x), then V^l_t phi(x)
+                # eqs. 8-10: U^l_t, V^l_t written by the delta rule; eq. 13: x <- U^l_t f(x), then V^l_t f(x)
                 name = f"fast_weight_{l}_{part}"
                 key = masked(phi(p[f"k{l}_{part}"]), token_mask, 2)
-                x, new_state[name] = self.delta_rule(phi(x), key, p[f"v{l}_{part}"], betas[:, :, 2 * l + j],
+                query = torch.softmax(x, dim=-1) if self.activation == "softmax" else phi(x)
+                x, new_state[name] = self.delta_rule(query, key, p[f"v{l}_{part}"], betas[:, :, 2 * l + j],
                                                      state.get(name))
-            h = h + x  # eq. 13: h^l = h^{l-1} + V^l_t phi(U^l_t phi(LN^l(h^{l-1})))
+            h = h + x  # h^l = h^{l-1} + V^l_t f(U^l_t f(LN^l(h^{l-1})))
         return self.o_proj(merge_heads(h)), new_state
 
 

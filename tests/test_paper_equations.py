@@ -210,3 +210,90 @@ def test_favor_features_estimate_the_softmax_kernel():
     # measured over 20 seeds: max relative error 2.4e-2; inputs scaled by d^-1/4 (as Performer's code does) would
     # estimate exp(x . y / 2) instead, up to 37 % off here
     torch.testing.assert_close(estimate, torch.exp(x[0, 0] @ x[0, 0].T), rtol=4e-2, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Delta MLP (Irie et al. 2021, sec. 3.1, eqs. 8-10, 13-14)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def layer_norm_reference(x: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * gamma + delta over the last dimension, float64."""
+    centred = x - x.mean(-1, keepdim=True)
+    return centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double() + \
+        norm.bias.double()
+
+
+def delta_mlp_reference(layer, x, activation):
+    """The Delta MLP layer's output, one token at a time in float64, from its weights.
+
+    Slow net (eqs. 5, 9): q and, per fast matrix, k, v, beta = sigmoid(.) from x_t; every fast matrix by the delta
+    rule (eqs. 8, 10) with keys phi(k) (ELU+1 and sum normalisation, eqs. 29-30 of Schlag et al.); fast net (eqs.
+    13-14) as Transformer feed-forward blocks, h^l = h^{l-1} + V^l_t f(U^l_t f(LN^l(h^{l-1}))), y_t = h^K, with
+    f = softmax (sec. 3.1) or ELU+1 and sum normalisation (the official code).
+    """
+    H, d, K = layer.num_heads, layer.head_dim, layer.depth
+    B, T, _ = x.shape
+    x = x.double()
+    f = (lambda u: torch.softmax(u, -1)) if activation == "softmax" else (lambda u: phi_reference(u, "elu", True))
+    vectors = (x @ layer.slow.proj.weight.double().T).view(B, T, H, -1).split(list(layer.slow.sizes.values()), -1)
+    p = dict(zip(layer.slow.sizes, vectors))  # name -> [B, T, H, size]
+    betas = torch.sigmoid(x @ layer.slow.beta_proj.weight.double().T + layer.slow.beta_proj.bias.double())
+    betas = betas.view(B, T, H, 2 * K)
+    fast = {}  # (l, part) -> [B, H, out, in], from W_0 = 0
+    outputs = []
+    for t in range(T):
+        h = p["q"][:, t]  # h^0 = q_t
+        for l in range(K):
+            u = layer_norm_reference(h, layer.norms[l])
+            for j, part in enumerate(("up", "down")):
+                k = phi_reference(p[f"k{l}_{part}"][:, t], "elu", True)
+                v = p[f"v{l}_{part}"][:, t]
+                W = fast.get((l, part), x.new_zeros(B, H, v.shape[-1], k.shape[-1]))
+                v_bar = torch.einsum("bhvk,bhk->bhv", W, k)  # eq. 10
+                W = W + betas[:, t, :, 2 * l + j, None, None] * torch.einsum("bhv,bhk->bhvk", v - v_bar, k)  # eq. 8
+                fast[(l, part)] = W
+                u = torch.einsum("bhvk,bhk->bhv", W, f(u))  # eq. 13
+            h = h + u
+        outputs.append(h.flatten(1))  # eq. 14: y_t = h^K
+    return torch.stack(outputs, 1) @ layer.o_proj.weight.double().T
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("activation", ["softmax", "feature_map"])
+def test_delta_mlp_follows_eqs_13_14(activation, depth):
+    from modeling_fwp import DeltaMLPConfig
+    from modeling_fwp.rfwp_layers import DeltaMLPLayer
+
+    config = tiny_config(DeltaMLPConfig, hidden_size=16, num_attention_heads=2, fast_net_depth=depth,
+                         fast_net_activation=activation, chunk_size=4)
+    torch.manual_seed(0)
+    layer = DeltaMLPLayer(config).double().eval()
+    with torch.no_grad():
+        layer.slow.proj.weight.mul_(4)  # keys far from uniform, so that the fast weights' columns differ
+        for norm in layer.norms:  # not the identity LayerNorm of the initialisation
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        expected = delta_mlp_reference(layer, x, activation)
+        full, _ = layer(x)
+        prefill, state = layer(x[:, :5])
+        rest, _ = layer(x[:, 5:], state=state)
+        # the two activations are different models: the test data tell their fast nets' outputs apart
+        other = delta_mlp_reference(layer, x, "feature_map" if activation == "softmax" else "softmax")
+        residual = layer.o_proj(layer.slow(x)["q"].transpose(1, 2).flatten(2))  # h^0 = q_t alone
+    torch.testing.assert_close(full, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.cat([prefill, rest], 1), expected, rtol=1e-10, atol=1e-12)
+    assert relative_error(full - residual, other - residual) > 1e-2  # measured 2.9e-2 .. 3.6e-2, tolerance 1e-10
+
+
+def test_delta_mlp_config_validates_the_activation():
+    from modeling_fwp import DeltaMLPConfig
+
+    assert DeltaMLPConfig().fast_net_activation == "softmax"  # the paper's f (sec. 3.1)
+    with pytest.raises(ValueError, match="fast_net_activation"):
+        tiny_config(DeltaMLPConfig, fast_net_activation="tanh")
+    with pytest.raises(ValueError, match="feature_map"):  # softmax queries of size head_dim, DPFP keys of 2 d nu
+        tiny_config(DeltaMLPConfig, feature_map="dpfp", dpfp_nu=2)
+    assert tiny_config(DeltaMLPConfig, feature_map="dpfp", dpfp_nu=2, fast_net_activation="feature_map").feature_dim == 32
