@@ -18,7 +18,7 @@ class FastWeightConfig(PreTrainedConfig):
     r"""Shared configuration of the fast-weight causal LMs (pre-LN blocks: fast-weight layer + feed-forward).
 
     Fast-weight layer knobs (Schlag, Irie, Schmidhuber 2021):
-        update_rule: "sum" (linear attention, eq. 5) or "delta" (eqs. 17-20).
+        update_rule: "sum" (linear attention, sec. 3.2, eq. 17) or "delta" (sec. 4.2, eqs. 20-25).
         feature_map: "elu" (ELU+1, eq. 30), "dpfp" (eq. 37, dimension 2 * head_dim * dpfp_nu), "favor" (FAVOR+,
             eqs. 31-32: ``h(x) / sqrt(m) [exp(R x); exp(-R x)]``, dimension d_dot = 2 * favor_features), "relu" or
             "identity".
@@ -27,7 +27,8 @@ class FastWeightConfig(PreTrainedConfig):
             (sec. 5.3; redrawn every training batch, fixed and saved with the model for evaluation). d_dot = 2 m.
         sum_normalization: phi(x) / sum_i phi(x)_i for keys and queries (eq. 29). None: on for the delta rule with
             a non-negative feature map, off otherwise.
-        attention_normalization: divide the output by z_t . phi(q_t), z_t = sum_{s<=t} phi(k_s) (eqs. 26-28).
+        attention_normalization: divide the output by z_t . phi(q_t), z_t = sum_{s<=t} phi(k_s) (sum rule: eqs.
+            18-19; delta rule: eqs. 26-28, where the retrieved value is divided by z_{t-1} . phi(k_t) as well).
             None: on for the sum rule with a non-negative feature map, off otherwise.
         position_embedding_type: "none" (the papers' default), "sinusoidal" or "learned" absolute positions.
         kernel_mode, chunk_size: forwarded to ``fwp_kernels``.

@@ -54,7 +54,7 @@ class FastWeightLinearAttention(nn.Module):
     Slow projections (eq. 4): ``k_t, v_t, q_t = W_k x_t, W_v x_t, W_q x_t`` per head; for the delta rule also
     ``beta_t = sigmoid(W_beta x_t)`` (eq. 21). The fast weight W [Dv, Dk] is written with the sum rule
     (eq. 17) or the delta rule (eqs. 20-24: ``W_t = W_{t-1} + beta_t (v_t - v_bar_t) phi(k_t)^T``,
-    ``v_bar_t = W_{t-1} phi(k_t)``) and read with ``y_t = W_t phi(q_t)`` (eqs. 19, 25).
+    ``v_bar_t = W_{t-1} phi(k_t)``) and read with ``y_t = W_t phi(q_t)`` (eq. 25).
 
     Attention normalisation (sec. 3.2 eqs. 18-19 for the sum rule; sec. 4.2 eqs. 26-28 for the delta rule), with
     ``z_t = z_{t-1} + phi(k_t)``, ``z_0 = 0``: the output is ``y_t = W_t phi(q_t) / (z_t . phi(q_t))`` and, for the

@@ -9,7 +9,7 @@ from torch import nn
 
 
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
-    """ELU + 1 (Katharopoulos et al. 2020), shape-preserving: ``[..., d] -> [..., d]``."""
+    """ELU + 1 (Katharopoulos et al. 2020; Schlag et al. 2021 eq. 30), shape-preserving: ``[..., d] -> [..., d]``."""
     return F.elu(x) + 1.0
 
 
@@ -52,7 +52,7 @@ def favor_feature_map(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor
 
 
 def gaussian_random_features(num_heads: int, m: int, d: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """FAVOR+'s R for each head: ``[num_heads, m, d]``, every row drawn from N(0, I_d) (Schlag et al. 2021, sec. 5.3)."""
+    """FAVOR+'s R for each head: ``[num_heads, m, d]``, every row drawn from N(0, I_d) (Schlag et al. 2021 sec. 5.3)."""
     return torch.randn(num_heads, m, d, generator=generator)
 
 

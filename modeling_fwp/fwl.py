@@ -3,17 +3,17 @@ EMNLP 2022, sec. 2): the head, its slow net, and its cache.
 
 The FWL is a small head on a language model's last hidden states ``h_t``. With slow parameters theta:
 
-    f(h) = LayerNorm(ReLU(h U + a)^2 W + b),         logits = f(h) E^T + c                               (eq. 1)
+    f(h) = LayerNorm(ReLU(h U + a)^2 W + b),         logits = f(h) E^T + c                       (sec. 2, unnumbered)
 
 At every position t the head runs with fast parameters, one gradient step on the losses of all earlier positions:
 
-    theta_t = theta - alpha * sum_{j<t} grad_theta CE(logits_j(theta), x_{j+1})                          (eq. 2)
+    theta_t = theta - alpha * sum_{j<t} grad_theta CE(logits_j(theta), x_{j+1})        (sec. 2; eq. 1 for one matrix)
 
 gradients taken at the slow theta, one learned step size alpha > 0 per parameter tensor. The head is position-wise,
 so the gradient of a weight matrix M used as ``y = M x`` is the outer product ``dy_j x_j^T`` of its upstream
 gradient and its input, and
 
-    M_t x_t = M x_t - alpha * sum_{j<t} (x_t . x_j) dy_j
+    M_t x_t = M x_t - alpha * sum_{j<t} (x_t . x_j) dy_j                                                 (eq. 2)
 
 is causal linear attention with query x_t (fast pass input), key x_j (slow pass input) and value dy_j, strictly
 over earlier positions. Bias, LayerNorm and output-bias vectors become cumulative sums. The parallel forward is one
@@ -67,7 +67,7 @@ def _inverse_softplus(x: float) -> float:
 
 
 class FWLSlowHead(nn.Module):
-    """The FWL with slow weights: ``forward(h [B, T, D]) -> logits [B, T, V]`` (eq. 1), using only its own parameters.
+    """The FWL with slow weights: ``forward(h [B, T, D]) -> logits [B, T, V]`` (sec. 2), using only its own parameters.
 
     ``up_proj`` holds U and a, ``down_proj`` W and b, ``norm`` the LayerNorm, ``output_embedding`` is the base
     model's output embedding E (the same module, shared), ``output_bias`` the head's own c.
@@ -409,7 +409,7 @@ class FWLHead(nn.Module):
         B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
         mask = None if attention_mask is None else attention_mask[:, -T:].to(hidden_states.dtype)
         slow = self.slow
-        inter = slow.hidden_intermediates(hidden_states)  # slow pass (eq. 1)
+        inter = slow.hidden_intermediates(hidden_states)  # slow pass (f_theta with the slow weights, sec. 2)
         fast_output = self._fast_hidden or "output_embedding.weight" in self._active
         keep = _keep_index(logits_to_keep, T)
         compute_dtype = self.gradient_dtype if self.gradient_dtype not in (None, hidden_states.dtype) else None
@@ -421,7 +421,7 @@ class FWLHead(nn.Module):
         if not fast_output:
             inter["logits"] = slow.output_logits(inter["o"])  # every position's slow logits
 
-        # Per-token gradients (eq. 2) of the positions whose label is known: the previous call's last position
+        # Per-token gradients (the grad L_i of eqs. 1-2) of the positions whose label is known: the previous call's last position
         # (label input_ids[:, 0]) and the new ones but the last (label input_ids[:, j + 1]).
         depth = self._gradient_depth
         prev = None

@@ -17,12 +17,12 @@ delta_lstm           feedforward / LSTM (eqs. 20-40)     fast_weight, recurrent_
 recurrent_delta_net  recurrent / linear (eqs. 15-18)     fast_weight, output
 ==================== =================================== ==============================================
 
-All fast weights are written with the delta rule ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T`` (Schlag
-et al. 2021) and read as ``W_t q``. Keys and queries of feedforward fast weights go through the config's feature
-map and sum normalisation; the recurrences use the paper's activations (softmax, tanh, sigmoid). Padded positions
-(``token_mask`` 0) change no state: their keys and betas are zeroed, and the scans carry R, y and c through them.
-Dropout, scaling by 1/sqrt(d_head) and the output projection bias of the reference code are left out, as in the
-Delta Net layer; every layer ends with the same output projection ``o_proj`` as the Delta Net.
+All fast weights are written with the delta rule ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T`` (eqs. 8-10;
+Schlag et al. 2021 eq. 24) and read as ``W_t q``. Keys and queries of feedforward fast weights go through the
+config's feature map and sum normalisation; the recurrences use the paper's activations (softmax, tanh, sigmoid).
+Padded positions (``token_mask`` 0) change no state: their keys and betas are zeroed, and the scans carry R, y and c
+through them. Dropout, scaling by 1/sqrt(d_head) and the output projection bias of the reference code are left out,
+as in the Delta Net layer; every layer ends with the same output projection ``o_proj`` as the Delta Net.
 """
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ class FastRecurrentNetLayer(RecurrentFastWeightLayer):
         p = self.slow(hidden_states)
         q, k, v, rec_k, rec_v = (split_gates(p[name], G) for name in ("q", "k", "v", "rec_k", "rec_v"))
         state = state or {}
-        # z_t = W_t phi(q_t), W_t by the delta rule (eqs. 12/19, A.2); gates folded into heads: [B, H * G, T, *]
+        # z_t = W_t phi(q_t) (eqs. 12/19, A.2), W_t by the delta rule (eq. 8); gates folded into heads: [B, H * G, T, *]
         k = masked(self.phi(k.flatten(1, 2)), token_mask, 2)
         beta = masked(torch.sigmoid(p["beta"]).flatten(1, 2), token_mask, 2)
         z, fast_weight = self.delta_rule(self.phi(q.flatten(1, 2)), k, v.flatten(1, 2), beta, state.get("fast_weight"))
@@ -291,11 +291,11 @@ class DeltaLSTMLayer(FastRecurrentNetLayer):
 
 @register_fast_weight_layer("recurrent_delta_net")
 class RecurrentDeltaNetLayer(RecurrentFastWeightLayer):
-    """Recurrent Delta Net (eqs. 15-18): a recurrent slow net, ``h = tanh(y_{t-1})``::
+    """Recurrent Delta Net (sec. 3.2, eqs. 15-18): a recurrent slow net, ``h = tanh(y_{t-1})``::
 
-        q_t = softmax(W_q x_t + R_q h),  k_t = softmax(W_k x_t + R_k h),  v_t = W_v x_t + R_v h     (eqs. 15-16)
-        beta_t = sigmoid(w_beta x_t + r_beta . h)                                                     (eq. 17)
-        W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T,  y_t = W_t q_t                            (eq. 18)
+        k_t = softmax(W_k x_t + R_k h),  v_t = W_v x_t + R_v h,  q_t = softmax(W_q x_t + R_q h)     (eqs. 15-17)
+        beta_t = sigmoid(w_beta x_t + r_beta . h)                                                     (eq. 18)
+        W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T,  y_t = W_t q_t                            (eqs. 8, 10, 7)
 
     The slow projections are the Delta Net's; ``r_q, r_k, r_v [H, d, d]`` and ``r_beta [H, d]`` are the only extra
     parameters. State: W ``[B, H, d, d]`` and y_{t-1}.
