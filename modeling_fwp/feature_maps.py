@@ -30,16 +30,19 @@ def dpfp_feature_map(x: torch.Tensor, nu: int) -> torch.Tensor:
     return torch.cat([r * torch.roll(r, shifts=-i, dims=-1) for i in range(1, nu + 1)], dim=-1)
 
 
-def favor_feature_map(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+def favor_feature_map(x: torch.Tensor, projection: torch.Tensor, sum_normalization: bool = False) -> torch.Tensor:
     """FAVOR+ (Choromanski et al. 2021) as Schlag et al. 2021 write it, sec. 5.3, eqs. 31-32.
 
     ``h(x) = exp(-|x|^2 / 2) / sqrt(2)`` (eq. 31), ``phi(x) = h(x) / sqrt(m) [exp(R x); exp(-R x)]`` (eq. 32), so that
     ``E_R[phi(x) . phi(y)] = exp(x . y)`` for rows of R drawn from N(0, I). Computed as
     ``exp(+-R x - |x|^2 / 2) / sqrt(2 m)``, the same numbers without overflowing ``exp(R x)`` for large inputs.
+    With `sum_normalization`, eq. 29 of it: ``h(x) / sqrt(m)`` cancels and ``phi(x) / sum_j phi(x)_j`` is
+    ``softmax([R x; -R x])``, computed so (it cannot underflow where h(x) does, for large |x|).
 
     Args:
         x: ``[B, H, T, d_key]``.
         projection: ``[H, m, d_key]``, R (one per head).
+        sum_normalization: return eq. 29's ``phi(x) / sum_j phi(x)_j`` instead.
     Returns:
         ``[B, H, T, 2 m]`` (d_dot = 2 m), positive.
     """
@@ -47,8 +50,11 @@ def favor_feature_map(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor
     acc = torch.promote_types(x.dtype, torch.float32)  # the exponent of a bfloat16 input in float32
     xf = x.to(acc)
     rx = torch.einsum("bhtd,hmd->bhtm", xf, projection.to(acc))
+    exponent = torch.cat([rx, -rx], dim=-1)
+    if sum_normalization:
+        return torch.softmax(exponent, dim=-1).to(x.dtype)
     half_norm = 0.5 * xf.pow(2).sum(-1, keepdim=True)
-    return (torch.exp(torch.cat([rx, -rx], dim=-1) - half_norm) / math.sqrt(2 * m)).to(x.dtype)
+    return (torch.exp(exponent - half_norm) / math.sqrt(2 * m)).to(x.dtype)
 
 
 def gaussian_random_features(num_heads: int, m: int, d: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -91,7 +97,7 @@ class FeatureMap(nn.Module):
         elif self.kind == "dpfp":
             phi = dpfp_feature_map(x, self.nu)
         elif self.kind == "favor":
-            phi = favor_feature_map(x, self.projection)
+            return favor_feature_map(x, self.projection, self.sum_normalization)  # eq. 29 included, underflow-free
         else:
             phi = x
         if self.sum_normalization:

@@ -21,8 +21,10 @@ from conftest import relative_error, tiny_config
 
 
 def phi_reference(x: torch.Tensor, kind: str, sum_normalization: bool) -> torch.Tensor:
-    """eq. 30 (ELU + 1) or ReLU, then optionally eq. 29 (divide by the sum of the components; 0 stays 0)."""
-    phi = torch.where(x > 0, x + 1, torch.exp(x)) if kind == "elu" else x.clamp_min(0)
+    """eq. 30 (ELU + 1), ReLU or the identity, then optionally eq. 29 (divide by the sum of the components; 0 stays
+    0)."""
+    phi = {"elu": lambda: torch.where(x > 0, x + 1, torch.exp(x)), "relu": lambda: x.clamp_min(0),
+           "identity": lambda: x}[kind]()
     if sum_normalization:
         total = phi.sum(-1, keepdim=True)
         phi = phi / torch.where(total > 0, total, torch.ones_like(total))
@@ -176,18 +178,27 @@ def favor_reference(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     return h / math.sqrt(R.shape[1]) * torch.cat([torch.exp(Rx), torch.exp(-Rx)], dim=-1)
 
 
+@pytest.mark.parametrize("sum_normalization", [False, True])
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_favor_feature_map_is_eqs_31_32(dtype, rtol):
+def test_favor_feature_map_is_eqs_31_32(dtype, rtol, sum_normalization):
     from modeling_fwp.feature_maps import FeatureMap, favor_feature_map
 
     config = tiny_config(DeltaNetConfig, hidden_size=24, num_attention_heads=3, feature_map="favor", favor_features=5,
-                         sum_normalization=False)
+                         sum_normalization=sum_normalization)
     fmap = FeatureMap(config).to(dtype)
     x = torch.randn(2, 3, 7, 8, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    x[1] *= 8  # |x|^2 ~ 500: h(x) = exp(-250) / sqrt(2) is 0 in float32, the sum-normalised features are not
     phi = fmap(x)
     assert phi.shape == (2, 3, 7, 10) and config.feature_dim == 10  # d_dot = 2 m
-    torch.testing.assert_close(phi.double(), favor_reference(x, fmap.projection), rtol=rtol, atol=0)
-    torch.testing.assert_close(favor_feature_map(x, fmap.projection), phi, rtol=0, atol=0)
+    expected = favor_reference(x, fmap.projection)
+    if sum_normalization:
+        expected = phi_reference(expected, "identity", True)  # eq. 29 (float64: h(x) does not underflow here)
+        # (atol: float32 softmax entries below its smallest normal number are denormals of lower precision)
+        torch.testing.assert_close(phi.double(), expected, rtol=rtol, atol=torch.finfo(dtype).tiny)
+    else:  # the float32 map underflows with h(x) for the large inputs, as eq. 32 computed literally must
+        rows = slice(None) if dtype == torch.float64 else slice(0, 1)
+        torch.testing.assert_close(phi[rows].double(), expected[rows], rtol=rtol, atol=0)
+    torch.testing.assert_close(favor_feature_map(x, fmap.projection, sum_normalization), phi, rtol=0, atol=0)
 
 
 def test_favor_features_estimate_the_softmax_kernel():

@@ -265,7 +265,9 @@ class RetrievalMemoryModel(nn.Module):
         else:
             out = self._kernel_read(x, v, phi_k, phi_q)
         if self.spec.attention_normalization:
-            out = out[..., :-1] / (out[..., -1:] + 1e-6)
+            # eq. 19 exactly (no epsilon, which would swamp FAVOR+'s tiny h(q) terms); 0 where z_T . phi(q) = 0
+            denominator = out[..., -1:]
+            out = out[..., :-1] / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
         return out
 
     def _kernel_read(self, x: torch.Tensor, v: torch.Tensor, phi_k: torch.Tensor, phi_q: torch.Tensor) -> torch.Tensor:
