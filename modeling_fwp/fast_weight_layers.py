@@ -129,7 +129,8 @@ def attention_normalized_delta_inputs(
         beta: ``[B, H, T]``.
         normalizer: ``[B, H, 1, Dk]``, z after the tokens already seen, or None (``z_0 = 0``).
     Returns:
-        ``(v' [B, H, T, Dv], beta' [B, H, T])`` in the dtypes of `v` and `beta`.
+        ``(v' [B, H, T, Dv], beta' [B, H, T])`` in float32 (float64 for float64 keys), the kernels' accumulation
+        dtype: ``1 / s_t`` and ``s_t v_t`` may leave float16's range.
     """
     acc = torch.promote_types(k.dtype, torch.float32)
     kf = k.to(acc)
@@ -138,4 +139,4 @@ def attention_normalized_delta_inputs(
         z_prev = z_prev + normalizer.to(acc)
     s = (z_prev * kf).sum(-1)  # [B, H, T]
     s = torch.where(s >= torch.finfo(acc).tiny, s, torch.ones_like(s))
-    return (v.to(acc) * s[..., None]).to(v.dtype), (beta.to(acc) / s).to(beta.dtype)
+    return v.to(acc) * s[..., None], beta.to(acc) / s
