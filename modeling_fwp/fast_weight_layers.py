@@ -84,7 +84,8 @@ class FastWeightLinearAttention(nn.Module):
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         q, k, v = (split_heads(x, self.num_heads) for x in self.qkv_proj(hidden_states).chunk(3, dim=-1))
-        q, k = self.feature_map(q), self.feature_map(k)
+        # eqs. 19 / 28 divide by z . phi(q): a positive factor of phi(q) cancels (FAVOR+ computes it without underflow)
+        q, k = self.feature_map(q, rescale_dims=-1 if self.attention_normalization else None), self.feature_map(k)
         beta = torch.sigmoid(self.beta_proj(hidden_states)).transpose(1, 2) if self.beta_proj is not None else None
         if token_mask is not None:
             # Padded positions write nothing: phi(k) = 0 (and beta = 0) makes the update vanish.

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import math
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+Dims = Union[int, Tuple[int, ...]]
 
 
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +33,9 @@ def dpfp_feature_map(x: torch.Tensor, nu: int) -> torch.Tensor:
     return torch.cat([r * torch.roll(r, shifts=-i, dims=-1) for i in range(1, nu + 1)], dim=-1)
 
 
-def favor_feature_map(x: torch.Tensor, projection: torch.Tensor, sum_normalization: bool = False) -> torch.Tensor:
+def favor_feature_map(
+    x: torch.Tensor, projection: torch.Tensor, sum_normalization: bool = False, rescale_dims: Optional[Dims] = None
+) -> torch.Tensor:
     """FAVOR+ (Choromanski et al. 2021) as Schlag et al. 2021 write it, sec. 5.3, eqs. 31-32.
 
     ``h(x) = exp(-|x|^2 / 2) / sqrt(2)`` (eq. 31), ``phi(x) = h(x) / sqrt(m) [exp(R x); exp(-R x)]`` (eq. 32), so that
@@ -43,6 +48,10 @@ def favor_feature_map(x: torch.Tensor, projection: torch.Tensor, sum_normalizati
         x: ``[B, H, T, d_key]``.
         projection: ``[H, m, d_key]``, R (one per head).
         sum_normalization: return eq. 29's ``phi(x) / sum_j phi(x)_j`` instead.
+        rescale_dims: return ``phi(x) / max phi(x)``, the maximum over these dimensions of the output (a positive
+            factor, constant along them, taken as a constant by autograd), computed from the exponents so that it
+            cannot underflow. For uses whose result that factor cancels from: the queries of attention
+            normalisation (eqs. 19, 28; dims ``-1``), all keys of a sequence read only through eq. 19 (``(-2, -1)``).
     Returns:
         ``[B, H, T, 2 m]`` (d_dot = 2 m), positive.
     """
@@ -53,8 +62,10 @@ def favor_feature_map(x: torch.Tensor, projection: torch.Tensor, sum_normalizati
     exponent = torch.cat([rx, -rx], dim=-1)
     if sum_normalization:
         return torch.softmax(exponent, dim=-1).to(x.dtype)
-    half_norm = 0.5 * xf.pow(2).sum(-1, keepdim=True)
-    return (torch.exp(exponent - half_norm) / math.sqrt(2 * m)).to(x.dtype)
+    exponent = exponent - 0.5 * xf.pow(2).sum(-1, keepdim=True)
+    if rescale_dims is not None:
+        return torch.exp(exponent - exponent.detach().amax(dim=rescale_dims, keepdim=True)).to(x.dtype)
+    return (torch.exp(exponent) / math.sqrt(2 * m)).to(x.dtype)
 
 
 def gaussian_random_features(num_heads: int, m: int, d: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -89,7 +100,9 @@ class FeatureMap(nn.Module):
             H, m, d = self.projection.shape
             self.projection.copy_(gaussian_random_features(H, m, d).to(self.projection))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rescale_dims: Optional[Dims] = None) -> torch.Tensor:
+        """``x [B, H, T, head_dim] -> phi(x) [B, H, T, feature_dim]``; `rescale_dims`: see ``favor_feature_map`` (only
+        FAVOR+'s exponential features can underflow: the other maps ignore it)."""
         if self.kind == "elu":
             phi = elu_feature_map(x)
         elif self.kind == "relu":
@@ -97,7 +110,7 @@ class FeatureMap(nn.Module):
         elif self.kind == "dpfp":
             phi = dpfp_feature_map(x, self.nu)
         elif self.kind == "favor":
-            return favor_feature_map(x, self.projection, self.sum_normalization)  # eq. 29 included, underflow-free
+            return favor_feature_map(x, self.projection, self.sum_normalization, rescale_dims)  # eq. 29 included
         else:
             phi = x
         if self.sum_normalization:

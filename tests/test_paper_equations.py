@@ -202,6 +202,31 @@ def test_favor_feature_map_is_eqs_31_32(dtype, rtol, sum_normalization):
     torch.testing.assert_close(favor_feature_map(x, fmap.projection, sum_normalization), phi, rtol=0, atol=0)
 
 
+def test_favor_linear_transformer_in_float32_where_the_literal_features_underflow():
+    """Sum rule with attention normalisation (eqs. 17-19) and FAVOR+ (eqs. 31-32), |q|^2, |k|^2 ~ 80: the float32
+    layer equals the float64 equations although z_t . phi(q_t) computed literally in float32 underflows (the layer
+    takes h(q) / sqrt(m), which eq. 19 cancels, out of the query's exponents)."""
+    from modeling_fwp import LinearTransformerConfig
+
+    config = tiny_config(LinearTransformerConfig, hidden_size=16, num_attention_heads=2, feature_map="favor",
+                         favor_features=8, chunk_size=4)
+    torch.manual_seed(0)
+    layer = FastWeightLinearAttention(config).eval()
+    with torch.no_grad():
+        layer.qkv_proj.weight[:32] *= 5  # W_q, W_k
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, _ = layer(x)
+    H, d = layer.num_heads, layer.head_dim
+    q, k, v = (torch.einsum("hdi,bti->bhtd", w, x.double()) for w in layer.qkv_proj.weight.double().view(3, H, d, -1))
+    phi_q, phi_k = favor_reference(q, layer.feature_map.projection), favor_reference(k, layer.feature_map.projection)
+    scores = torch.einsum("bhtf,bhsf->bhts", phi_q, phi_k).tril()  # phi(q_t) . phi(k_s), s <= t
+    y = torch.einsum("bhts,bhsv->bhtv", scores, v) / scores.sum(-1, keepdim=True)  # eqs. 17-19
+    expected = y.transpose(1, 2).flatten(2) @ layer.o_proj.weight.double().T
+    assert (scores.float() == 0).any()  # the literal float32 products underflow
+    assert relative_error(out, expected) < 1e-5
+
+
 def test_favor_features_estimate_the_softmax_kernel():
     """Rows of R from N(0, I) (as FeatureMap draws them) make phi(x) . phi(y) an unbiased estimate of exp(x . y)
     (Schlag et al. 2021 eq. 12's kernel), and phi(x) . phi(-x) = exp(-|x|^2) exactly for any R."""

@@ -251,8 +251,11 @@ class RetrievalMemoryModel(nn.Module):
         if self.spec.attention == "softmax":
             scores = torch.einsum("bqd,btd->bqt", q, k) / math.sqrt(self.d_key)
             return torch.einsum("bqt,bts->bqs", scores.softmax(-1), v)
-        phi_k = self.feature_map(k[:, None])  # [B, 1, T, F]
-        phi_q = self.feature_map(q[:, None])  # [B, 1, Q, F]
+        # eq. 19's ratio is unchanged by a positive factor of each phi(q), and of all phi(k) of a sequence under the sum
+        # rule: FAVOR+ takes them out of its exponents (its h(x) underflows float32 for |x|^2 > ~200), others ignore it
+        normalized_sum = self.spec.attention_normalization and self.spec.update_rule == "sum"
+        phi_k = self.feature_map(k[:, None], rescale_dims=(-2, -1) if normalized_sum else None)  # [B, 1, T, F]
+        phi_q = self.feature_map(q[:, None], rescale_dims=-1 if self.spec.attention_normalization else None)
         if self.spec.update_rule == "fwm":
             memory = fast_weight_memory_rule(phi_k[:, 0], v, torch.sigmoid(self.beta_proj(x)).squeeze(-1))
             return F.layer_norm(torch.einsum("bsf,bqf->bqs", memory, phi_q[:, 0]), (v.shape[-1],))  # y = LN(W_T phi(q))
