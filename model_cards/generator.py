@@ -135,15 +135,15 @@ _HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "Model")
 CONFIG_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "intermediate_size",
     "update_rule", "feature_map", "dpfp_nu", "favor_features", "sum_normalization", "attention_normalization",
-    "position_embedding_type", "version", "fast_net_depth", "mem_len", "clamp_len", "cutoffs", "use_fwl",
-    "fwl_intermediate_size", "fwl_fast_parameters", "fwl_step_size_init", "fwl_residual", "fwl_output_bias",
+    "position_embedding_type", "version", "fast_net_depth", "fast_net_activation", "mem_len", "clamp_len", "cutoffs",
+    "use_fwl", "fwl_intermediate_size", "fwl_fast_parameters", "fwl_step_size_init", "fwl_residual", "fwl_output_bias",
     "tie_word_embeddings",
 )
 _ONLY_WITH = {"dpfp_nu": ("feature_map", "dpfp"), "favor_features": ("feature_map", "favor")}
 FEATURE_MAPS = {
     "elu": "ELU + 1 (Katharopoulos et al. 2020)",
     "dpfp": "DPFP-{dpfp_nu} (Schlag et al. 2021, eq. 37; dimension 2 x head_dim x {dpfp_nu})",
-    "favor": "FAVOR+ with {favor_features} positive random features (Choromanski et al. 2021)",
+    "favor": "FAVOR+ with m = {favor_features} random features, dimension 2m (Schlag et al. 2021, eqs. 31-32)",
     "relu": "ReLU",
     "identity": "identity (phi(x) = x)",
     "softmax": "softmax (applied inside the recurrence, as in Irie et al. 2021)",

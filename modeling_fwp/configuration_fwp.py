@@ -11,21 +11,24 @@ FEATURE_MAPS = ("elu", "dpfp", "favor", "relu", "identity")
 UPDATE_RULES = ("sum", "delta")
 POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 KERNEL_MODES = ("auto", "recurrent", "chunk")
+FAST_NET_ACTIVATIONS = ("softmax", "feature_map")  # the Delta MLP's f (Irie et al. 2021, eq. 13)
 
 
 class FastWeightConfig(PreTrainedConfig):
     r"""Shared configuration of the fast-weight causal LMs (pre-LN blocks: fast-weight layer + feed-forward).
 
     Fast-weight layer knobs (Schlag, Irie, Schmidhuber 2021):
-        update_rule: "sum" (linear attention, eq. 5) or "delta" (eqs. 17-20).
-        feature_map: "elu" (ELU+1), "dpfp" (eq. 37, dimension 2 * head_dim * dpfp_nu), "favor" (FAVOR+ with
-            ``favor_features`` positive random features), "relu" or "identity".
+        update_rule: "sum" (linear attention, sec. 3.2, eq. 17) or "delta" (sec. 4.2, eqs. 20-25).
+        feature_map: "elu" (ELU+1, eq. 30), "dpfp" (eq. 37, dimension 2 * head_dim * dpfp_nu), "favor" (FAVOR+,
+            eqs. 31-32: ``h(x) / sqrt(m) [exp(R x); exp(-R x)]``, dimension d_dot = 2 * favor_features), "relu" or
+            "identity".
         dpfp_nu: DPFP's nu, in 1 .. head_dim // 2 - 1.
-        favor_features: m, the number of FAVOR+ random features (redrawn every training batch, fixed and saved
-            with the model for evaluation).
+        favor_features: m, the number of FAVOR+ random features: the rows of R [m, head_dim], drawn from N(0, I)
+            (sec. 5.3; redrawn every training batch, fixed and saved with the model for evaluation). d_dot = 2 m.
         sum_normalization: phi(x) / sum_i phi(x)_i for keys and queries (eq. 29). None: on for the delta rule with
             a non-negative feature map, off otherwise.
-        attention_normalization: divide the output by z_t . phi(q_t), z_t = sum_{s<=t} phi(k_s) (eqs. 26-28).
+        attention_normalization: divide the output by z_t . phi(q_t), z_t = sum_{s<=t} phi(k_s) (sum rule: eqs.
+            18-19; delta rule: eqs. 26-28, where the retrieved value is divided by z_{t-1} . phi(k_t) as well).
             None: on for the sum rule with a non-negative feature map, off otherwise.
         position_embedding_type: "none" (the papers' default), "sinusoidal" or "learned" absolute positions.
         kernel_mode, chunk_size: forwarded to ``fwp_kernels``.
@@ -107,7 +110,7 @@ class FastWeightConfig(PreTrainedConfig):
         if self.feature_map == "dpfp":
             return 2 * self.head_dim * self.dpfp_nu
         if self.feature_map == "favor":
-            return self.favor_features
+            return 2 * self.favor_features  # eq. 32: [exp(R x); exp(-R x)]
         return self.head_dim
 
 
@@ -158,17 +161,42 @@ class RecurrentFastWeightConfig(FastWeightConfig):
 
 
 class DeltaMLPConfig(RecurrentFastWeightConfig):
-    """Delta MLP (eqs. 13-14): feedforward slow net, delta rule, fast net a residual MLP of `fast_net_depth`
-    blocks, each two delta-rule fast weight matrices (head_dim -> 4 head_dim -> head_dim) with a slow LayerNorm."""
+    r"""Delta MLP (Irie et al. 2021, sec. 3.1, eqs. 13-14; appendix A.2): feedforward slow net, delta rule, fast net
+    a residual MLP of `fast_net_depth` blocks, each two delta-rule fast weight matrices (head_dim -> 4 head_dim ->
+    head_dim) with a slow LayerNorm.
+
+    Args:
+        fast_net_depth: the number of blocks K (appendix A.2's versions A and B: 4 and 2).
+        fast_net_activation: f of eq. 13, applied to every input of a fast weight matrix (its query):
+            "softmax" (default): the paper's choice (sec. 3.1: "we apply the softmax activation f to the vectors to
+            be used as a query", positive and summing to one as the delta rule needs). Keys still go through the
+            config's feature map, which must then keep head_dim (elu, relu or identity; the paper assumes
+            phi: R^d_key -> R^d_key, sec. 2.2).
+            "feature_map": the config's feature map and sum normalisation (ELU+1 then sum normalisation by
+            default), what the official code (IDSIA/recurrent-fwp, ``CudaDeepFastNetLayer``) applies instead of
+            the softmax; it takes every feature map.
+            The default is the paper's: no pretrained Delta MLP checkpoint exists whose behaviour it would change.
+    """
 
     model_type = "fwp_delta_mlp"
     fast_weight_layer = "delta_mlp"
     fast_net_depth: int = 1
+    fast_net_activation: str = "softmax"
 
     def __post_init__(self, **kwargs):
         if not isinstance(self.fast_net_depth, int) or self.fast_net_depth < 1:
             raise ValueError(f"`fast_net_depth` must be an int >= 1, got {self.fast_net_depth!r}")
+        if self.fast_net_activation not in FAST_NET_ACTIVATIONS:
+            raise ValueError(
+                f"`fast_net_activation` must be one of {FAST_NET_ACTIVATIONS}, got {self.fast_net_activation!r}"
+            )
         super().__post_init__(**kwargs)
+        if self.fast_net_activation == "softmax" and self.feature_dim != self.head_dim:
+            raise ValueError(
+                f"`fast_net_activation`='softmax' reads the fast weights with head_dim-sized queries, so "
+                f"`feature_map` must keep head_dim (elu, relu or identity), got {self.feature_map!r} (dimension "
+                f"{self.feature_dim}); use fast_net_activation='feature_map' with it"
+            )
 
 
 class DeltaDeltaNetConfig(RecurrentFastWeightConfig):

@@ -3,17 +3,17 @@ EMNLP 2022, sec. 2): the head, its slow net, and its cache.
 
 The FWL is a small head on a language model's last hidden states ``h_t``. With slow parameters theta:
 
-    f(h) = LayerNorm(ReLU(h U + a)^2 W + b),         logits = f(h) E^T + c                               (eq. 1)
+    f(h) = LayerNorm(ReLU(h U + a)^2 W + b),         logits = f(h) E^T + c                       (sec. 2, unnumbered)
 
 At every position t the head runs with fast parameters, one gradient step on the losses of all earlier positions:
 
-    theta_t = theta - alpha * sum_{j<t} grad_theta CE(logits_j(theta), x_{j+1})                          (eq. 2)
+    theta_t = theta - alpha * sum_{j<t} grad_theta CE(logits_j(theta), x_{j+1})        (sec. 2; eq. 1 for one matrix)
 
 gradients taken at the slow theta, one learned step size alpha > 0 per parameter tensor. The head is position-wise,
 so the gradient of a weight matrix M used as ``y = M x`` is the outer product ``dy_j x_j^T`` of its upstream
 gradient and its input, and
 
-    M_t x_t = M x_t - alpha * sum_{j<t} (x_t . x_j) dy_j
+    M_t x_t = M x_t - alpha * sum_{j<t} (x_t . x_j) dy_j                                                 (eq. 2)
 
 is causal linear attention with query x_t (fast pass input), key x_j (slow pass input) and value dy_j, strictly
 over earlier positions. Bias, LayerNorm and output-bias vectors become cumulative sums. The parallel forward is one
@@ -83,9 +83,10 @@ def layer_normalize(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Te
 
 
 class FWLSlowHead(nn.Module):
-    r"""The FWL with slow weights (eq. 1): the hidden layer ``f(h) = LayerNorm(ReLU(h U + a)^2 W + b)`` (``up_proj``
-    U, a; ``down_proj`` W, b; ``norm``), read by an output layer that each subclass implements. ``forward(h [B, T, D])
-    -> logits [B, T, V]`` uses only the module's own parameters (the slow head of the FWL contract).
+    r"""The FWL with slow weights (Clark et al. 2022 sec. 2, unnumbered): the hidden layer
+    ``f(h) = LayerNorm(ReLU(h U + a)^2 W + b)`` (``up_proj`` U, a; ``down_proj`` W, b; ``norm``), read by an output
+    layer that each subclass implements. ``forward(h [B, T, D]) -> logits [B, T, V]`` uses only the module's own
+    parameters (the slow head of the FWL contract).
 
     The output-layer interface (what ``FWLHead`` uses), with ``o = f(h)`` (or ``h + f(h)`` when ``residual``):
 
@@ -611,7 +612,7 @@ class FWLHead(nn.Module):
             raise ValueError(f"`return_hidden` needs a slow output layer, but {active_output} are fast")
         mask = None if attention_mask is None else attention_mask[:, -T:].to(hidden_states.dtype)
         slow = self.slow
-        inter = slow.hidden_intermediates(hidden_states)  # slow pass (eq. 1)
+        inter = slow.hidden_intermediates(hidden_states)  # slow pass (f_theta with the slow weights, sec. 2)
         fast_output = self._fast_hidden or "output_embedding.weight" in self._active
         keep = _keep_index(logits_to_keep, T)
         compute_dtype = self.gradient_dtype if self.gradient_dtype not in (None, hidden_states.dtype) else None
@@ -643,9 +644,9 @@ class FWLHead(nn.Module):
         return out, new_state
 
     def _gradient_terms(self, inter, input_ids, mask, state: State, compute_dtype, in_place: bool):
-        """Per-token gradients (eq. 2) of the positions whose label is known: the previous call's last position (label
-        ``input_ids[:, 0]``) and the new ones but the last (label ``input_ids[:, j + 1]``). Returns (keys, values) of
-        the linear attentions, ``[B, T, *]``, entry t holding position t - 1."""
+        """Per-token gradients (the grad L_i of eqs. 1-2) of the positions whose label is known: the previous call's
+        last position (label ``input_ids[:, 0]``) and the new ones but the last (label ``input_ids[:, j + 1]``).
+        Returns (keys, values) of the linear attentions, ``[B, T, *]``, entry t holding position t - 1."""
         keys: Dict[str, torch.Tensor] = {}
         values: Dict[str, torch.Tensor] = {}
         depth, slow = self._gradient_depth, self.slow

@@ -1,7 +1,7 @@
 """The shared LM backbone of every fast-weight model, and the per-family Auto-registered classes.
 
 All models are pre-LN stacks of ``FastWeightBlock``s (fast-weight layer + feed-forward, Schlag et al. 2021
-sec. 6.2 / Irie et al. 2021 sec. 4.1); a family differs only in the fast-weight layer its config selects.
+sec. 6.3 / Irie et al. 2021 sec. 4.1); a family differs only in the fast-weight layer its config selects.
 The recurrent state lives in a ``FastWeightCache``: it is what generation continues from and what the papers'
 "full context" training carries across segments (gradients stopped at segment boundaries).
 """

@@ -17,12 +17,12 @@ delta_lstm           feedforward / LSTM (eqs. 20-40)     fast_weight, recurrent_
 recurrent_delta_net  recurrent / linear (eqs. 15-18)     fast_weight, output
 ==================== =================================== ==============================================
 
-All fast weights are written with the delta rule ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T`` (Schlag
-et al. 2021) and read as ``W_t q``. Keys and queries of feedforward fast weights go through the config's feature
-map and sum normalisation; the recurrences use the paper's activations (softmax, tanh, sigmoid). Padded positions
-(``token_mask`` 0) change no state: their keys and betas are zeroed, and the scans carry R, y and c through them.
-Dropout, scaling by 1/sqrt(d_head) and the output projection bias of the reference code are left out, as in the
-Delta Net layer; every layer ends with the same output projection ``o_proj`` as the Delta Net.
+All fast weights are written with the delta rule ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T`` (eqs. 8-10;
+Schlag et al. 2021 eq. 24) and read as ``W_t q``. Keys and queries of feedforward fast weights go through the
+config's feature map and sum normalisation; the recurrences use the paper's activations (softmax, tanh, sigmoid).
+Padded positions (``token_mask`` 0) change no state: their keys and betas are zeroed, and the scans carry R, y and c
+through them. Dropout, scaling by 1/sqrt(d_head) and the output projection bias of the reference code are left out,
+as in the Delta Net layer; every layer ends with the same output projection ``o_proj`` as the Delta Net.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def feature_output_dim(config: PretrainedConfig, dim: int) -> int:
     if config.feature_map == "dpfp":
         return 2 * dim * config.dpfp_nu
     if config.feature_map == "favor":
-        return config.favor_features
+        return 2 * config.favor_features  # Schlag et al. 2021 eq. 32
     return dim
 
 
@@ -131,15 +131,19 @@ class RecurrentFastWeightLayer(nn.Module):
 
 @register_fast_weight_layer("delta_mlp")
 class DeltaMLPLayer(RecurrentFastWeightLayer):
-    """Delta MLP (eqs. 13-14): a feedforward slow net programs a residual fast MLP of K = ``fast_net_depth`` blocks.
+    """Delta MLP (sec. 3.1, eqs. 13-14): a feedforward slow net programs a residual fast MLP of K = ``fast_net_depth``
+    blocks.
 
-    Per head, with ``h^0 = q_t = W_q x_t`` and, for l = 1..K, fast matrices ``U^l [4d, F(d)]``, ``V^l [d, F(4d)]``::
+    Per head, with ``h^0 = q_t = W_q x_t`` and, for l = 1..K, fast matrices ``U^l [4d, F]``, ``V^l [d, F']``::
 
-        h^l = h^{l-1} + V^l_t phi(U^l_t phi(LN^l(h^{l-1})))        (eq. 13)
-        U^l_t, V^l_t: delta rule with their own slow k, v, beta   (eq. 14)
-        y_t = h^K
+        h^l = h^{l-1} + V^l_t f(U^l_t f(LN^l(h^{l-1})))           (eq. 13, as a Transformer feed-forward block)
+        U^l_t, V^l_t: delta rule with their own slow k, v, beta   (eqs. 8-10; keys through the config's phi)
+        y_t = h^K                                                 (eq. 14)
 
-    LN^l are slow LayerNorms over head_dim (shared by the heads); phi is the config's feature map.
+    f is ``config.fast_net_activation``: softmax (the paper; F = d, F' = 4d) or the config's feature map with its sum
+    normalisation (the official code: F = F(d), F' = F(4d)). Eq. 13 itself is ``h^l = W^l_t f(h^{l-1})``; appendix
+    A.2 and the official code make each pair of fast layers a Transformer feed-forward block (head_dim -> 4 head_dim
+    -> head_dim) with a slow LayerNorm LN^l (over head_dim, shared by the heads) and a residual connection.
     """
 
     def __init__(self, config, layer_idx: int = 0) -> None:
@@ -147,6 +151,7 @@ class DeltaMLPLayer(RecurrentFastWeightLayer):
         d, H = self.head_dim, self.num_heads
         self.depth = config.fast_net_depth
         self.inner_dim = FAST_NET_EXPANSION * d
+        self.activation = config.fast_net_activation
         sizes = {"q": d}
         for l in range(self.depth):
             sizes.update({f"k{l}_up": d, f"v{l}_up": self.inner_dim, f"k{l}_down": self.inner_dim, f"v{l}_down": d})
@@ -166,12 +171,13 @@ class DeltaMLPLayer(RecurrentFastWeightLayer):
         for l in range(self.depth):
             x = self.norms[l](h)
             for j, (part, phi) in enumerate((("up", self.phi), ("down", self.phi_inner))):
-                # eq. 14: U^l_t, V^l_t written by the delta rule; eq. 13: x <- U^l_t phi(x), then V^l_t phi(x)
+                # eqs. 8-10: U^l_t, V^l_t written by the delta rule; eq. 13: x <- U^l_t f(x), then V^l_t f(x)
                 name = f"fast_weight_{l}_{part}"
                 key = masked(phi(p[f"k{l}_{part}"]), token_mask, 2)
-                x, new_state[name] = self.delta_rule(phi(x), key, p[f"v{l}_{part}"], betas[:, :, 2 * l + j],
+                query = torch.softmax(x, dim=-1) if self.activation == "softmax" else phi(x)
+                x, new_state[name] = self.delta_rule(query, key, p[f"v{l}_{part}"], betas[:, :, 2 * l + j],
                                                      state.get(name))
-            h = h + x  # eq. 13: h^l = h^{l-1} + V^l_t phi(U^l_t phi(LN^l(h^{l-1})))
+            h = h + x  # h^l = h^{l-1} + V^l_t f(U^l_t f(LN^l(h^{l-1})))
         return self.o_proj(merge_heads(h)), new_state
 
 
@@ -242,7 +248,7 @@ class FastRecurrentNetLayer(RecurrentFastWeightLayer):
         p = self.slow(hidden_states)
         q, k, v, rec_k, rec_v = (split_gates(p[name], G) for name in ("q", "k", "v", "rec_k", "rec_v"))
         state = state or {}
-        # z_t = W_t phi(q_t), W_t by the delta rule (eqs. 12/19, A.2); gates folded into heads: [B, H * G, T, *]
+        # z_t = W_t phi(q_t) (eqs. 12/19, A.2), W_t by the delta rule (eq. 8); gates folded into heads: [B, H * G, T, *]
         k = masked(self.phi(k.flatten(1, 2)), token_mask, 2)
         beta = masked(torch.sigmoid(p["beta"]).flatten(1, 2), token_mask, 2)
         z, fast_weight = self.delta_rule(self.phi(q.flatten(1, 2)), k, v.flatten(1, 2), beta, state.get("fast_weight"))
@@ -285,11 +291,11 @@ class DeltaLSTMLayer(FastRecurrentNetLayer):
 
 @register_fast_weight_layer("recurrent_delta_net")
 class RecurrentDeltaNetLayer(RecurrentFastWeightLayer):
-    """Recurrent Delta Net (eqs. 15-18): a recurrent slow net, ``h = tanh(y_{t-1})``::
+    """Recurrent Delta Net (sec. 3.2, eqs. 15-18): a recurrent slow net, ``h = tanh(y_{t-1})``::
 
-        q_t = softmax(W_q x_t + R_q h),  k_t = softmax(W_k x_t + R_k h),  v_t = W_v x_t + R_v h     (eqs. 15-16)
-        beta_t = sigmoid(w_beta x_t + r_beta . h)                                                     (eq. 17)
-        W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T,  y_t = W_t q_t                            (eq. 18)
+        k_t = softmax(W_k x_t + R_k h),  v_t = W_v x_t + R_v h,  q_t = softmax(W_q x_t + R_q h)     (eqs. 15-17)
+        beta_t = sigmoid(w_beta x_t + r_beta . h)                                                     (eq. 18)
+        W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T,  y_t = W_t q_t                            (eqs. 8, 10, 7)
 
     The slow projections are the Delta Net's; ``r_q, r_k, r_v [H, d, d]`` and ``r_beta [H, d]`` are the only extra
     parameters. State: W ``[B, H, d, d]`` and y_{t-1}.

@@ -246,6 +246,7 @@ def test_triton_kernel_matches_step_loop(triton_interpreted_errors, kind):
 VARIANTS = [
     (DeltaMLPConfig, {}),
     (DeltaMLPConfig, {"fast_net_depth": 2}),
+    (DeltaMLPConfig, {"fast_net_activation": "feature_map"}),
     (DeltaDeltaNetConfig, {}),
     (DeltaRNNConfig, {"version": "A"}),
     (DeltaRNNConfig, {"version": "B"}),
@@ -446,6 +447,8 @@ def test_parameter_counts_follow_the_paper(cls, overrides):
         (DeltaMLPConfig, dict(fast_net_depth=0), "fast_net_depth"),
         (DeltaMLPConfig, dict(fast_net_depth=-2), "fast_net_depth"),
         (DeltaMLPConfig, dict(fast_net_depth=1.5), "fast_net_depth"),
+        (DeltaMLPConfig, dict(fast_net_activation="relu"), "fast_net_activation"),
+        (DeltaMLPConfig, dict(feature_map="favor"), "feature_map"),  # softmax queries: phi must keep head_dim
         (RecurrentDeltaNetConfig, dict(feature_map="elu"), "feature_map"),
         (DeltaRNNConfig, dict(feature_map="softmax"), "feature_map"),
         (DeltaLSTMConfig, dict(hidden_size=30), "hidden_size"),  # 30 is not divisible by 4 heads
@@ -462,8 +465,11 @@ def test_bad_config_raises_naming_the_argument(cls, kwargs, argument):
 
 @pytest.mark.parametrize("feature_map", ["dpfp", "favor", "relu", "identity"])
 def test_feedforward_fast_weights_take_every_feature_map(feature_map):
-    for cls in (DeltaMLPConfig, DeltaLSTMConfig):  # phi on a hidden layer of 4 d; gates folded into heads
-        model = tiny_model(cls, feature_map=feature_map, dpfp_nu=2, favor_features=6)
+    # the Delta MLP's phi on a hidden layer of 4 d (its softmax activation needs a phi that keeps head_dim);
+    # the Delta LSTM's gates folded into heads
+    mlp_activation = "softmax" if feature_map in ("relu", "identity") else "feature_map"
+    for cls, extra in ((DeltaMLPConfig, {"fast_net_activation": mlp_activation}), (DeltaLSTMConfig, {})):
+        model = tiny_model(cls, feature_map=feature_map, dpfp_nu=2, favor_features=6, **extra)
         ids = torch.randint(3, 61, (1, 5))
         steps, _ = stepwise_logits(model, ids)
         torch.testing.assert_close(steps, model(ids).logits, rtol=1e-4, atol=1e-5)

@@ -76,6 +76,7 @@ def test_memory_names():
     assert spec.feature_dim(16) == 96
     spec = ar.parse_memory("delta-favor32-beta1")
     assert (spec.update_rule, spec.favor_features, spec.sum_normalization, spec.learned_beta) == ("delta", 32, True, False)
+    assert spec.feature_dim(16) == 64  # FAVOR+: d_dot = 2 m (Schlag et al. 2021 eq. 32)
     spec = ar.parse_memory("sum-linear-sumnorm")
     assert (spec.sum_normalization, spec.attention_normalization, spec.feature_dim(16)) == (True, False, 16)
     assert ar.parse_memory("softmax").attention == "softmax"
@@ -106,7 +107,7 @@ def step_loop_reference(model: ar.RetrievalMemoryModel, keys, values, queries) -
         z = z + k_t
     out = torch.einsum("bsf,bqf->bqs", W, phi_q)
     if spec.attention_normalization:
-        out = out / (torch.einsum("bf,bqf->bq", z, phi_q)[..., None] + 1e-6)
+        out = out / torch.einsum("bf,bqf->bq", z, phi_q)[..., None]  # eq. 19
     return out
 
 

@@ -1,4 +1,4 @@
-"""Associative retrieval with a single fast-weight memory (Schlag, Irie, Schmidhuber 2021, sec. 6.1 and appendix C).
+"""Associative retrieval with a single fast-weight memory (Schlag, Irie, Schmidhuber 2021, sec. 6.1 and appendix D).
 
 The experiment isolates the memory: no feed-forward layers, no stacking, no positional information. An input
 sequence holds S associations; position t carries key symbol a_t and value symbol b_t at once. Then one or more
@@ -7,10 +7,10 @@ queries present a key alone, and the memory must return its value.
 - Input of position t: ``x_t = [onehot(b_t), E a_t]`` (fixed one-hot value code, learned key embedding E of size
   ``embedding_size``, 1.1 * 2 S by default as in the paper's code).
 - Slow net: ``k_t = W_k x_t`` (d_key), ``beta_t = sigmoid(w_beta . x_t)``; the value written is the one-hot
-  code itself, ``v_t = onehot(b_t)`` (appendix C: values are not learned, so the memory alone decides).
-- Fast weights (our ``FeatureMap`` and ``fwp_kernels``): sum rule ``W_t = W_{t-1} + v_t phi(k_t)^T`` (eq. 5) read
-  with attention normalisation ``W q / (z . q)`` (eqs. 26-28), or the delta rule
-  ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T`` (eq. 19) with sum-normalised phi (eq. 29).
+  code itself, ``v_t = onehot(b_t)`` (sec. 6.1: values are not learned, so the memory alone decides).
+- Fast weights (our ``FeatureMap`` and ``fwp_kernels``): sum rule ``W_t = W_{t-1} + v_t phi(k_t)^T`` (eq. 17) read
+  with attention normalisation ``W q / (z . q)`` (eqs. 18-19), or the delta rule
+  ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T`` (eq. 24) with sum-normalised phi (eq. 29).
 - The FWM rule (Schlag, Munkhdalai, Schmidhuber 2021; the paper's code runs it in setting 2): the delta rule on
   unnormalised phi(k), ``W'_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T``, then
   ``W_t = W'_t / max(1, ||W'_t||_F)``, read through a LayerNorm without affine parameters, ``y = LN(W_T phi(q))``
@@ -70,7 +70,7 @@ SETTINGS = ("capacity", "update_rules")
 
 
 # --------------------------------------------------------------------------------------------------
-# Data (appendix C): keys, values, queries and answers as integer arrays
+# Data (sec. 6.1): keys, values, queries and answers as integer arrays
 # --------------------------------------------------------------------------------------------------
 
 
@@ -163,7 +163,7 @@ class MemorySpec:
         if self.feature_map == "dpfp":
             return 2 * d_key * self.dpfp_nu
         if self.feature_map == "favor":
-            return self.favor_features
+            return 2 * self.favor_features  # eq. 32: [exp(R k); exp(-R k)]
         return d_key
 
 
@@ -187,7 +187,7 @@ def parse_memory(name: str) -> MemorySpec:
         spec.feature_map, spec.favor_features = "favor", int(match.group(3))
     if (spec.feature_map == "dpfp" and spec.dpfp_nu < 1) or (spec.feature_map == "favor" and spec.favor_features < 1):
         raise ValueError(f"`memory` {name!r}: nu and m must be positive")
-    # The paper's pairings: sum rule + attention normalisation (eqs. 26-28), delta rule + sum normalisation (eq. 29).
+    # The paper's pairings: sum rule + attention normalisation (eqs. 17-19), delta rule + sum normalisation (eq. 29).
     spec.sum_normalization = rule == "delta"
     spec.attention_normalization = rule == "sum"
     for ablation in parts:
@@ -204,7 +204,7 @@ def parse_memory(name: str) -> MemorySpec:
 
 
 class RetrievalMemoryModel(nn.Module):
-    """One memory layer between a key/value encoder and the value read-out (appendix C).
+    """One memory layer between a key/value encoder and the value read-out (sec. 6.1).
 
     ``forward(keys [B, T], values [B, T], queries [B, Q]) -> predicted value codes [B, Q, num_keys]``.
 
@@ -254,21 +254,26 @@ class RetrievalMemoryModel(nn.Module):
         if self.spec.attention == "softmax":
             scores = torch.einsum("bqd,btd->bqt", q, k) / math.sqrt(self.d_key)
             return torch.einsum("bqt,bts->bqs", scores.softmax(-1), v)
-        phi_k = self.feature_map(k[:, None])  # [B, 1, T, F]
-        phi_q = self.feature_map(q[:, None])  # [B, 1, Q, F]
+        # eq. 19's ratio is unchanged by a positive factor of each phi(q), and of all phi(k) of a sequence under the sum
+        # rule: FAVOR+ takes them out of its exponents (its h(x) underflows float32 for |x|^2 > ~200), others ignore it
+        normalized_sum = self.spec.attention_normalization and self.spec.update_rule == "sum"
+        phi_k = self.feature_map(k[:, None], rescale_dims=(-2, -1) if normalized_sum else None)  # [B, 1, T, F]
+        phi_q = self.feature_map(q[:, None], rescale_dims=-1 if self.spec.attention_normalization else None)
         if self.spec.update_rule == "fwm":
             memory = fast_weight_memory_rule(phi_k[:, 0], v, torch.sigmoid(self.beta_proj(x)).squeeze(-1))
             return F.layer_norm(torch.einsum("bsf,bqf->bqs", memory, phi_q[:, 0]), (v.shape[-1],))  # y = LN(W_T phi(q))
         if self.spec.attention_normalization:
-            # eqs. 26-28: y = W_T phi(q) / (z_T . phi(q)), z_T = sum_t phi(k_t); z is written as one more value row.
+            # eqs. 18-19: y = W_T phi(q) / (z_T . phi(q)), z_T = sum_t phi(k_t); z is written as one more value row.
             v = torch.cat([v, v.new_ones(B, T, 1)], dim=-1)
         if self.spec.update_rule == "sum" and self.sum_rule_path == "closed_form":
-            # eq. 5 summed over the whole sequence: W_T = sum_t v_t phi(k_t)^T (tests check it equals the kernel's).
+            # eq. 17 summed over the whole sequence: W_T = sum_t v_t phi(k_t)^T (tests check it equals the kernel's).
             out = torch.einsum("btv,btf,bqf->bqv", v, phi_k[:, 0], phi_q[:, 0])
         else:
             out = self._kernel_read(x, v, phi_k, phi_q)
         if self.spec.attention_normalization:
-            out = out[..., :-1] / (out[..., -1:] + 1e-6)
+            # eq. 19 exactly (no epsilon, which would swamp FAVOR+'s tiny h(q) terms); 0 where z_T . phi(q) = 0
+            denominator = out[..., -1:]
+            out = out[..., :-1] / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
         return out
 
     def _kernel_read(self, x: torch.Tensor, v: torch.Tensor, phi_k: torch.Tensor, phi_q: torch.Tensor) -> torch.Tensor:
@@ -284,10 +289,10 @@ class RetrievalMemoryModel(nn.Module):
         v_all = torch.cat([v, v.new_zeros(B, Q, v.shape[-1])], dim=1)[:, None]
         if self.spec.update_rule == "delta":
             beta = torch.sigmoid(self.beta_proj(x)).squeeze(-1) if self.beta_proj is not None else x.new_ones(B, T)
-            beta_all = torch.cat([beta, beta.new_zeros(B, Q)], dim=1)[:, None]  # eq. 18
-            out, _ = delta_rule(q_all, k_all, v_all, beta_all)  # eq. 19
+            beta_all = torch.cat([beta, beta.new_zeros(B, Q)], dim=1)[:, None]  # eq. 21
+            out, _ = delta_rule(q_all, k_all, v_all, beta_all)  # eqs. 20, 24, 25
         else:
-            out, _ = linear_attention(q_all, k_all, v_all)  # eq. 5
+            out, _ = linear_attention(q_all, k_all, v_all)  # eq. 17
         return out[:, 0, T:]
 
 
@@ -315,7 +320,7 @@ def fast_weight_memory_rule(phi_k: torch.Tensor, v: torch.Tensor, beta: torch.Te
 
 
 def retrieval_loss(prediction: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
-    """``0.5 * ||onehot(answer) - prediction||^2`` summed over the value code, mean over queries (appendix C).
+    """``0.5 * ||onehot(answer) - prediction||^2`` summed over the value code, mean over queries (sec. 6.1).
 
     Args:
         prediction: ``[B, Q, S]``.

@@ -3,7 +3,7 @@ modeling_fwp (Transformer-XL, Transformer-XL + FWL, the Delta Net family, FWLFor
 SmolLM2, a Llama, with its key/value cache carried), optionally with dynamic evaluation (Krause et al. 2019) as the
 baseline (``training.dynamic_eval``).
 
-Protocol (Dai et al. 2019 sec. 4; Clark et al. 2022 sec. 4): batch 1; the split is one token stream (every document
+Protocol (Dai et al. 2019 sec. 4; Clark et al. 2022 sec. 3): batch 1; the split is one token stream (every document
 followed by the tokenizer's eos; ``--per_document`` restarts the state at every document instead); it is read in
 consecutive segments of ``--segment_length`` tokens, each continuing from the previous segment's cache (memories,
 fast weights, FWL running update); every token but the first is scored exactly once. Transformer-XL's memory length

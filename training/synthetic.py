@@ -13,7 +13,7 @@ Tasks (every example is a token sequence; the loss is on the answer tokens only,
 - ``code`` (Irie et al. 2021 appendix B.1): programs over 3 or 5 variables of assignments ``x = 3 ;``,
   increments ``x ++ ;`` / ``x -- ;``, conditionals ``if x > 3 : x -- ;`` and ``print x ;`` statements; predict
   every printed value (in -8..16, one token each), which the input never shows.
-- ``listops`` (appendix B.4): a prefix ListOps expression of nesting depth exactly ``depth`` (10) over MIN, MAX, MED
+- ``listops`` (Irie et al. 2021 sec. 4.3, appendix B.3): a prefix ListOps expression of nesting depth exactly ``depth`` (10) over MIN, MAX, MED
   (lower median) and SM (sum modulo 10) on digits; predict its value.
 
     python -m training.synthetic --task retrieval --model delta_net --model linear_transformer --model llama \\

@@ -1,6 +1,6 @@
 """Train any causal LM of this package from scratch on a text dataset, with the papers' language-modelling protocol.
 
-Protocol (Schlag et al. 2021 sec. 5; Irie et al. 2021 sec. 5): the train split is one token stream (every document
+Protocol (Schlag et al. 2021 sec. 6.3; Irie et al. 2021 sec. 4.1 and appendix A.1): the train split is one token stream (every document
 followed by the tokenizer's eos), cut into fixed-length segments of ``--segment_length`` tokens (256 by default).
 
 - Without ``--carry_state`` every segment is an independent training example (shuffled), read from an empty state.

@@ -24,6 +24,7 @@ RFWP = ("tests/test_rfwp.py", "tests/test_padding.py")
 LINEAR = ("tests/test_model.py", "tests/test_padding.py")
 FWL = ("tests/test_fwl.py", "tests/test_padding.py")
 TXL = ("tests/test_transfo_xl*.py",)
+EQUATIONS = ("tests/test_paper_equations.py",)
 CHUNK, CHUNK_CPP, DELTA = "kernels/chunk.py", "kernels/csrc/chunk_delta.cpp", "kernels/delta_rule_kernels.py"
 FAST_RNN, SCAN_CPP = "kernels/fast_rnn_scan_kernels.py", "kernels/csrc/rfwp_scan.cpp"
 LAYERS, RFWP_LAYERS, FWL_PY = "modeling_fwp/fast_weight_layers.py", "modeling_fwp/rfwp_layers.py", "modeling_fwp/fwl.py"
@@ -66,8 +67,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "k = k * mask[..., None]", "v = v * mask[..., None]",
              LINEAR, "padding masks the values: the sum rule's write vanishes, z = sum phi(k) still grows"),
     Mutation("attention_normalization_denominator_dropped", LAYERS,
-             "out = out / (denominator + 1e-6)", "out = out",
-             LINEAR, "eq. 28: y_t not divided by z_t . phi(q_t)"),
+             "out = out / torch.where(denominator > 0, denominator, torch.ones_like(denominator))", "out = out",
+             LINEAR + EQUATIONS, "eq. 28: y_t not divided by z_t . phi(q_t)"),
+    Mutation("delta_retrieval_not_attention_normalized", LAYERS,
+             'v, beta = attention_normalized_delta_inputs(k, v, beta, state.get("normalizer"))', "pass",
+             EQUATIONS, "eq. 27: the delta rule's v_bar_t = W_{t-1} phi(k_t), not divided by z_{t-1} . phi(k_t)"),
     Mutation("sum_normalization_skipped", FEATURES,
              "phi = phi / phi.sum(-1, keepdim=True).clamp_min(1e-6)", "phi = phi",
              LINEAR, "eq. 29 not applied"),
