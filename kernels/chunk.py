@@ -5,8 +5,8 @@ C++ kernel on CPU. The rule-specific half of the algorithm is a :class:`ChunkRul
 Per (batch, head), the sequence is cut into chunks of C positions. Inside a chunk, with the state
 S ``[Dv, Dk]`` entering it (y = S q) and the chunk's rows Q, K ``[C, Dk]``, V ``[C, Dv]``, beta ``[C]``:
 
-    sum rule   (Schlag et al. 2021, eqs. 5-6):   O = Q S^T + tril(Q K^T) V,    S' = S + V^T K
-    delta rule (eqs. 17-20, WY form):            U' = U - W S^T
+    sum rule   (Schlag et al. 2021, eqs. 10-11): O = Q S^T + tril(Q K^T) V,    S' = S + V^T K
+    delta rule (eqs. 20-25, WY form):            U' = U - W S^T
                                                  O  = Q S^T + tril(Q K^T) U',  S' = S + U'^T K
     with the UT transform  T = (I + A)^-1,  A = strictly_lower(diag(beta) K K^T),
                            W = T diag(beta) K,  U = T diag(beta) V.

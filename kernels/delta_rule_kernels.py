@@ -1,4 +1,4 @@
-"""The delta rule (Schlag, Irie, Schmidhuber 2021, sec. 4.2, eqs. 17-20), every kernel of it:
+"""The delta rule (Schlag, Irie, Schmidhuber 2021, sec. 4.2, eqs. 20-25), every kernel of it:
 
     W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T ;  o_t = W_t q_t
 
@@ -37,7 +37,7 @@ def delta_rule_recurrent(
     output_final_state: bool = False,
     chunk_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Delta rule, one step at a time (Schlag et al. 2021, sec. 4.2, eqs. 17-20): the reference of every other mode.
+    """Delta rule, one step at a time (Schlag et al. 2021, sec. 4.2, eqs. 20-25): the reference of every other mode.
 
     Args:
         q, k: ``[B, H, T, Dk]``; v: ``[B, H, T, Dv]``; beta: ``[B, H, T]``.
@@ -53,12 +53,12 @@ def delta_rule_recurrent(
     outputs = []
     for t in range(q.shape[2]):
         k_t = kf[:, :, t]  # [B, H, Dk]
-        # v_bar_t = W_{t-1} k_t : the value currently stored under key k_t (eq. 17)
+        # v_bar_t = W_{t-1} k_t : the value currently stored under key k_t (eq. 20)
         v_old = torch.einsum("bhvk,bhk->bhv", W, k_t)
-        # W_t = W_{t-1} + beta_t (v_t - v_bar_t) k_t^T (eq. 19)
+        # W_t = W_{t-1} + beta_t (v_t - v_bar_t) k_t^T (eq. 24)
         delta = bf[:, :, t, None] * (vf[:, :, t] - v_old)
         W = W + delta[..., :, None] * k_t[..., None, :]
-        # y_t = W_t q_t (eq. 20)
+        # y_t = W_t q_t (eq. 25)
         outputs.append(torch.einsum("bhvk,bhk->bhv", W, qf[:, :, t]))
     o = torch.stack(outputs, dim=2) if outputs else vf.new_zeros(vf.shape)
     return o.to(q.dtype), (W if output_final_state else None)

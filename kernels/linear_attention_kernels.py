@@ -1,4 +1,4 @@
-"""The sum rule, i.e. linear attention (Schlag, Irie, Schmidhuber 2021, sec. 3, eqs. 5-6), every kernel of it:
+"""The sum rule, i.e. linear attention (Schlag, Irie, Schmidhuber 2021, eqs. 10-11 and 17), every kernel of it:
 
     W_t = W_{t-1} + v_t k_t^T ;  o_t = W_t q_t
 
@@ -33,7 +33,7 @@ def linear_attention_recurrent(
     output_final_state: bool = False,
     chunk_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Sum rule (linear attention), one step at a time (Schlag et al. 2021, sec. 3, eqs. 5-6): the reference.
+    """Sum rule (linear attention), one step at a time (Schlag et al. 2021, sec. 3, eqs. 10-11): the reference.
 
     Args:
         q, k: ``[B, H, T, Dk]``; v: ``[B, H, T, Dv]``; initial_state: ``[B, H, Dv, Dk]`` or None.
@@ -46,7 +46,7 @@ def linear_attention_recurrent(
     qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
     outputs = []
     for t in range(q.shape[2]):
-        # W_t = W_{t-1} + v_t k_t^T (eq. 5);  y_t = W_t q_t (eq. 6)
+        # W_t = W_{t-1} + v_t k_t^T (eq. 10);  y_t = W_t q_t (eq. 11)
         W = W + vf[:, :, t, :, None] * kf[:, :, t, None, :]
         outputs.append(torch.einsum("bhvk,bhk->bhv", W, qf[:, :, t]))
     o = torch.stack(outputs, dim=2) if outputs else vf.new_zeros(vf.shape)
