@@ -1,5 +1,5 @@
-// Chunkwise fast weights on CPU: the delta rule (Schlag, Irie, Schmidhuber 2021, eqs. 17-20) and the sum
-// rule (eqs. 5-6), one (batch, head) sequence per task of at::parallel_for, its chunks in order.
+// Chunkwise fast weights on CPU: the delta rule (Schlag, Irie, Schmidhuber 2021, eqs. 20-25) and the sum
+// rule (eq. 17), one (batch, head) sequence per task of at::parallel_for, its chunks in order.
 //
 // Built on first use by kernels/chunk.py with torch.utils.cpp_extension.load. The derivation, forward and
 // backward, is in kernels/README.md ("CPU kernel"). Per chunk of c rows, with the state S [Dv, Dk]
@@ -116,7 +116,7 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q,
     for (int64_t i = 0; i < c; ++i)
       for (int64_t j = 0; j < Dk; ++j) Kt[j * c + i] = K[i * Dk + j];
 
-    // [Q; K] S^T: Q S^T is what the state entering the chunk returns for each query (eq. 20 with W = S)
+    // [Q; K] S^T: Q S^T is what the state entering the chunk returns for each query (eq. 25 with W = S)
     // (the sum rule needs neither K S^T nor K K^T: only the Q rows)
     const int64_t rows = cq + (beta != nullptr ? c : 0);
     gemm_rm<T>(false, false, rows, Dv, Dk, T(1), X, Dk, St, Dv, T(0), Y, Dv);
@@ -125,10 +125,10 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q,
     T* P = G;  // tril(Q K^T), diagonal included: position i reads the writes of positions j <= i
     for (int64_t i = 0; i < cq; ++i) std::fill(P + i * c + i + 1, P + (i + 1) * c, T(0));
 
-    const T* U = V;  // sum rule: the values themselves are written (eq. 5)
+    const T* U = V;  // sum rule: the values themselves are written (eq. 17)
     if (beta != nullptr) {
       // Delta rule within the chunk, u_i = beta_i (v_i - S_{i-1} k_i) with S_{i-1} = S + sum_{j<i} u_j k_j^T
-      // (eqs. 17-19), stacked: (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) (V - K S^T).
+      // (eqs. 20-24), stacked: (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) (V - K S^T).
       T* Un = u_new != nullptr ? u_new + t0 * Dv : U_buf;
       const T* b = beta + t0;
       const T* KS = Y + cq * Dv;
