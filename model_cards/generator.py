@@ -385,6 +385,29 @@ def _hub_id(value: Any) -> Optional[str]:
     return None
 
 
+def _base_model(key: str, base_model: Optional[str], results: Any, text_config: Mapping[str, Any]):
+    """``(base_model Hub id or None, the card's sentence naming it)``: the argument, else the results' ``base_model``,
+    else the nested config's ``_name_or_path``, each when it is a Hub id."""
+    base_model = base_model or _hub_id((results or {}).get("base_model")) or _hub_id(text_config.get("_name_or_path"))
+    if key == "FWL" and base_model is None:
+        text_type = text_config.get("model_type", "unknown")
+        return None, f"a pretrained `{text_type}` model (its Hub id was not recorded)"
+    return base_model, (f"[`{base_model}`](https://huggingface.co/{base_model})" if base_model else None)
+
+
+def _config_rows(values: Mapping[str, Any]) -> List[Tuple[str, str]]:
+    """The card's configuration table: each of ``CONFIG_FIELDS`` that is set (and applies), formatted."""
+    return [
+        (name, format_value(values[name])) for name in CONFIG_FIELDS
+        if values.get(name) is not None and (name not in _ONLY_WITH or values.get(_ONLY_WITH[name][0]) == _ONLY_WITH[name][1])
+    ]
+
+
+def _formatted_rows(section: Any) -> List[Tuple[str, str]]:
+    """``(key, formatted value)`` of a results section's scalars."""
+    return [(k, format_value(v)) for k, v in _scalars(section)]
+
+
 def build_card(
     config: Mapping[str, Any],
     results: ResultsArg = None,
@@ -426,32 +449,17 @@ def build_card(
     data = (results or {}).get("data") or {}
     if datasets is None:
         datasets = _dataset_ids(data.get("dataset"))
-    base_model = base_model or _hub_id((results or {}).get("base_model")) or _hub_id(text_config.get("_name_or_path"))
-    if key == "FWL" and base_model is None:
-        text_type = text_config.get("model_type", "unknown")
-        base_note = f"a pretrained `{text_type}` model (its Hub id was not recorded)"
-    else:
-        base_note = f"[`{base_model}`](https://huggingface.co/{base_model})" if base_model else None
+    base_model, base_note = _base_model(key, base_model, results, text_config)
     if num_parameters is None and results:
         num_parameters = ((results.get("model") or {}).get("parameters"))
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else family.title)
 
     card_data = ModelCardData(
-        model_name=model_name,
-        library_name=LIBRARY_NAME,
-        pipeline_tag=PIPELINE_TAG,
-        license=license,
-        language=_as_list(language) or None,
-        tags=list(dict.fromkeys([*family.tags, *tags])),
-        base_model=base_model,
-        datasets=_as_list(datasets) or None,
-        metrics=sorted({m[0] for e in evals for m in e.metrics}) or None,
+        model_name=model_name, library_name=LIBRARY_NAME, pipeline_tag=PIPELINE_TAG, license=license,
+        language=_as_list(language) or None, tags=list(dict.fromkeys([*family.tags, *tags])), base_model=base_model,
+        datasets=_as_list(datasets) or None, metrics=sorted({m[0] for e in evals for m in e.metrics}) or None,
         eval_results=[r for e in evals for r in e.eval_results()] or None,
     )
-    config_rows = [
-        (name, values[name]) for name in CONFIG_FIELDS
-        if values.get(name) is not None and (name not in _ONLY_WITH or values.get(_ONLY_WITH[name][0]) == _ONLY_WITH[name][1])
-    ]
     context = dict(
         model_name=model_name,
         family=family,
@@ -460,17 +468,15 @@ def build_card(
         fast_net=_format(family.fast_net, values),
         feature_map=_format(FEATURE_MAPS.get(values.get("feature_map"), ""), values),
         config=values,
-        config_rows=[(k, format_value(v)) for k, v in config_rows],
+        config_rows=_config_rows(values),
         num_parameters=format_value(num_parameters) if num_parameters else None,
         base_model=base_model,
         base_note=base_note,
         evaluations=evals,
         format_value=format_value,
         no_results_note=NO_RESULTS_NOTE,
-        training_rows=[(k, format_value(v)) for k, v in _scalars((results or {}).get("training"))],
-        args_rows=[(k, format_value(v)) for k, v in _scalars((results or {}).get("args"))],
-        data_rows=[(k, format_value(v)) for k, v in _scalars(data)],
-        environment_rows=[(k, format_value(v)) for k, v in _scalars((results or {}).get("environment"))],
+        **{f"{part}_rows": _formatted_rows((results or {}).get(part)) for part in ("training", "args", "environment")},
+        data_rows=_formatted_rows(data),
         results_files=list(results_files),
         repo=repo_id or "path/to/this/folder",
         has_tokenizer=has_tokenizer,

@@ -80,6 +80,48 @@ def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Te
     return torch.cat([angles.sin(), angles.cos()], dim=-1)[..., :dim]
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index: Optional[int] = None) -> None:
+    """Raises a ValueError naming `name` unless ``ids`` is ``[B, T]`` with values in ``[0, vocab_size)`` (or
+    ``ignore_index``)."""
+    if ids.dim() != 2:
+        raise ValueError(f"`{name}` must be [batch, seq_len], got shape {tuple(ids.shape)}")
+    values = ids if ignore_index is None else ids[ids != ignore_index]
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= vocab_size):
+        raise ValueError(
+            f"`{name}` must lie in [0, vocab_size={vocab_size})"
+            + (f" or be {ignore_index}" if ignore_index is not None else "")
+            + f", got values in [{int(values.min())}, {int(values.max())}]"
+        )
+
+
+def padding_mask(
+    attention_mask: Optional[torch.Tensor], batch_size: int, seq_len: int, past_len: int
+) -> Optional[torch.Tensor]:
+    """Validates a 2-D padding mask ``[B, T]`` or ``[B, past + T]``; returns ``[B, T]`` floats, or None if all ones."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
+        seq_len,
+        past_len + seq_len,
+    ):
+        raise ValueError(
+            f"`attention_mask` must be a 2-D padding mask of shape [batch, {seq_len}] or "
+            f"[batch, past + new tokens = {past_len + seq_len}] with batch = {batch_size}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    mask = attention_mask[:, -seq_len:]
+    return None if bool(mask.all()) else mask.to(torch.float32)
+
+
+def count_tokens(cache: FastWeightCache, token_mask: Optional[torch.Tensor], batch_size: int, seq_len: int,
+                 device: torch.device) -> None:
+    """Adds each row's real (non-padding) tokens of this call to ``cache.token_counts [B]``."""
+    new_tokens = token_mask.sum(-1).long() if token_mask is not None else torch.full(
+        (batch_size,), seq_len, dtype=torch.long, device=device
+    )
+    cache.token_counts = new_tokens if cache.token_counts is None else cache.token_counts + new_tokens
+
+
 class FastWeightPreTrainedModel(StatefulPreTrainedModel):
     config_class = FastWeightConfig
     config: FastWeightConfig
@@ -107,29 +149,28 @@ class FastWeightModel(FastWeightPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def _token_mask(self, attention_mask, batch_size, seq_len, past_len) -> Optional[torch.Tensor]:
-        """Validates a 2-D padding mask ``[B, T]`` or ``[B, past + T]``; returns ``[B, T]`` floats or None."""
-        if attention_mask is None:
-            return None
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
-            seq_len,
-            past_len + seq_len,
-        ):
-            raise ValueError(
-                f"`attention_mask` must be a 2-D padding mask of shape [batch, {seq_len}] or "
-                f"[batch, past + new tokens = {past_len + seq_len}] with batch = {batch_size}, "
-                f"got {tuple(attention_mask.shape)}"
-            )
-        mask = attention_mask[:, -seq_len:]
-        if bool(mask.all()):
-            return None
-        return mask.to(torch.float32)
-
     def _positions(self, token_mask, cache, batch_size, seq_len, device) -> torch.Tensor:
         mask = token_mask if token_mask is not None else torch.ones(batch_size, seq_len, device=device)
         offsets = cache.token_counts if cache is not None and cache.token_counts is not None else 0
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
         return positions + (offsets[:, None] if torch.is_tensor(offsets) else offsets)
+
+    def _add_positions(self, embeds, position_ids, token_mask, cache) -> torch.Tensor:
+        """``embeds [B, T, D]`` plus the configured absolute position embedding (positions count real tokens only,
+        continuing from the cache's per-row token counts, unless ``position_ids`` are given)."""
+        config = self.config
+        if config.position_embedding_type == "none":
+            return embeds
+        if position_ids is None:
+            position_ids = self._positions(token_mask, cache, embeds.shape[0], embeds.shape[1], embeds.device)
+        if config.position_embedding_type == "sinusoidal":
+            return embeds + sinusoidal_position_embedding(position_ids, config.hidden_size).to(embeds.dtype)
+        if int(position_ids.max()) >= config.max_position_embeddings:
+            raise ValueError(
+                f"`position_ids` reach {int(position_ids.max())}, beyond max_position_embeddings="
+                f"{config.max_position_embeddings}"
+            )
+        return embeds + self.embed_positions(position_ids)
 
     def forward(
         self,
@@ -162,13 +203,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of `input_ids` and `inputs_embeds`")
         if input_ids is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"`input_ids` must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
-                raise ValueError(
-                    f"`input_ids` must lie in [0, vocab_size={config.vocab_size}), got values in "
-                    f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-                )
+            check_token_ids(input_ids, config.vocab_size, "input_ids")
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len = inputs_embeds.shape[:2]
         cache = resolve_cache_argument(cache, past_key_values)
@@ -185,7 +220,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
         if cache is None and use_cache:
             cache = FastWeightCache(config.num_hidden_layers)
         past_len = cache.get_seq_length() if cache is not None else 0
-        token_mask = self._token_mask(attention_mask, batch_size, seq_len, past_len)
+        token_mask = padding_mask(attention_mask, batch_size, seq_len, past_len)
 
         if self.training and past_len == 0:
             # FAVOR+ draws new random features for every training batch (not mid-stream: a carried state
@@ -194,22 +229,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
                 if isinstance(module, FeatureMap):
                     module.redraw()
 
-        hidden_states = inputs_embeds
-        if config.position_embedding_type != "none":
-            if position_ids is None:
-                position_ids = self._positions(token_mask, cache, batch_size, seq_len, hidden_states.device)
-            if config.position_embedding_type == "learned":
-                if int(position_ids.max()) >= config.max_position_embeddings:
-                    raise ValueError(
-                        f"`position_ids` reach {int(position_ids.max())}, beyond max_position_embeddings="
-                        f"{config.max_position_embeddings}"
-                    )
-                hidden_states = hidden_states + self.embed_positions(position_ids)
-            else:
-                hidden_states = hidden_states + sinusoidal_position_embedding(position_ids, config.hidden_size).to(
-                    hidden_states.dtype
-                )
-        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.dropout(self._add_positions(inputs_embeds, position_ids, token_mask, cache))
 
         all_hidden_states = () if output_hidden_states else None
         for layer_idx, block in enumerate(self.layers):
@@ -226,11 +246,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
             all_hidden_states += (hidden_states,)
 
         if cache is not None:
-            new_tokens = token_mask.sum(-1).long() if token_mask is not None else torch.full(
-                (batch_size,), seq_len, dtype=torch.long, device=hidden_states.device
-            )
-            counts = cache.token_counts
-            cache.token_counts = new_tokens if counts is None else counts + new_tokens
+            count_tokens(cache, token_mask, batch_size, seq_len, hidden_states.device)
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_ARGUMENT: cache}

@@ -31,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, FastWeightCacheLayer, output_cache, resolve_cache_argument
 from .configuration_transfo_xl import TransfoXLConfig
 from .fwl import FWLHead, FWLSlowHead, init_fwl_weights
-from .modeling_fwp import FeedForward, sinusoidal_position_embedding
+from .modeling_fwp import FeedForward, check_token_ids, padding_mask, sinusoidal_position_embedding
 from .pretrained import StatefulPreTrainedModel
 
 # The FWL's segment decay is part of its head (``fwl_head.decay``); checkpoints keep its older name
@@ -606,37 +606,6 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_ARGUMENT: cache}
         )
         return output if return_dict else output.to_tuple()
-
-
-def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index: Optional[int] = None) -> None:
-    """Raises a ValueError naming `name` unless ``ids`` is ``[B, T]`` with values in ``[0, vocab_size)`` (or
-    ``ignore_index``)."""
-    if ids.dim() != 2:
-        raise ValueError(f"`{name}` must be [batch, seq_len], got shape {tuple(ids.shape)}")
-    values = ids if ignore_index is None else ids[ids != ignore_index]
-    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= vocab_size):
-        raise ValueError(
-            f"`{name}` must lie in [0, vocab_size={vocab_size})"
-            + (f" or be {ignore_index}" if ignore_index is not None else "")
-            + f", got values in [{int(values.min())}, {int(values.max())}]"
-        )
-
-
-def padding_mask(attention_mask: Optional[torch.Tensor], batch_size: int, seq_len: int, past_len: int) -> Optional[torch.Tensor]:
-    """Validates a 2-D padding mask ``[B, T]`` or ``[B, past + T]``; returns ``[B, T]`` floats, or None if all ones."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
-        seq_len,
-        past_len + seq_len,
-    ):
-        raise ValueError(
-            f"`attention_mask` must be a 2-D padding mask of shape [batch, {seq_len}] or "
-            f"[batch, past + new tokens = {past_len + seq_len}] with batch = {batch_size}, "
-            f"got {tuple(attention_mask.shape)}"
-        )
-    mask = attention_mask[:, -seq_len:]
-    return None if bool(mask.all()) else mask.to(torch.float32)
 
 
 class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
