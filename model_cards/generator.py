@@ -38,6 +38,9 @@ import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
+from modeling_fwp.families import FAMILIES as MODEL_FAMILIES
+from modeling_fwp.families import FWL_CARD_SUFFIX
+
 from .readers import ResultsSource, read_results
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
@@ -77,59 +80,48 @@ class Family:
     citations: Tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class CardStyle:
+    """The presentation of a family's card: its Jinja template (in ``templates/``) and Hub tags."""
+
+    template: str
+    tags: Tuple[str, ...]
+
+
 _FWP_TAGS = ("fast-weights", "linear-attention")
-_DELTA = "delta rule (W += beta (v - W phi(k)) phi(k)^T)"
 _FAST_WEIGHT_TRANSFORMER = "fast_weight_transformer.md.j2"
 _RECURRENT_FWP = "recurrent_fwp.md.j2"
-_RFWP_CITATIONS = ("irie2021going", "schlag2021linear")
-# Keyed by the architecture name without its head suffix (config.json "architectures": DeltaNetForCausalLM -> DeltaNet).
-FAMILIES: Dict[str, Family] = {
-    "LinearTransformer": Family(
-        "Linear Transformer", _FAST_WEIGHT_TRANSFORMER, "feedforward", "sum rule (W += v phi(k)^T)", "linear",
-        _FWP_TAGS + ("linear-transformer",), ("katharopoulos2020transformers", "schlag2021linear"),
-    ),
-    "DeltaNet": Family(
-        "Delta Net", _FAST_WEIGHT_TRANSFORMER, "feedforward", _DELTA, "linear",
-        _FWP_TAGS + ("delta-net",), ("schlag2021linear",),
-    ),
-    "DeltaMLP": Family(
-        "Delta MLP", _RECURRENT_FWP, "feedforward", _DELTA, "MLP ({fast_net_depth} layers)",
-        _FWP_TAGS + ("delta-mlp", "recurrent-fwp"), _RFWP_CITATIONS,
-    ),
-    "DeltaDeltaNet": Family(
-        "Delta-Delta Net", _RECURRENT_FWP, "feedforward", _DELTA, "Delta Net",
-        _FWP_TAGS + ("delta-delta-net", "recurrent-fwp"), _RFWP_CITATIONS,
-    ),
-    "DeltaRNN": Family(
-        "Delta RNN", _RECURRENT_FWP, "feedforward", _DELTA, "RNN (version {version})",
-        _FWP_TAGS + ("delta-rnn", "recurrent-fwp"), _RFWP_CITATIONS,
-    ),
-    "DeltaLSTM": Family(
-        "Delta LSTM", _RECURRENT_FWP, "feedforward", _DELTA, "LSTM (version {version})",
-        _FWP_TAGS + ("delta-lstm", "recurrent-fwp"), _RFWP_CITATIONS,
-    ),
-    "RecurrentDeltaNet": Family(
-        "Recurrent Delta Net", _RECURRENT_FWP, "recurrent", _DELTA, "linear",
-        _FWP_TAGS + ("recurrent-delta-net", "recurrent-fwp"), _RFWP_CITATIONS,
-    ),
-    "TransfoXL": Family(
-        "Transformer-XL", "transfo_xl_fwl.md.j2", "Transformer-XL (softmax attention over segment and memory)",
-        "none", "none", ("transformer-xl",), ("dai2019transformer",),
-    ),
-    "TransfoXL+FWL": Family(
-        "Transformer-XL with a Fast Weight Layer", "transfo_xl_fwl.md.j2",
-        "Transformer-XL (softmax attention over segment and memory)",
-        "one gradient step on the losses of all earlier tokens, learned step sizes",
-        "FWL head (MLP + LayerNorm, {fwl_intermediate_size} hidden units)",
-        _FWP_TAGS + ("transformer-xl", "fast-weight-layers"), ("dai2019transformer", "clark2022meta"),
-    ),
-    "FWL": Family(
-        "Fast Weight Layer on a pretrained language model", "fwl.md.j2", "the pretrained base language model",
-        "one gradient step on the losses of all earlier tokens, learned step sizes",
-        "FWL head (MLP + LayerNorm, {fwl_intermediate_size} hidden units)",
-        _FWP_TAGS + ("fast-weight-layers",), ("clark2022meta",),
-    ),
+_TRANSFO_XL = "transfo_xl_fwl.md.j2"
+# Keyed by the card keys of modeling_fwp.families (the architecture name without its head suffix); the model facts
+# (title, the paper's naming, citations) come from that table. A family without a style here has no card, which
+# tests/test_families.py reports.
+CARD_STYLES: Dict[str, CardStyle] = {
+    "LinearTransformer": CardStyle(_FAST_WEIGHT_TRANSFORMER, _FWP_TAGS + ("linear-transformer",)),
+    "DeltaNet": CardStyle(_FAST_WEIGHT_TRANSFORMER, _FWP_TAGS + ("delta-net",)),
+    "DeltaMLP": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-mlp", "recurrent-fwp")),
+    "DeltaDeltaNet": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-delta-net", "recurrent-fwp")),
+    "DeltaRNN": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-rnn", "recurrent-fwp")),
+    "DeltaLSTM": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-lstm", "recurrent-fwp")),
+    "RecurrentDeltaNet": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("recurrent-delta-net", "recurrent-fwp")),
+    "TransfoXL": CardStyle(_TRANSFO_XL, ("transformer-xl",)),
+    "TransfoXL" + FWL_CARD_SUFFIX: CardStyle(_TRANSFO_XL, _FWP_TAGS + ("transformer-xl", "fast-weight-layers")),
+    "FWL": CardStyle("fwl.md.j2", _FWP_TAGS + ("fast-weight-layers",)),
 }
+
+
+def _families() -> Dict[str, Family]:
+    """Card key -> :class:`Family`: the facts of ``modeling_fwp.families.FAMILIES`` with their ``CARD_STYLES``."""
+    families = {}
+    for spec in MODEL_FAMILIES:
+        for key, facts in spec.card_facts().items():
+            style = CARD_STYLES.get(key)
+            if style is not None:
+                families[key] = Family(facts.title, style.template, facts.slow_net, facts.update_rule,
+                                       facts.fast_net, style.tags, facts.citations)
+    return families
+
+
+FAMILIES: Dict[str, Family] = _families()
 _HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "Model")
 # Config fields shown in the card, in this order, when present.
 CONFIG_FIELDS = (
@@ -165,8 +157,8 @@ def family_key(config: Mapping[str, Any]) -> str:
         if name.endswith(suffix) and name != suffix:
             name = name[: -len(suffix)]
             break
-    if name == "TransfoXL" and config.get("use_fwl"):
-        name = "TransfoXL+FWL"
+    if config.get("use_fwl") and name + FWL_CARD_SUFFIX in FAMILIES:
+        name += FWL_CARD_SUFFIX
     if name not in FAMILIES:
         raise ValueError(f"No model card template for architecture {architectures[0]!r}; known: {sorted(FAMILIES)}")
     return name

@@ -43,34 +43,23 @@ from .configuration_transfo_xl import TransfoXLConfig
 from .modeling_transfo_xl import TransfoXLCache, TransfoXLForCausalLM, TransfoXLModel, TransfoXLPreTrainedModel
 from .convert_transfo_xl import convert_transfo_xl_checkpoint
 
-_FAMILIES = [
-    (LinearTransformerConfig, LinearTransformerModel, LinearTransformerForCausalLM),
-    (DeltaNetConfig, DeltaNetModel, DeltaNetForCausalLM),
-    (DeltaMLPConfig, DeltaMLPModel, DeltaMLPForCausalLM),
-    (DeltaDeltaNetConfig, DeltaDeltaNetModel, DeltaDeltaNetForCausalLM),
-    (DeltaRNNConfig, DeltaRNNModel, DeltaRNNForCausalLM),
-    (DeltaLSTMConfig, DeltaLSTMModel, DeltaLSTMForCausalLM),
-    (RecurrentDeltaNetConfig, RecurrentDeltaNetModel, RecurrentDeltaNetForCausalLM),
-    (TransfoXLConfig, TransfoXLModel, TransfoXLForCausalLM),
-]
+from .families import FAMILIES
 
 
 def _register_auto_classes() -> None:
-    for config_cls, model_cls, lm_cls in _FAMILIES:
-        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
-        AutoModel.register(config_cls, model_cls, exist_ok=True)
-        AutoModelForCausalLM.register(config_cls, lm_cls, exist_ok=True)
-    # FWL head on any causal LM (Clark et al. 2022): a causal LM only, no bare model.
-    AutoConfig.register(FWLConfig.model_type, FWLConfig, exist_ok=True)
-    AutoModelForCausalLM.register(FWLConfig, FWLForCausalLM, exist_ok=True)
+    """Registers every family of ``families.FAMILIES`` with AutoConfig / AutoModel (when it has a bare model) /
+    AutoModelForCausalLM."""
+    for spec in FAMILIES:
+        AutoConfig.register(spec.model_type, spec.config_class, exist_ok=True)
+        if spec.model_class is not None:
+            AutoModel.register(spec.config_class, spec.model_class, exist_ok=True)
+        AutoModelForCausalLM.register(spec.config_class, spec.causal_lm_class, exist_ok=True)
 
 
 _register_auto_classes()
 
-__all__ = [
-    "TransfoXLConfig",
-    "TransfoXLModel",
-    "TransfoXLForCausalLM",
+# Each family's classes (families.FAMILIES), then the shared classes and helpers.
+__all__ = [cls.__name__ for spec in FAMILIES for cls in spec.classes()] + [
     "TransfoXLPreTrainedModel",
     "TransfoXLCache",
     "convert_transfo_xl_checkpoint",
@@ -79,29 +68,6 @@ __all__ = [
     "FastWeightModel",
     "FastWeightForCausalLM",
     "FastWeightPreTrainedModel",
-    "LinearTransformerConfig",
-    "LinearTransformerModel",
-    "LinearTransformerForCausalLM",
-    "DeltaNetConfig",
-    "DeltaNetModel",
-    "DeltaNetForCausalLM",
-    "DeltaMLPConfig",
-    "DeltaMLPModel",
-    "DeltaMLPForCausalLM",
-    "DeltaDeltaNetConfig",
-    "DeltaDeltaNetModel",
-    "DeltaDeltaNetForCausalLM",
-    "DeltaRNNConfig",
-    "DeltaRNNModel",
-    "DeltaRNNForCausalLM",
-    "DeltaLSTMConfig",
-    "DeltaLSTMModel",
-    "DeltaLSTMForCausalLM",
-    "RecurrentDeltaNetConfig",
-    "RecurrentDeltaNetModel",
-    "RecurrentDeltaNetForCausalLM",
-    "FWLConfig",
-    "FWLForCausalLM",
     "FWLPreTrainedModel",
     "FWLHead",
     "FWLSlowHead",

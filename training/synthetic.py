@@ -62,6 +62,7 @@ from datasets.arrow_writer import ArrowWriter  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
+from modeling_fwp.families import FAMILIES  # noqa: E402
 
 from . import associative_retrieval, latest_checkpoint, plots  # noqa: E402
 from .result_file import RunRecord  # noqa: E402
@@ -352,16 +353,9 @@ def pad_collator(batch: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
 # Models
 # --------------------------------------------------------------------------------------------------
 
-MODEL_TYPES = {
-    "linear_transformer": "fwp_linear_transformer",
-    "delta_net": "fwp_delta_net",
-    "delta_mlp": "fwp_delta_mlp",
-    "delta_delta_net": "fwp_delta_delta_net",
-    "delta_rnn": "fwp_delta_rnn",
-    "delta_lstm": "fwp_delta_lstm",
-    "recurrent_delta_net": "fwp_recurrent_delta_net",
-    "llama": "llama",
-}
+# Short name -> model type: every family of modeling_fwp.families with a fast-weight layer, and the baseline.
+MODEL_TYPES = {spec.name: spec.model_type for spec in FAMILIES if spec.fast_weight_layer is not None}
+MODEL_TYPES["llama"] = "llama"
 
 
 def build_model(name: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
