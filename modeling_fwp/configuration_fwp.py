@@ -77,6 +77,11 @@ class FastWeightConfig(PreTrainedConfig):
                     f"({self.num_attention_heads}), or set `head_dim` explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
+        fixed = type(self).__dict__.get("update_rule")  # the family's own rule, where its class declares one
+        if type(self) is not FastWeightConfig and isinstance(fixed, str) and self.update_rule != fixed:
+            raise ValueError(
+                f"`update_rule` is {fixed!r} for {type(self).__name__} (the family decides it), got {self.update_rule!r}"
+            )
         for name, value, allowed in (
             ("update_rule", self.update_rule, UPDATE_RULES),
             ("feature_map", self.feature_map, self.supported_feature_maps),

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .configuration_fwp import FEATURE_MAPS
+
 Dims = Union[int, Tuple[int, ...]]
 
 
@@ -84,6 +86,8 @@ class FeatureMap(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
+        if config.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"`feature_map` must be one of {FEATURE_MAPS}, got {config.feature_map!r}")
         self.kind = config.feature_map
         self.nu = config.dpfp_nu
         self.sum_normalization = config.sum_normalization
@@ -111,8 +115,10 @@ class FeatureMap(nn.Module):
             phi = dpfp_feature_map(x, self.nu)
         elif self.kind == "favor":
             return favor_feature_map(x, self.projection, self.sum_normalization, rescale_dims)  # eq. 29 included
-        else:
+        elif self.kind == "identity":
             phi = x
+        else:
+            raise ValueError(f"`feature_map` must be one of {FEATURE_MAPS}, got {self.kind!r}")
         if self.sum_normalization:
             # eq. 29: phi'(x) = phi(x) / sum_j phi(x)_j ; the clamp only matters for an all-zero ReLU/DPFP vector.
             phi = phi / phi.sum(-1, keepdim=True).clamp_min(1e-6)

@@ -329,6 +329,23 @@ def test_bad_config_raises_naming_the_argument(kwargs, argument):
         tiny_config(DeltaNetConfig, **kwargs)
 
 
+@pytest.mark.parametrize("config_cls,rule", [(DeltaNetConfig, "sum"), (LinearTransformerConfig, "delta")])
+def test_the_family_decides_the_update_rule(config_cls, rule):
+    """A Delta Net with the sum rule would be a Linear Transformer under the wrong name (and card): refused."""
+    with pytest.raises(ValueError, match="update_rule"):
+        tiny_config(config_cls, update_rule=rule)
+
+
+def test_feature_map_changed_after_the_config_is_refused():
+    """An unknown feature_map set on a built config must not run as the identity map."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(DeltaNetConfig)
+    config.feature_map = "softmax"
+    with pytest.raises(ValueError, match="feature_map"):
+        AutoModelForCausalLM.from_config(config)
+
+
 def test_bad_forward_inputs_raise_naming_the_argument():
     model = tiny_model(DeltaNetConfig)
     ids = torch.randint(3, 61, (2, 5))
