@@ -131,6 +131,15 @@ class FastWeightCache(Cache):
             return 0
         return self.layers[layer_idx].get_seq_length()
 
+    def count_tokens(self, token_mask: Optional[torch.Tensor], batch_size: int, seq_len: int,
+                     device: torch.device) -> None:
+        """Adds each row's real (non-padding) tokens of this call (``token_mask [B, T]``, None: all ``seq_len``) to
+        ``token_counts [B]``."""
+        new_tokens = token_mask.sum(-1).long() if token_mask is not None else torch.full(
+            (batch_size,), seq_len, dtype=torch.long, device=device
+        )
+        self.token_counts = new_tokens if self.token_counts is None else self.token_counts + new_tokens
+
     @property
     def batch_size(self) -> int:
         if self.token_counts is not None:

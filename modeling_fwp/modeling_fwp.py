@@ -113,15 +113,6 @@ def padding_mask(
     return None if bool(mask.all()) else mask.to(torch.float32)
 
 
-def count_tokens(cache: FastWeightCache, token_mask: Optional[torch.Tensor], batch_size: int, seq_len: int,
-                 device: torch.device) -> None:
-    """Adds each row's real (non-padding) tokens of this call to ``cache.token_counts [B]``."""
-    new_tokens = token_mask.sum(-1).long() if token_mask is not None else torch.full(
-        (batch_size,), seq_len, dtype=torch.long, device=device
-    )
-    cache.token_counts = new_tokens if cache.token_counts is None else cache.token_counts + new_tokens
-
-
 class FastWeightPreTrainedModel(StatefulPreTrainedModel):
     config_class = FastWeightConfig
     config: FastWeightConfig
@@ -246,7 +237,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
             all_hidden_states += (hidden_states,)
 
         if cache is not None:
-            count_tokens(cache, token_mask, batch_size, seq_len, hidden_states.device)
+            cache.count_tokens(token_mask, batch_size, seq_len, hidden_states.device)
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_ARGUMENT: cache}

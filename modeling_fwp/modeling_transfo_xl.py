@@ -597,9 +597,7 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             mask = token_mask if token_mask is not None else inputs_embeds.new_ones(B, T)
             for layer_idx, layer_input in enumerate(layer_inputs):
                 cache.update_memory(layer_idx, layer_input, mask, config.mem_len)
-            counts = cache.token_counts
-            new_tokens = mask.sum(-1).long()
-            cache.token_counts = new_tokens if counts is None else counts + new_tokens
+            cache.count_tokens(token_mask, B, T, inputs_embeds.device)
 
         all_hidden_states = tuple(layer_inputs) + (hidden_states,) if output_hidden_states else None
         output = BaseModelOutputWithPast(
