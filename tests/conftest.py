@@ -9,6 +9,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 
+
+
+@pytest.fixture(autouse=True)
+def _restore_num_threads():
+    """Every test starts with the thread count above, whatever an earlier test set: tests/test_hub.py compares results
+    computed in this process bit for bit with a subprocess's, and the thread count changes the reduction order (with
+    test_synthetic.py's 1-thread test first, the Delta-Delta Net export differed in its last bits)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 # tests/tools holds scripts run by hand (mutation_check.py), not tests
 collect_ignore = ["tools"]
 
