@@ -103,7 +103,11 @@ def masked(x: torch.Tensor, token_mask: Optional[torch.Tensor], time_dim: int) -
 
 
 class RecurrentFastWeightLayer(nn.Module):
-    """What every RFWP layer shares: sizes, kernel settings, the output projection and FAVOR+ redraws."""
+    """What every RFWP layer shares: sizes, kernel settings and the output projection.
+
+    FAVOR+ features are redrawn by the caller (``FastWeightModel.forward``, once per training batch, outside any
+    gradient-checkpointed block), never here: a replayed block must see the features of its first run.
+    """
 
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__()
@@ -120,13 +124,6 @@ class RecurrentFastWeightLayer(nn.Module):
         """``delta_rule`` with the config's kernel settings, returning ``(o, final_state)``."""
         return delta_rule(q, k, v, beta, initial_state=state, output_final_state=True, mode=self.kernel_mode,
                           chunk_size=self.chunk_size)
-
-    def redraw_features(self, state: State) -> None:
-        """FAVOR+: new random features per training batch (not when continuing from a state)."""
-        if self.training and state is None:
-            for module in self.modules():
-                if isinstance(module, FeatureMap):
-                    module.redraw()
 
 
 @register_fast_weight_layer("delta_mlp")
@@ -163,7 +160,6 @@ class DeltaMLPLayer(RecurrentFastWeightLayer):
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        self.redraw_features(state)
         p = self.slow(hidden_states)
         betas = masked(torch.sigmoid(p["beta"]), token_mask, 3)  # [B, H, 2K, T]
         state, new_state = state or {}, {}
@@ -201,7 +197,6 @@ class DeltaDeltaNetLayer(RecurrentFastWeightLayer):
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        self.redraw_features(state)
         d = self.head_dim
         p = self.slow(hidden_states)
         state = state or {}
@@ -243,7 +238,6 @@ class FastRecurrentNetLayer(RecurrentFastWeightLayer):
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        self.redraw_features(state)
         G = self.num_gates
         p = self.slow(hidden_states)
         q, k, v, rec_k, rec_v = (split_gates(p[name], G) for name in ("q", "k", "v", "rec_k", "rec_v"))

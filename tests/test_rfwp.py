@@ -352,6 +352,37 @@ def test_fused_kernels_give_the_step_loop_gradients_in_the_model(cls):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+FAVOR_VARIANTS = [(DeltaMLPConfig, {"fast_net_activation": "feature_map"}), (DeltaDeltaNetConfig, {}),
+                  (DeltaRNNConfig, {}), (DeltaLSTMConfig, {})]  # the Recurrent Delta Net has no feature map
+
+
+@pytest.mark.parametrize("variant", FAVOR_VARIANTS, ids=variant_id)
+def test_favor_features_drawn_once_per_training_forward_and_replayed_under_checkpointing(variant, monkeypatch):
+    """One draw of R per feature map and training forward (sec. 5.3: per batch), outside the checkpointed blocks:
+    with checkpointing that does not replay the random generator, loss, gradients and R equal the plain run's."""
+    from modeling_fwp import feature_maps
+
+    draws = []
+    draw = feature_maps.gaussian_random_features
+    monkeypatch.setattr(feature_maps, "gaussian_random_features", lambda *a, **k: draws.append(a) or draw(*a, **k))
+    cls, overrides = variant
+    ids = torch.randint(3, 61, (2, 10), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for checkpointing in (False, True):
+        model = tiny_model(cls, feature_map="favor", favor_features=6, **overrides).train()
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False, "preserve_rng_state": False})
+        maps = [m for m in model.modules() if isinstance(m, feature_maps.FeatureMap)]
+        draws.clear()
+        torch.manual_seed(5)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert len(draws) == len(maps) > 0  # once each, the recomputation included
+        runs.append([loss.detach()] + [m.projection.clone() for m in maps] + [p.grad for p in model.parameters()])
+    for got, expected in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("cls", FAMILIES, ids=lambda c: c.__name__)
 def test_save_load_round_trip_with_auto_classes(tmp_path, cls):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
