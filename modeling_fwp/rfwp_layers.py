@@ -61,6 +61,16 @@ def make_feature_map(config: PretrainedConfig, num_heads: int, dim: int) -> Feat
     )
 
 
+def recurrence_modes(config: PretrainedConfig) -> Tuple[str, str]:
+    """``(delta_rule mode, scan mode)`` for the config's ``kernel_mode``: "auto" and "recurrent" go to both; "chunk"
+    (the delta rule's parallel form) and "fused" (the scans') to their own recurrence, the other one running "auto".
+    A mode the config's family does not list (``kernel_modes``, e.g. set after the config was built) raises."""
+    mode, allowed = config.kernel_mode, type(config).kernel_modes
+    if mode not in allowed:
+        raise ValueError(f"`kernel_mode` must be one of {allowed} for {type(config).__name__}, got {mode!r}")
+    return ("auto" if mode == "fused" else mode), ("auto" if mode == "chunk" else mode)
+
+
 class SlowProjection(nn.Module):
     """The slow net's feedforward part: named per-head vectors ``W_* x_t`` and learning-rate logits.
 
@@ -114,10 +124,8 @@ class RecurrentFastWeightLayer(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.kernel_mode = config.kernel_mode
+        self.kernel_mode, self.scan_mode = recurrence_modes(config)
         self.chunk_size = config.chunk_size
-        # the scans have no chunked form: "recurrent" selects the step loop, anything else the fused kernels
-        self.scan_mode = "recurrent" if config.kernel_mode == "recurrent" else "auto"
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def delta_rule(self, q, k, v, beta, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -487,11 +487,68 @@ def test_parameter_counts_follow_the_paper(cls, overrides):
         (DeltaDeltaNetConfig, dict(update_rule="sum"), "update_rule"),
         (DeltaMLPConfig, dict(attention_normalization=True), "attention_normalization"),
         (DeltaRNNConfig, dict(feature_map="dpfp", dpfp_nu=4), "dpfp_nu"),
+        # settings a family never reads are refused, not ignored
+        (RecurrentDeltaNetConfig, dict(sum_normalization=False), "sum_normalization"),  # its softmax is normalised
+        (RecurrentDeltaNetConfig, dict(chunk_size=16), "chunk_size"),  # one scan, no chunkwise form
+        (RecurrentDeltaNetConfig, dict(kernel_mode="chunk"), "kernel_mode"),
+        (RecurrentDeltaNetConfig, dict(dpfp_nu=2), "dpfp_nu"),  # no feature map
+        (RecurrentDeltaNetConfig, dict(favor_features=8), "favor_features"),
+        (DeltaMLPConfig, dict(kernel_mode="fused"), "kernel_mode"),  # no scan
+        (DeltaNetConfig, dict(kernel_mode="fused"), "kernel_mode"),
+        (DeltaRNNConfig, dict(fast_net_depth=2), "fast_net_depth"),  # another family's field
+        (DeltaMLPConfig, dict(version="A"), "version"),
+        (DeltaNetConfig, dict(fast_net_activation="softmax"), "fast_net_activation"),
     ],
 )
 def test_bad_config_raises_naming_the_argument(cls, kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         tiny_config(cls, **kwargs)
+
+
+def test_unused_fields_keep_accepting_their_defaults():
+    """Configs saved before unused fields were refused hold their defaults (a Recurrent Delta Net's
+    ``sum_normalization`` resolved to True): they still load, and a config's own dict builds it again."""
+    from transformers import AutoConfig
+
+    saved = dict(tiny_config(RecurrentDeltaNetConfig).to_dict(), sum_normalization=True, chunk_size=64, dpfp_nu=1,
+                 favor_features=64, kernel_mode="auto")
+    assert AutoConfig.for_model(**saved).sum_normalization is True
+    for cls in FAMILIES:
+        config = tiny_config(cls)
+        assert type(config).from_dict(config.to_dict()).to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(
+    "cls,kernel_mode,delta_mode,scan_mode",
+    [(DeltaRNNConfig, "chunk", "chunk", "auto"), (DeltaRNNConfig, "fused", "auto", "fused"),
+     (DeltaLSTMConfig, "recurrent", "recurrent", "recurrent"), (DeltaLSTMConfig, "fused", "auto", "fused"),
+     (DeltaMLPConfig, "chunk", "chunk", None), (RecurrentDeltaNetConfig, "fused", None, "fused")],
+)
+def test_kernel_mode_reaches_the_recurrences_that_have_it(monkeypatch, cls, kernel_mode, delta_mode, scan_mode):
+    """Each mode goes to the recurrence it names ("chunk": delta rule, "fused": scans), the other runs "auto"; every
+    mode computes the step loops' logits."""
+    from modeling_fwp import rfwp_layers
+
+    modes = {"delta": set(), "scan": set()}
+    for name, kind in (("delta_rule", "delta"), ("fast_rnn_scan", "scan"), ("recurrent_delta_rule", "scan")):
+        kernel = getattr(rfwp_layers, name)
+        spy = (lambda kernel, kind: lambda *a, **k: modes[kind].add(k["mode"]) or kernel(*a, **k))(kernel, kind)
+        monkeypatch.setattr(rfwp_layers, name, spy)
+    ids = torch.randint(3, 61, (2, 7), generator=torch.Generator().manual_seed(0))
+    if scan_mode == "fused" and not rfwp_scan.cpu_kernel_available():
+        pytest.skip("the C++ scans could not be built here")
+    logits = tiny_model(cls, kernel_mode=kernel_mode)(ids).logits
+    assert modes == {"delta": {delta_mode} - {None}, "scan": {scan_mode} - {None}}
+    torch.testing.assert_close(logits, tiny_model(cls, kernel_mode="recurrent")(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_mode_set_after_the_config_is_refused_by_the_layer():
+    config = tiny_config(RecurrentDeltaNetConfig)
+    config.kernel_mode = "chunk"  # a mode the Recurrent Delta Net has not: not silently "auto"
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="kernel_mode"):
+        AutoModelForCausalLM.from_config(config)
 
 
 @pytest.mark.parametrize("feature_map", ["dpfp", "favor", "relu", "identity"])
