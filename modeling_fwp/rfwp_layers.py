@@ -65,7 +65,7 @@ def recurrence_modes(config: PretrainedConfig) -> Tuple[str, str]:
     """``(delta_rule mode, scan mode)`` for the config's ``kernel_mode``: "auto" and "recurrent" go to both; "chunk"
     (the delta rule's parallel form) and "fused" (the scans') to their own recurrence, the other one running "auto".
     A mode the config's family does not list (``kernel_modes``, e.g. set after the config was built) raises."""
-    mode, allowed = config.kernel_mode, type(config).kernel_modes
+    mode, allowed = config.kernel_mode, getattr(type(config), "kernel_modes", (config.kernel_mode,))
     if mode not in allowed:
         raise ValueError(f"`kernel_mode` must be one of {allowed} for {type(config).__name__}, got {mode!r}")
     return ("auto" if mode == "fused" else mode), ("auto" if mode == "chunk" else mode)
