@@ -38,25 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwp_kernels import rfwp_scan  # noqa: E402
 from fwp_kernels import ScanState, fast_rnn_scan, recurrent_delta_rule  # noqa: E402
 from training.result_file import RunRecord, ratio, summarize  # noqa: E402
-from modeling_fwp import (  # noqa: E402
-    DeltaDeltaNetConfig,
-    DeltaLSTMConfig,
-    DeltaMLPConfig,
-    DeltaNetConfig,
-    DeltaRNNConfig,
-    LinearTransformerConfig,
-    RecurrentDeltaNetConfig,
-)
+from modeling_fwp.families import FAMILIES  # noqa: E402
 
-MODELS = {
-    "Linear Transformer": LinearTransformerConfig,
-    "Delta Net": DeltaNetConfig,
-    "Delta MLP": DeltaMLPConfig,
-    "Delta-Delta Net": DeltaDeltaNetConfig,
-    "Delta RNN": DeltaRNNConfig,
-    "Recurrent Delta Net": RecurrentDeltaNetConfig,
-    "Delta LSTM": DeltaLSTMConfig,
-}
+# Every family of the table with a fast-weight layer (the Linear Transformer, the Delta Net and the recurrent FWPs of
+# Irie et al. 2021 Table 1), by its title; a new family is timed without an edit here.
+MODELS = {spec.facts.title: spec.config_class for spec in FAMILIES if spec.fast_weight_layer is not None}
 PAPER_WORDS_PER_S = {"Linear Transformer": 66e3, "Delta Net": 63e3, "Delta RNN": 41e3, "Recurrent Delta Net": 35e3,
                      "Delta LSTM": 14e3}
 TARGETS = {"Recurrent Delta Net": 0.55, "Delta RNN": 0.65, "Delta LSTM": 0.22}

@@ -42,6 +42,7 @@ from .modeling_fwl import FWLForCausalLM, FWLPreTrainedModel
 from .configuration_transfo_xl import TransfoXLConfig
 from .modeling_transfo_xl import TransfoXLCache, TransfoXLForCausalLM, TransfoXLModel, TransfoXLPreTrainedModel
 from .convert_transfo_xl import convert_transfo_xl_checkpoint
+from .recurrent_core import FastWeightRecurrentCore
 
 from .families import FAMILIES
 
@@ -68,6 +69,7 @@ __all__ = [cls.__name__ for spec in FAMILIES for cls in spec.classes()] + [
     "FastWeightModel",
     "FastWeightForCausalLM",
     "FastWeightPreTrainedModel",
+    "FastWeightRecurrentCore",
     "FWLPreTrainedModel",
     "FWLHead",
     "FWLSlowHead",

@@ -10,7 +10,8 @@ from transformers import PreTrainedConfig
 FEATURE_MAPS = ("elu", "dpfp", "favor", "relu", "identity")
 UPDATE_RULES = ("sum", "delta")
 POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
-KERNEL_MODES = ("auto", "recurrent", "chunk")
+KERNEL_MODES = ("auto", "recurrent", "chunk")  # the modes of the outer-product rules (delta_rule, linear_attention)
+SCAN_KERNEL_MODES = ("auto", "recurrent", "fused")  # the modes of the recurrent FWPs' scans (fwp_kernels.dispatch)
 FAST_NET_ACTIVATIONS = ("softmax", "feature_map")  # the Delta MLP's f (Irie et al. 2021, eq. 13)
 
 
@@ -31,13 +32,24 @@ class FastWeightConfig(PreTrainedConfig):
             18-19; delta rule: eqs. 26-28, where the retrieved value is divided by z_{t-1} . phi(k_t) as well).
             None: on for the sum rule with a non-negative feature map, off otherwise.
         position_embedding_type: "none" (the papers' default), "sinusoidal" or "learned" absolute positions.
-        kernel_mode, chunk_size: forwarded to ``fwp_kernels``.
+        kernel_mode: the ``fwp_kernels`` mode of the layer's recurrences: "auto" (the fastest for the device and
+            length), "recurrent" (the step loops, the reference) or the family's parallel mode: "chunk" for the
+            outer-product rules, "fused" for the recurrent FWPs' scans (``kernel_modes`` lists a family's values).
+        chunk_size: the chunk length of the chunkwise outer-product rules.
+
+    Fields a family never reads are refused, so that no setting is silently ignored: each family lists them in
+    ``unused_fields`` with the values it still accepts (the defaults, which saved configs hold), and a field that
+    only another family declares (``version``, ``fast_net_depth``, ...) raises. ``dpfp_nu`` and ``favor_features``
+    are read only with their feature map; they stay accepted with the others, so a config can switch maps.
     """
 
     model_type = "fwp_fast_weight"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
-    # The feature maps this family's fast-weight layer implements (a class attribute, not a config field).
+    # Class attributes, not config fields: the feature maps and kernel modes this family's fast-weight layer
+    # implements, and the fields it never reads -> the values accepted for them (see the docstring).
     supported_feature_maps = FEATURE_MAPS
+    kernel_modes = KERNEL_MODES
+    unused_fields = {}
 
     vocab_size: int = 32000
     hidden_size: int = 256
@@ -68,6 +80,7 @@ class FastWeightConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        self._check_family_fields(kwargs)
         if self.num_attention_heads < 1:
             raise ValueError(f"`num_attention_heads` must be >= 1, got {self.num_attention_heads}")
         if self.head_dim is None:
@@ -86,7 +99,7 @@ class FastWeightConfig(PreTrainedConfig):
             ("update_rule", self.update_rule, UPDATE_RULES),
             ("feature_map", self.feature_map, self.supported_feature_maps),
             ("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS),
-            ("kernel_mode", self.kernel_mode, KERNEL_MODES),
+            ("kernel_mode", self.kernel_mode, self.kernel_modes),
         ):
             if value not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}")
@@ -109,6 +122,18 @@ class FastWeightConfig(PreTrainedConfig):
                 raise ValueError(f"`{name}` needs a non-negative feature map, got feature_map='identity'")
         super().__post_init__(**kwargs)
 
+    def _check_family_fields(self, extra: dict) -> None:
+        """``ValueError`` naming the field for a value of ``unused_fields`` the family does not accept, or for a
+        field of another family among the `extra` keyword arguments (which transformers would keep unread)."""
+        family = type(self).__name__
+        for name, accepted in self.unused_fields.items():
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"`{name}` is not used by {family}: it accepts only {accepted} (the default), "
+                                 f"got {getattr(self, name)!r}")
+        foreign = sorted(set(extra) & (_family_field_names() - _field_names(type(self))))
+        if foreign:
+            raise ValueError(f"`{foreign[0]}` is a field of another fast-weight family, not used by {family}")
+
     @property
     def feature_dim(self) -> int:
         """Dimension of phi(k): what the fast weight matrix is indexed by (its Dk)."""
@@ -117,6 +142,21 @@ class FastWeightConfig(PreTrainedConfig):
         if self.feature_map == "favor":
             return 2 * self.favor_features  # eq. 32: [exp(R x); exp(-R x)]
         return self.head_dim
+
+
+def _field_names(cls: type) -> set:
+    """The config fields (annotated class attributes) `cls` declares or inherits."""
+    return {name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})}
+
+
+def _family_field_names() -> set:
+    """The fields declared by any fast-weight family's config (``version``, ``fast_net_depth``, ...)."""
+    names, pending = set(), list(FastWeightConfig.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        names |= set(vars(cls).get("__annotations__", {}))
+        pending.extend(cls.__subclasses__())
+    return names
 
 
 class LinearTransformerConfig(FastWeightConfig):
@@ -214,29 +254,46 @@ class DeltaDeltaNetConfig(RecurrentFastWeightConfig):
 
 class DeltaRNNConfig(RecurrentFastWeightConfig):
     """Delta RNN (eq. 12, version B; eq. 19, version A): y_t = W_t q_t + R_t f(y_{t-1}), f = softmax, with a second
-    delta-rule fast weight R_t programmed by its own slow keys/values/betas."""
+    delta-rule fast weight R_t programmed by its own slow keys/values/betas.
+
+    ``kernel_mode``: W runs the delta rule, R the scan; "chunk" makes W chunkwise, "fused" the scan compiled, each
+    leaving the other recurrence on "auto".
+    """
 
     model_type = "fwp_delta_rnn"
     fast_weight_layer = "delta_rnn"
+    kernel_modes = ("auto", "recurrent", "chunk", "fused")
     versions = ("A", "B")
     version: str = "B"
 
 
 class DeltaLSTMConfig(RecurrentFastWeightConfig):
     """Delta LSTM (appendix A.2, eqs. 20-40, versions A-D; D is the paper's main model): six delta-rule fast
-    weight matrices (feedforward and recurrent, for the input gate, update and output gate), tied input/forget gate."""
+    weight matrices (feedforward and recurrent, for the input gate, update and output gate), tied input/forget gate.
+
+    ``kernel_mode``: as the Delta RNN's ("chunk": the feedforward fast weights chunkwise; "fused": the scan compiled).
+    """
 
     model_type = "fwp_delta_lstm"
     fast_weight_layer = "delta_lstm"
+    kernel_modes = ("auto", "recurrent", "chunk", "fused")
     versions = ("A", "B", "C", "D")
     version: str = "D"
 
 
 class RecurrentDeltaNetConfig(RecurrentFastWeightConfig):
     """Recurrent Delta Net (eqs. 15-18): the slow net's keys, queries, values and betas also read tanh(y_{t-1})
-    through per-head slow recurrent matrices; keys and queries are softmaxes (the only feature map it takes)."""
+    through per-head slow recurrent matrices; keys and queries are softmaxes (the only feature map it takes).
+
+    Its only recurrence is one scan (``fwp_kernels.recurrent_delta_rule``), so ``kernel_mode`` is "auto",
+    "recurrent" or "fused" ("chunk": it has no chunkwise form), and it builds no feature map. Unused, accepted only
+    at their defaults: ``chunk_size`` (64), ``dpfp_nu`` (1), ``favor_features`` (64) and ``sum_normalization``
+    (None or True: a softmax is sum-normalised by construction, eq. 29 applied to exp; False cannot hold).
+    """
 
     model_type = "fwp_recurrent_delta_net"
     fast_weight_layer = "recurrent_delta_net"
     supported_feature_maps = ("softmax",)
+    kernel_modes = SCAN_KERNEL_MODES
+    unused_fields = {"chunk_size": (64,), "dpfp_nu": (1,), "favor_features": (64,), "sum_normalization": (None, True)}
     feature_map: str = "softmax"

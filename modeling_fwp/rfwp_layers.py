@@ -61,6 +61,16 @@ def make_feature_map(config: PretrainedConfig, num_heads: int, dim: int) -> Feat
     )
 
 
+def recurrence_modes(config: PretrainedConfig) -> Tuple[str, str]:
+    """``(delta_rule mode, scan mode)`` for the config's ``kernel_mode``: "auto" and "recurrent" go to both; "chunk"
+    (the delta rule's parallel form) and "fused" (the scans') to their own recurrence, the other one running "auto".
+    A mode the config's family does not list (``kernel_modes``, e.g. set after the config was built) raises."""
+    mode, allowed = config.kernel_mode, getattr(type(config), "kernel_modes", (config.kernel_mode,))
+    if mode not in allowed:
+        raise ValueError(f"`kernel_mode` must be one of {allowed} for {type(config).__name__}, got {mode!r}")
+    return ("auto" if mode == "fused" else mode), ("auto" if mode == "chunk" else mode)
+
+
 class SlowProjection(nn.Module):
     """The slow net's feedforward part: named per-head vectors ``W_* x_t`` and learning-rate logits.
 
@@ -103,30 +113,25 @@ def masked(x: torch.Tensor, token_mask: Optional[torch.Tensor], time_dim: int) -
 
 
 class RecurrentFastWeightLayer(nn.Module):
-    """What every RFWP layer shares: sizes, kernel settings, the output projection and FAVOR+ redraws."""
+    """What every RFWP layer shares: sizes, kernel settings and the output projection.
+
+    FAVOR+ features are redrawn by the caller (``FastWeightModel.forward``, once per training batch, outside any
+    gradient-checkpointed block), never here: a replayed block must see the features of its first run.
+    """
 
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.kernel_mode = config.kernel_mode
+        self.kernel_mode, self.scan_mode = recurrence_modes(config)
         self.chunk_size = config.chunk_size
-        # the scans have no chunked form: "recurrent" selects the step loop, anything else the fused kernels
-        self.scan_mode = "recurrent" if config.kernel_mode == "recurrent" else "auto"
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def delta_rule(self, q, k, v, beta, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """``delta_rule`` with the config's kernel settings, returning ``(o, final_state)``."""
         return delta_rule(q, k, v, beta, initial_state=state, output_final_state=True, mode=self.kernel_mode,
                           chunk_size=self.chunk_size)
-
-    def redraw_features(self, state: State) -> None:
-        """FAVOR+: new random features per training batch (not when continuing from a state)."""
-        if self.training and state is None:
-            for module in self.modules():
-                if isinstance(module, FeatureMap):
-                    module.redraw()
 
 
 @register_fast_weight_layer("delta_mlp")
@@ -163,7 +168,6 @@ class DeltaMLPLayer(RecurrentFastWeightLayer):
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        self.redraw_features(state)
         p = self.slow(hidden_states)
         betas = masked(torch.sigmoid(p["beta"]), token_mask, 3)  # [B, H, 2K, T]
         state, new_state = state or {}, {}
@@ -201,7 +205,6 @@ class DeltaDeltaNetLayer(RecurrentFastWeightLayer):
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        self.redraw_features(state)
         d = self.head_dim
         p = self.slow(hidden_states)
         state = state or {}
@@ -243,7 +246,6 @@ class FastRecurrentNetLayer(RecurrentFastWeightLayer):
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        self.redraw_features(state)
         G = self.num_gates
         p = self.slow(hidden_states)
         q, k, v, rec_k, rec_v = (split_gates(p[name], G) for name in ("q", "k", "v", "rec_k", "rec_v"))

@@ -81,3 +81,17 @@ def test_synthetic_map_covers_the_table():
         model = synthetic.build_model(spec.name, vocab_size=11, hidden_size=8, num_layers=1, num_heads=2,
                                       max_length=16)
         assert type(model) is spec.causal_lm_class
+
+
+def test_rfwp_benchmark_times_every_fast_weight_family():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rfwp.py"
+    spec = importlib.util.spec_from_file_location("bench_rfwp", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fast_weight_families = [family for family in FAMILIES if family.fast_weight_layer is not None]
+    assert list(bench.MODELS.values()) == [family.config_class for family in fast_weight_families]
+    # the paper's figures and the targets are keyed by titles of the table (a renamed title would drop a row)
+    assert set(bench.PAPER_WORDS_PER_S) | set(bench.TARGETS) | {"Delta Net"} <= set(bench.MODELS)

@@ -352,6 +352,37 @@ def test_fused_kernels_give_the_step_loop_gradients_in_the_model(cls):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+FAVOR_VARIANTS = [(DeltaMLPConfig, {"fast_net_activation": "feature_map"}), (DeltaDeltaNetConfig, {}),
+                  (DeltaRNNConfig, {}), (DeltaLSTMConfig, {})]  # the Recurrent Delta Net has no feature map
+
+
+@pytest.mark.parametrize("variant", FAVOR_VARIANTS, ids=variant_id)
+def test_favor_features_drawn_once_per_training_forward_and_replayed_under_checkpointing(variant, monkeypatch):
+    """One draw of R per feature map and training forward (sec. 5.3: per batch), outside the checkpointed blocks:
+    with checkpointing that does not replay the random generator, loss, gradients and R equal the plain run's."""
+    from modeling_fwp import feature_maps
+
+    draws = []
+    draw = feature_maps.gaussian_random_features
+    monkeypatch.setattr(feature_maps, "gaussian_random_features", lambda *a, **k: draws.append(a) or draw(*a, **k))
+    cls, overrides = variant
+    ids = torch.randint(3, 61, (2, 10), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for checkpointing in (False, True):
+        model = tiny_model(cls, feature_map="favor", favor_features=6, **overrides).train()
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False, "preserve_rng_state": False})
+        maps = [m for m in model.modules() if isinstance(m, feature_maps.FeatureMap)]
+        draws.clear()
+        torch.manual_seed(5)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert len(draws) == len(maps) > 0  # once each, the recomputation included
+        runs.append([loss.detach()] + [m.projection.clone() for m in maps] + [p.grad for p in model.parameters()])
+    for got, expected in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("cls", FAMILIES, ids=lambda c: c.__name__)
 def test_save_load_round_trip_with_auto_classes(tmp_path, cls):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -456,11 +487,68 @@ def test_parameter_counts_follow_the_paper(cls, overrides):
         (DeltaDeltaNetConfig, dict(update_rule="sum"), "update_rule"),
         (DeltaMLPConfig, dict(attention_normalization=True), "attention_normalization"),
         (DeltaRNNConfig, dict(feature_map="dpfp", dpfp_nu=4), "dpfp_nu"),
+        # settings a family never reads are refused, not ignored
+        (RecurrentDeltaNetConfig, dict(sum_normalization=False), "sum_normalization"),  # its softmax is normalised
+        (RecurrentDeltaNetConfig, dict(chunk_size=16), "chunk_size"),  # one scan, no chunkwise form
+        (RecurrentDeltaNetConfig, dict(kernel_mode="chunk"), "kernel_mode"),
+        (RecurrentDeltaNetConfig, dict(dpfp_nu=2), "dpfp_nu"),  # no feature map
+        (RecurrentDeltaNetConfig, dict(favor_features=8), "favor_features"),
+        (DeltaMLPConfig, dict(kernel_mode="fused"), "kernel_mode"),  # no scan
+        (DeltaNetConfig, dict(kernel_mode="fused"), "kernel_mode"),
+        (DeltaRNNConfig, dict(fast_net_depth=2), "fast_net_depth"),  # another family's field
+        (DeltaMLPConfig, dict(version="A"), "version"),
+        (DeltaNetConfig, dict(fast_net_activation="softmax"), "fast_net_activation"),
     ],
 )
 def test_bad_config_raises_naming_the_argument(cls, kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         tiny_config(cls, **kwargs)
+
+
+def test_unused_fields_keep_accepting_their_defaults():
+    """Configs saved before unused fields were refused hold their defaults (a Recurrent Delta Net's
+    ``sum_normalization`` resolved to True): they still load, and a config's own dict builds it again."""
+    from transformers import AutoConfig
+
+    saved = dict(tiny_config(RecurrentDeltaNetConfig).to_dict(), sum_normalization=True, chunk_size=64, dpfp_nu=1,
+                 favor_features=64, kernel_mode="auto")
+    assert AutoConfig.for_model(**saved).sum_normalization is True
+    for cls in FAMILIES:
+        config = tiny_config(cls)
+        assert type(config).from_dict(config.to_dict()).to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(
+    "cls,kernel_mode,delta_mode,scan_mode",
+    [(DeltaRNNConfig, "chunk", "chunk", "auto"), (DeltaRNNConfig, "fused", "auto", "fused"),
+     (DeltaLSTMConfig, "recurrent", "recurrent", "recurrent"), (DeltaLSTMConfig, "fused", "auto", "fused"),
+     (DeltaMLPConfig, "chunk", "chunk", None), (RecurrentDeltaNetConfig, "fused", None, "fused")],
+)
+def test_kernel_mode_reaches_the_recurrences_that_have_it(monkeypatch, cls, kernel_mode, delta_mode, scan_mode):
+    """Each mode goes to the recurrence it names ("chunk": delta rule, "fused": scans), the other runs "auto"; every
+    mode computes the step loops' logits."""
+    from modeling_fwp import rfwp_layers
+
+    modes = {"delta": set(), "scan": set()}
+    for name, kind in (("delta_rule", "delta"), ("fast_rnn_scan", "scan"), ("recurrent_delta_rule", "scan")):
+        kernel = getattr(rfwp_layers, name)
+        spy = (lambda kernel, kind: lambda *a, **k: modes[kind].add(k["mode"]) or kernel(*a, **k))(kernel, kind)
+        monkeypatch.setattr(rfwp_layers, name, spy)
+    ids = torch.randint(3, 61, (2, 7), generator=torch.Generator().manual_seed(0))
+    if scan_mode == "fused" and not rfwp_scan.cpu_kernel_available():
+        pytest.skip("the C++ scans could not be built here")
+    logits = tiny_model(cls, kernel_mode=kernel_mode)(ids).logits
+    assert modes == {"delta": {delta_mode} - {None}, "scan": {scan_mode} - {None}}
+    torch.testing.assert_close(logits, tiny_model(cls, kernel_mode="recurrent")(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_mode_set_after_the_config_is_refused_by_the_layer():
+    config = tiny_config(RecurrentDeltaNetConfig)
+    config.kernel_mode = "chunk"  # a mode the Recurrent Delta Net has not: not silently "auto"
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="kernel_mode"):
+        AutoModelForCausalLM.from_config(config)
 
 
 @pytest.mark.parametrize("feature_map", ["dpfp", "favor", "relu", "identity"])
