@@ -40,8 +40,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training import latest_checkpoint, leave_process_group
-from training.result_file import RunRecord
+from . import latest_checkpoint, leave_process_group
+from .result_file import RunRecord
 
 if TYPE_CHECKING:  # imported lazily at run time (the CLI starts faster)
     from datasets import DatasetDict
@@ -119,7 +119,7 @@ def load_text_datasets(args: argparse.Namespace) -> DatasetDict:
             raw["validation"] = raw.pop("test")
         return raw
     if args.train_file is None:
-        from training.data import prepare_wiki
+        from .data import prepare_wiki
 
         if not (Path(DEFAULT_DATA) / "train.txt").exists():
             prepare_wiki(DEFAULT_DATA)
@@ -305,7 +305,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model == DEFAULT_MODEL:
-        from training.convert_gguf import ensure_converted
+        from .convert_gguf import ensure_converted
 
         ensure_converted(DEFAULT_MODEL)
     set_seed(args.seed)
