@@ -213,9 +213,9 @@ def test_train_lm_smoke_carry_state_and_resume(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     common = ["--train_file", str(tiny_corpus / "train.txt"), "--validation_file", str(tiny_corpus / "valid.txt"),
               "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2",
-              "--batch_size", "2", "--segment_length", "16", "--vocab_size", "300", "--carry_state",
+              "--per_device_train_batch_size", "2", "--block_size", "16", "--vocab_size", "300", "--carry_state",
               "--output_dir", str(out), "--save_steps", "2", "--logging_steps", "1", "--warmup_steps", "1",
-              "--eval_max_tokens", "300"]
+              "--max_eval_tokens", "300"]
     results = train_lm.main(common + ["--max_steps", "2"])
     saved = json.loads((out / "results.json").read_text())
     assert saved["training"]["steps"] == 2 and saved["training"]["carry_state"]
@@ -234,10 +234,10 @@ def test_train_lm_under_accelerate_launch_two_processes_equals_one_process(tiny_
     two processes with batch 1 take the same steps as one process with batch 2 over the same 2 streams."""
     def argv(out, batch_size):
         return ["--train_file", tiny_corpus / "train.txt", "--validation_file", tiny_corpus / "valid.txt",
-                "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2", "--lr", "3e-3",
-                "--batch_size", batch_size, "--segment_length", "16", "--vocab_size", "300", "--carry_state",
-                "--output_dir", out, "--save_steps", "100", "--logging_steps", "1", "--warmup_steps", "0",
-                "--eval_max_tokens", "300", "--max_steps", "4"]
+                "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2",
+                "--learning_rate", "3e-3", "--per_device_train_batch_size", batch_size, "--block_size", "16",
+                "--vocab_size", "300", "--carry_state", "--output_dir", out, "--save_steps", "100",
+                "--logging_steps", "1", "--warmup_steps", "0", "--max_eval_tokens", "300", "--max_steps", "4"]
 
     alone = train_lm.main([str(a) for a in argv(tmp_path / "one", 2)])
     done = accelerate_launch_two_processes("training.train_lm", argv(tmp_path / "two", 1), cwd=tmp_path)
