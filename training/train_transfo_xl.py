@@ -140,7 +140,7 @@ def train(
         optimizers=optimizers, callbacks=[budget], forward_kwargs={"logits_to_keep": 1},  # the loss needs no logits
     )
     start = time.perf_counter()
-    trainer.train()
+    output = trainer.train()
     seconds = time.perf_counter() - start
     model.eval()
     steps = trainer.state.global_step
@@ -149,7 +149,8 @@ def train(
     return {
         "steps": steps, "seconds": round(seconds, 1), "tokens": tokens, "stopped_by_budget": budget.stopped_by_budget,
         "train_tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
-        "final_train_loss": history[-1]["loss"] if history else None, "history": history,
+        # the last logged loss (over --logging_steps steps), else the mean over the run
+        "final_train_loss": history[-1]["loss"] if history else output.training_loss, "history": history,
     }
 
 
