@@ -214,15 +214,18 @@ def test_train_lm_smoke_carry_state_and_resume(tiny_corpus, tmp_path):
     common = ["--train_file", str(tiny_corpus / "train.txt"), "--validation_file", str(tiny_corpus / "valid.txt"),
               "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2",
               "--per_device_train_batch_size", "2", "--block_size", "16", "--vocab_size", "300", "--carry_state",
-              "--output_dir", str(out), "--save_steps", "2", "--logging_steps", "1", "--warmup_steps", "1",
-              "--max_eval_tokens", "300"]
+              "--output_dir", str(out), "--save_steps", "1", "--save_total_limit", "1", "--logging_steps", "1",
+              "--warmup_steps", "1", "--max_eval_tokens", "300"]
     results = train_lm.main(common + ["--max_steps", "2"])
     saved = json.loads((out / "results.json").read_text())
     assert saved["training"]["steps"] == 2 and saved["training"]["carry_state"]
     entries = {(e["split"], e["protocol"]): e for e in saved["evaluation"]}
     assert set(entries) == {("valid", "carried_state"), ("valid", "independent_segments")}  # no test file given
     assert all(e["perplexity"] > 1 for e in entries.values())
-    assert (out / "model" / "config.json").is_file() and (out / "checkpoints" / "checkpoint-2").is_dir()
+    assert (out / "model" / "config.json").is_file()
+    # a Trainer flag through the script's parser: --save_total_limit 1 keeps the last of the two checkpoints
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert saved["args"]["save_total_limit"] == 1 and saved["args"]["block_size"] == 16
     assert results["model"]["model_type"] == "fwp_delta_net"
 
     resumed = train_lm.main(common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"])
