@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import TrainingArguments, get_cosine_with_min_lr_schedule_with_warmup
 
-from training import demo, eval_lm, finetune_fwl, train_lm, train_transfo_xl, trainer_utils
+from training import demo, eval_lm, finetune_fwl, synthetic, train_lm, train_transfo_xl, trainer_utils
 
 SCRIPTS = {"train_lm": train_lm, "finetune_fwl": finetune_fwl, "train_transfo_xl": train_transfo_xl,
-           "eval_lm": eval_lm, "demo": demo}
+           "eval_lm": eval_lm, "demo": demo, "synthetic": synthetic}
 
 
 @pytest.mark.parametrize("name, option, default", [
@@ -26,6 +26,7 @@ SCRIPTS = {"train_lm": train_lm, "finetune_fwl": finetune_fwl, "train_transfo_xl
     ("train_transfo_xl", "--max_grad_norm", "0.25"), ("train_transfo_xl", "--max_train_minutes", "3.0"),
     ("eval_lm", "--block_size", "64"), ("eval_lm", "--dynamic_method", "sgd"),
     ("demo", "--per_device_train_batch_size", "8"), ("demo", "--output_dir", "outputs/demo"),
+    ("synthetic", "--max_steps", "1000"), ("synthetic", "--model_type", "['linear_transformer', 'delta_net']"),
 ])
 def test_help_runs_and_shows_the_script_defaults(name, option, default, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -58,6 +59,7 @@ def test_trainer_flags_reach_training_arguments():
     ("finetune_fwl", ["--model", "x"]), ("finetune_fwl", ["--dataset", "wikitext"]),
     ("eval_lm", ["--model_name_or_path", "m", "--model", "x"]), ("eval_lm", ["--model_name_or_path", "m", "--output", "x"]),
     ("demo", ["--minutes", "1"]), ("train_transfo_xl", ["--init_from", "x"]),
+    ("synthetic", ["--task", "code", "--steps", "3"]), ("synthetic", ["--task", "code", "--resume", "x"]),
 ])
 def test_removed_option_names_fail(name, argv):
     """Not taken for a longer option by its prefix either (--model for --model_name_or_path)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type
 
@@ -128,6 +129,32 @@ def _training_record(args: TrainingArguments) -> Dict[str, Any]:
         if f.init and f.name in values
         and (f.name in RECORDED_TRAINING_FIELDS or _plain(values[f.name]) != _plain(_field_default(f)))
     }
+
+
+def parse_overrides(text: Optional[str]) -> Dict[str, Any]:
+    """``--config_overrides`` as a dict: a JSON object, or ``key=value`` pairs separated by commas (each value read
+    as JSON when it parses, else as a string: ``hidden_size=128,feature_map=dpfp,sum_normalization=false``)."""
+    if not text:
+        return {}
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--config_overrides is not valid JSON: {err}") from err
+        if not isinstance(value, dict):
+            raise ValueError(f"--config_overrides must be a JSON object, got {type(value).__name__}")
+        return value
+    overrides: Dict[str, Any] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--config_overrides: expected key=value, got {pair!r}")
+        try:
+            overrides[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = raw
+    return overrides
 
 
 def build_parser(

@@ -70,7 +70,14 @@ from transformers import (  # noqa: E402
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 
 from . import leave_process_group  # noqa: E402
-from .arguments import DataArguments, HubExportArguments, ParsedArguments, parse_arguments, require_positive  # noqa: E402
+from .arguments import (  # noqa: E402
+    DataArguments,
+    HubExportArguments,
+    ParsedArguments,
+    parse_arguments,
+    parse_overrides,
+    require_positive,
+)
 from .data import prepare_wiki  # noqa: E402
 from .demo import evaluate_loss, valid_blocks  # noqa: E402
 from .eval_lm import score_split  # noqa: E402
@@ -87,32 +94,6 @@ SPLITS = ("train", "valid", "test")
 # --------------------------------------------------------------------------------------------------
 # Arguments
 # --------------------------------------------------------------------------------------------------
-
-
-def parse_overrides(text: Optional[str]) -> Dict[str, Any]:
-    """``--config_overrides`` as a dict: a JSON object, or ``key=value`` pairs separated by commas (each value read
-    as JSON when it parses, else as a string: ``hidden_size=128,feature_map=dpfp,sum_normalization=false``)."""
-    if not text:
-        return {}
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--config_overrides is not valid JSON: {err}") from err
-        if not isinstance(value, dict):
-            raise ValueError(f"--config_overrides must be a JSON object, got {type(value).__name__}")
-        return value
-    overrides: Dict[str, Any] = {}
-    for pair in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--config_overrides: expected key=value, got {pair!r}")
-        try:
-            overrides[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            overrides[key.strip()] = raw
-    return overrides
 
 
 @dataclass
