@@ -14,10 +14,12 @@ import pytest
 import torch
 from transformers import TrainingArguments, get_cosine_with_min_lr_schedule_with_warmup
 
-from training import demo, eval_lm, finetune_fwl, synthetic, train_lm, train_transfo_xl, trainer_utils
+from training import cli, convert_gguf, data, demo, eval_lm, finetune_fwl, synthetic, train_lm, train_transfo_xl
+from training import trainer_utils
 
-SCRIPTS = {"train_lm": train_lm, "finetune_fwl": finetune_fwl, "train_transfo_xl": train_transfo_xl,
-           "eval_lm": eval_lm, "demo": demo, "synthetic": synthetic}
+SCRIPTS = {"train_lm": train_lm.parse_args, "finetune_fwl": finetune_fwl.parse_args,
+           "train_transfo_xl": train_transfo_xl.parse_args, "eval_lm": eval_lm.parse_args, "demo": demo.parse_args,
+           "synthetic": synthetic.parse_args, "data": data.main, "convert_gguf": convert_gguf.main}
 
 
 @pytest.mark.parametrize("name, option, default", [
@@ -27,15 +29,24 @@ SCRIPTS = {"train_lm": train_lm, "finetune_fwl": finetune_fwl, "train_transfo_xl
     ("eval_lm", "--block_size", "64"), ("eval_lm", "--dynamic_method", "sgd"),
     ("demo", "--per_device_train_batch_size", "8"), ("demo", "--output_dir", "outputs/demo"),
     ("synthetic", "--max_steps", "1000"), ("synthetic", "--model_type", "['linear_transformer', 'delta_net']"),
+    ("data", "--output_dir", "data/wiki"), ("convert_gguf", "--output_dir", "checkpoints/smollm2-135m"),
 ])
 def test_help_runs_and_shows_the_script_defaults(name, option, default, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        SCRIPTS[name].parse_args(["--help"])
+        SCRIPTS[name](["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     entries = text[text.index(" options: "):]  # after the usage line and the description
     entry = entries[entries.index(f" {option} "):]
     assert entry[entry.index("(default: "):].startswith(f"(default: {default})"), entry[:300]
+
+
+def test_console_script_runs_the_script_on_the_command_line(monkeypatch, capsys):
+    """``fwp-eval-lm --help`` (setup.cfg: ``fwp_training.cli:eval_lm``) is ``python -m training.eval_lm --help``."""
+    monkeypatch.setattr("sys.argv", ["fwp-eval-lm", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.eval_lm()
+    assert exit_info.value.code == 0 and "--model_name_or_path" in capsys.readouterr().out
 
 
 def test_trainer_flags_reach_training_arguments():
@@ -64,7 +75,7 @@ def test_trainer_flags_reach_training_arguments():
 def test_removed_option_names_fail(name, argv):
     """Not taken for a longer option by its prefix either (--model for --model_name_or_path)."""
     with pytest.raises(ValueError, match=f"not used by the HfArgumentParser: \\['{argv[-2]}'"):
-        SCRIPTS[name].parse_args(argv)
+        SCRIPTS[name](argv)
 
 
 @pytest.mark.parametrize("argv, message", [

