@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -39,6 +40,19 @@ def test_help_runs_and_shows_the_script_defaults(name, option, default, capsys):
     entries = text[text.index(" options: "):]  # after the usage line and the description
     entry = entries[entries.index(f" {option} "):]
     assert entry[entry.index("(default: "):].startswith(f"(default: {default})"), entry[:300]
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_help_states_each_default_once(name, capsys):
+    """Every option's help ends with its default, and none states a second, contradicting one."""
+    with pytest.raises(SystemExit):
+        SCRIPTS[name](["--help"])
+    options = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", "\n" + options) if e.strip()]
+    assert len(entries) >= 3  # -h and at least two options
+    for entry in entries:
+        if not entry.startswith("-h, --help"):
+            assert entry.count("(default:") == 1, entry
 
 
 def test_console_script_runs_the_script_on_the_command_line(monkeypatch, capsys):

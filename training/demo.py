@@ -68,9 +68,9 @@ class DemoModelArguments:
     hidden_size: int = field(default=256, metadata={"help": "model width"})
     num_hidden_layers: int = field(default=4, metadata={"help": "layers"})
     num_attention_heads: Optional[int] = field(default=None, metadata={
-        "help": "heads (default: hidden_size // 64, at least 1)"})
+        "help": "heads; unset: hidden_size // 64, at least 1"})
     intermediate_size: Optional[int] = field(default=None, metadata={
-        "help": "feed-forward size (default: 4 * hidden_size)"})
+        "help": "feed-forward size; unset: 4 * hidden_size"})
     vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size"})
 
 

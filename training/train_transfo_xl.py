@@ -161,7 +161,7 @@ class TransfoXLModelArguments:
     model_name_or_path: Optional[str] = field(default=None, metadata={
         "help": "continue from a model saved by this script (its architecture, tokenizer and weights)"})
     tokenizer_name: Optional[str] = field(default=None, metadata={
-        "help": "a saved tokenizer folder to reuse (default: a word-level vocabulary of the train split)"})
+        "help": "a saved tokenizer folder to reuse; unset: a word-level vocabulary of the train split"})
     min_count: int = field(default=3, metadata={"help": "words seen fewer times are <unk>"})
     hidden_size: int = field(default=128, metadata={"help": "model width"})
     num_hidden_layers: int = field(default=4, metadata={"help": "layers"})
@@ -173,7 +173,7 @@ class TransfoXLModelArguments:
     fwl_residual: bool = field(default=False, metadata={"help": "FWL reads h + f(h), starting as the identity"})
     fwl_step_size_init: float = field(default=0.01, metadata={"help": "initial step size of the fast updates"})
     fwl_learning_rate: Optional[float] = field(default=None, metadata={
-        "help": "learning rate of the FWL's own parameters (default: --learning_rate)"})
+        "help": "learning rate of the FWL's own parameters; unset: --learning_rate"})
 
 
 @dataclass
@@ -183,10 +183,10 @@ class TransfoXLDataArguments:
     data_dir: str = field(default="data/wiki", metadata={"help": "prepared corpus folder (train.txt)"})
     block_size: int = field(default=64, metadata={"help": "tokens per segment of each stream"})
     start_segment: Optional[int] = field(default=None, metadata={
-        "help": "first segment of the data streams (default: 0, or the steps of --model_name_or_path's run)"})
+        "help": "first segment of the data streams; unset: 0, or the steps of --model_name_or_path's run"})
     max_train_minutes: float = field(default=3.0, metadata={
         "help": "wall-clock training budget (--max_steps: a fixed number of steps, still capped by it)"})
-    threads: Optional[int] = field(default=None, metadata={"help": "torch threads (default: torch's)"})
+    threads: Optional[int] = field(default=None, metadata={"help": "torch threads; unset: torch's"})
 
 
 # This script's choices for Trainer options (shown by --help, overridden like any option); --max_steps -1: as many
