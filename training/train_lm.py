@@ -135,7 +135,7 @@ def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
     """The command line (``--help``: every option with its default); ValueError names a bad option."""
     args = parse_arguments((ModelArguments, LMDataArguments, TrainingArguments, HubExportArguments), argv,
                            description=__doc__, defaults=TRAINING_DEFAULTS)
-    require_positive(args, ("max_steps", "per_device_train_batch_size", "learning_rate",
+    require_positive(args, ("per_device_train_batch_size", "learning_rate",
                             "gradient_accumulation_steps", "vocab_size", "block_size"), minimum={"block_size": 2})
     parse_overrides(args.config_overrides)  # a malformed value fails before any work
     return args
