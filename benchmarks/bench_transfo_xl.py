@@ -126,22 +126,23 @@ def prepare_models(args, work: Path):
     """Pretrains the shared checkpoint, then continues it (a) as the base model and (b) with an FWL for the same steps;
     returns (base, fwl, tokenizer, training info). --reuse skips every stage whose folder is already saved."""
     pretrained, base_dir, fwl_dir = work / "pretrained", work / "transfo_xl", work / "transfo_xl_fwl"
-    common = ["--data_dir", args.data_dir, "--threads", str(args.threads), "--batch_size", str(args.batch_size),
-              "--dropout", "0.0"]
+    common = ["--data_dir", args.data_dir, "--threads", str(args.threads), "--per_device_train_batch_size",
+              str(args.batch_size), "--hidden_dropout", "0.0", "--block_size", str(args.segment_length)]
     done = lambda d: args.reuse and (d / "config.json").exists()  # noqa: E731
     if not done(pretrained):
-        txl.main(common + ["--output_dir", str(pretrained), "--minutes", str(args.train_minutes), "--layers",
-                           str(args.layers), "--hidden_size", str(args.hidden_size), "--heads", str(args.heads),
-                           "--pre_lnorm", "--lr", str(args.lr), "--warmup_steps", "30"]
+        txl.main(common + ["--output_dir", str(pretrained), "--max_train_minutes", str(args.train_minutes),
+                           "--num_hidden_layers", str(args.layers), "--hidden_size", str(args.hidden_size),
+                           "--num_attention_heads", str(args.heads), "--pre_lnorm", "--learning_rate", str(args.lr),
+                           "--warmup_steps", "30"]
                  + (["--max_steps", "0"] if args.random_init else []))
     steps = "0" if args.random_init else str(args.continue_steps)
-    cont = common + ["--init_from", str(pretrained), "--max_steps", steps, "--minutes", "600", "--lr",
-                     str(args.continue_lr), "--warmup_steps", "10"]
+    cont = common + ["--model_name_or_path", str(pretrained), "--max_steps", steps, "--max_train_minutes", "600",
+                     "--learning_rate", str(args.continue_lr), "--warmup_steps", "10"]
     if not done(base_dir):
         txl.main(cont + ["--output_dir", str(base_dir)])
     if not done(fwl_dir):
-        txl.main(cont + ["--output_dir", str(fwl_dir), "--use_fwl", "--fwl_residual", "--fwl_lr_scale",
-                         str(args.fwl_lr_scale)])
+        txl.main(cont + ["--output_dir", str(fwl_dir), "--use_fwl", "--fwl_residual", "--fwl_learning_rate",
+                         str(args.fwl_lr_scale * args.continue_lr)])
     base, fwl, tokenizer, logs = load_pair(work)
     pre_log = json.loads((pretrained / "train_log.json").read_text())
     return base, fwl, tokenizer, {"trained": not args.random_init, "pretrained": pre_log, **logs}
@@ -252,8 +253,8 @@ def main(argv=None) -> dict:
         },
         "tiny_model": tiny_report(args, runs, speeds, floor, results, tiny_logs, tiny_tried) if args.tiny_dir else None,
         "training": {name: {k: v for k, v in log.items() if k in (
-            "steps", "start_segment", "seconds", "tokens", "final_train_loss", "train_tokens_per_second", "lr",
-            "batch_size", "init_from", "fwl_residual", "fwl_lr_scale")} for name, log in training.items() if isinstance(log, dict)},
+            "steps", "start_segment", "seconds", "tokens", "final_train_loss", "train_tokens_per_second",
+            "learning_rate", "per_device_train_batch_size", "model_name_or_path", "fwl_residual", "fwl_learning_rate")} for name, log in training.items() if isinstance(log, dict)},
         "machine": {"device": "cpu", "threads": torch.get_num_threads(), "load_average_before_scoring": load_scoring},
     }
     record.write(args.output, report)

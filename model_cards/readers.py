@@ -49,10 +49,12 @@ def from_finetune_fwl(raw: Mapping[str, Any]) -> Dict[str, Any]:
     ``_repeated`` subsets) of the base model, the base fine-tuned without FWL, and base + FWL (this model)."""
     settings = raw.get("settings") or {}
     fwl, base, finetuned = raw["base_fwl"], raw["base"], raw["base_finetuned"]
-    dataset = settings.get("dataset")
+    # dataset_name, dataset_config_name, model_name_or_path; dataset, dataset_config, model in files written before
+    dataset = settings.get("dataset_name", settings.get("dataset"))
     data: Dict[str, Any] = {"source": settings.get("validation_file")}
     if dataset:
-        data = {"dataset": {"type": dataset, "name": dataset, "config": settings.get("dataset_config")}}
+        data = {"dataset": {"type": dataset, "name": dataset,
+                            "config": settings.get("dataset_config_name", settings.get("dataset_config"))}}
     subsets = {"_first": "first-occurrence tokens", "_repeated": "repeated tokens"}
     entry = {
         "name": "base + FWL, fine-tuned",
@@ -80,7 +82,7 @@ def from_finetune_fwl(raw: Mapping[str, Any]) -> Dict[str, Any]:
     ) if k in settings}
     return {
         "evaluation": [entry], "data": data, "training": training, "args": _scalars(settings),
-        "base_model": settings.get("model"),
+        "base_model": settings.get("model_name_or_path", settings.get("model")),
     }
 
 
@@ -121,7 +123,7 @@ def from_eval_lm(
         "loss": row["loss"],
         "perplexity": row["perplexity"],
         "scored_tokens": row.get("tokens"),
-        "segment_tokens": args.get("segment_length"),
+        "segment_tokens": args.get("block_size", args.get("segment_length")),  # segment_length: before the rename
         "breakdown": {f"{r['mode']}: perplexity": r["perplexity"] for r in rows if r is not row},
         "method": f"Protocol of Dai et al. (2019) and Clark et al. (2022): batch 1, {protocol}; every token but the "
                   "first is scored once. Written by training/eval_lm.py.",

@@ -18,10 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .configuration_fwl import FWLConfig
 from .fwl import DenseFWLSlowHead, FWLCache, FWLHead, init_fwl_weights
 from .cache_fwp import CACHE_ARGUMENT, output_cache, resolve_cache_argument
-from .pretrained import StatefulPreTrainedModel
-
-# Keyword arguments that belong to the loss (Trainer passes them), not to the base model.
-_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+from .pretrained import StatefulPreTrainedModel, take_loss_kwargs
 
 # Config fields with which a causal LM transforms its logits after the output embedding. Soft-capping
 # (``cap * tanh(z / cap)``: Gemma 2 and 3, ...) becomes part of the FWL's output layer; the others are refused, since
@@ -185,7 +182,7 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         cache = resolve_cache_argument(cache, past_key_values)
         if cache is not None and not isinstance(cache, FWLCache):
             raise ValueError(f"`cache` (`past_key_values`) must be an FWLCache (or None), got {type(cache).__name__}")
-        loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
+        loss_kwargs = take_loss_kwargs(kwargs)
         base_kwargs = dict(kwargs)
         if output_hidden_states:
             base_kwargs["output_hidden_states"] = True

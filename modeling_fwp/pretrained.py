@@ -189,6 +189,17 @@ class FastWeightHubMixin:
         )
 
 
+# The keyword arguments of transformers' causal-LM loss that a forward takes through ``**kwargs`` and hands to its
+# loss: Trainer's ``num_items_in_batch`` (the token count of the whole gradient step), ``ignore_index`` and
+# ``shift_labels`` (targets already shifted, e.g. the next segment's first token as the last target).
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+def take_loss_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The :data:`LOSS_KWARGS` among a forward's ``kwargs``, removed from it."""
+    return {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
+
+
 class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
     """Base of every model of this package: it builds its own recurrent ``Cache`` in ``forward`` (generate must not
     create a DynamicCache), cannot roll that cache back (no assisted decoding), and exports self-contained for the

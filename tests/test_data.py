@@ -291,8 +291,9 @@ def test_demo_smoke(tiny_wiki, tmp_path):
 
     out = tmp_path / "out"
     demo.main([
-        "--max_steps", "2", "--hidden_size", "32", "--layers", "1", "--heads", "2", "--vocab_size", "300",
-        "--block_size", "64", "--batch_size", "2", "--eval_max_blocks", "3", "--max_new_tokens", "8",
+        "--max_steps", "2", "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2",
+        "--vocab_size", "300", "--block_size", "64", "--per_device_train_batch_size", "2", "--max_eval_blocks", "3",
+        "--max_new_tokens", "8",
         "--data_dir", str(tiny_wiki["train"].parent), "--output_dir", str(out), "--seed", "0",
     ])
     results = json.loads((out / "results.json").read_text())

@@ -120,7 +120,7 @@ def test_parameter_names_follow_ties_and_are_checked():
 
 
 def test_eval_lm_dynamic_evaluation_of_a_llama_folder(tmp_path, word_tokenizer):
-    """`python -m training.eval_lm --model <Llama folder> --dynamic_eval`: the step size is chosen on the valid split
+    """`python -m training.eval_lm --model_name_or_path <Llama folder> --dynamic_eval`: the step size is chosen on the valid split
     from the default grid, and the rows report it with the perplexities tried and the time per token."""
     from training import eval_lm
     from training.dynamic_eval import DEFAULT_STEP_SIZES
@@ -130,9 +130,9 @@ def test_eval_lm_dynamic_evaluation_of_a_llama_folder(tmp_path, word_tokenizer):
     (tmp_path / "data").mkdir()
     for split, text in (("valid", "the cat sat on the mat\nthe dog sat\n"), ("test", "fast weights are slow nets\n")):
         (tmp_path / "data" / f"{split}.txt").write_text(text * 3)
-    rows = eval_lm.main(["--model", str(tmp_path / "llama"), "--data_dir", str(tmp_path / "data"), "--segment_length",
-                         "4", "--dynamic_eval", "--dynamic_method", "rms", "--dynamic_eval_params", "model.layers.1.*",
-                         "--max_tokens", "16", "--output", str(tmp_path / "out.json")])
+    rows = eval_lm.main(["--model_name_or_path", str(tmp_path / "llama"), "--data_dir", str(tmp_path / "data"),
+                         "--block_size", "4", "--dynamic_eval", "--dynamic_method", "rms", "--dynamic_eval_params",
+                         "model.layers.1.*", "--max_eval_tokens", "16", "--results_file", str(tmp_path / "out.json")])
     static, dynamic = rows
     assert static["mode"] == "static" and dynamic["mode"].startswith("dynamic (rms, lr ")
     tried = {float(k): v for k, v in dynamic["dynamic_lr_on_valid"].items()}

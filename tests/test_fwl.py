@@ -355,7 +355,7 @@ def tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=2):
     (tmp_path / "train.txt").write_text("\n\n".join(docs[:20]) + "\n")
     (tmp_path / "valid.txt").write_text("\n\n".join(docs[20:]) + "\n")
     return [
-        "--model", str(model_dir), "--output_dir", str(tmp_path / "out"),
+        "--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"),
         "--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"),
         "--block_size", "16", "--max_steps", "3", "--save_steps", "2", "--per_device_train_batch_size", str(batch_size),
         "--fwl_intermediate_size", "16", "--logging_steps", "1", "--prompt_tokens", "6", "--max_new_tokens", "5",

@@ -572,8 +572,8 @@ def test_card_from_eval_lm_and_training_log(tmp_path, module_word_tokenizer):
     for name, config_cls in (("dn", modeling_fwp.DeltaNetConfig), ("lt", modeling_fwp.LinearTransformerConfig)):
         folders.append(hub.export_for_hub(tiny_family_model(config_cls), module_word_tokenizer, tmp_path / name))
     output = tmp_path / "eval_lm.json"
-    args = ["--data_dir", str(data_dir), "--split", "test", "--segment_length", "8", "--output", str(output)]
-    eval_lm.main([arg for folder in folders for arg in ("--model", str(folder))] + args)
+    args = ["--data_dir", str(data_dir), "--split", "test", "--block_size", "8", "--results_file", str(output)]
+    eval_lm.main(["--model_name_or_path", *map(str, folders)] + args)
     rows = {Path(r["model"]).name: r for r in json.loads(output.read_text())["results"]}
     train_log = tmp_path / "train_log.json"
     train_log.write_text(json.dumps({"steps": 5, "seconds": 1.5, "final_train_loss": 3.9, "lr": 1e-3, "parameters": 999}))
@@ -666,10 +666,11 @@ def test_demo_push_to_hub_uploads_our_export(small_wiki, tmp_path, fake_hub):
 
     out = tmp_path / "demo_run"
     demo.main([
-        "--max_steps", "1", "--hidden_size", "32", "--layers", "1", "--heads", "2", "--vocab_size", "300",
-        "--block_size", "32", "--batch_size", "2", "--eval_max_blocks", "2", "--max_new_tokens", "4",
+        "--max_steps", "1", "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2",
+        "--vocab_size", "300", "--block_size", "32", "--per_device_train_batch_size", "2", "--max_eval_blocks", "2",
+        "--max_new_tokens", "4",
         "--data_dir", str(small_wiki), "--output_dir", str(out),
-        "--push_to_hub", "--hub_model_id", "me/delta-net-demo", "--hub_private_repo", "--hub_token", "hf_secret123",
+        "--push_to_hub", "--hub_model_id", "me/delta-net-demo", "--hub_private_repo", "true", "--hub_token", "hf_secret123",
     ])
     assert fake_hub["created"] == [{"repo_id": "me/delta-net-demo", "private": True, "token": "hf_secret123"}]
     (upload,) = fake_hub["uploads"]
@@ -693,8 +694,8 @@ def test_train_lm_push_to_hub_defaults_to_the_output_dir_name(small_wiki, tmp_pa
         "--model_type", "fwp_linear_transformer", "--train_file", str(small_wiki / "train.txt"),
         "--validation_file", str(small_wiki / "valid.txt"),
         "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2",
-        "--batch_size", "2", "--segment_length", "16", "--vocab_size", "300", "--max_steps", "1",
-        "--warmup_steps", "0", "--save_steps", "100", "--eval_max_tokens", "100", "--output_dir", str(out),
+        "--per_device_train_batch_size", "2", "--block_size", "16", "--vocab_size", "300", "--max_steps", "1",
+        "--warmup_steps", "0", "--save_steps", "100", "--max_eval_tokens", "100", "--output_dir", str(out),
         "--push_to_hub",
     ])
     # as with Trainer: no --hub_model_id means the output directory's name in the token's namespace
@@ -711,25 +712,31 @@ def test_train_lm_push_to_hub_defaults_to_the_output_dir_name(small_wiki, tmp_pa
 
 
 def test_push_if_requested_dry_run_and_options(tmp_path, capsys, fake_hub, module_word_tokenizer):
-    import argparse
+    """Trainer's Hub options parsed with TrainingArguments (plus --hub_dry_run) reach push_if_requested, and Trainer's
+    own upload is turned off; the token is never recorded."""
+    from transformers import TrainingArguments
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--output_dir")
-    hub_options.add_hub_arguments(parser)
+    from training.arguments import HubExportArguments, parse_arguments
+
+    def parse(*argv):
+        args = parse_arguments((TrainingArguments, HubExportArguments), ["--output_dir", str(out), *argv])
+        return args, hub_options.hub_request(args)
+
     model = tiny_family_model(modeling_fwp.DeltaRNNConfig)
     out = tmp_path / "run"
     out.mkdir()
     (out / "results.json").write_text(json.dumps(demo_style_results(model)))
 
-    args = parser.parse_args(["--output_dir", str(out)])
-    assert hub_options.push_if_requested(args, model, module_word_tokenizer, out) is None  # nothing asked
+    args, request = parse()
+    assert hub_options.push_if_requested(request, model, module_word_tokenizer, out) is None  # nothing asked
     assert not (out / hub_options.EXPORT_DIR_NAME).exists()
 
     capsys.readouterr()
-    args = parser.parse_args(["--hub_dry_run", "--hub_model_id", "me/rnn", "--hub_token", "hf_x"])
+    args, request = parse("--push_to_hub", "--hub_dry_run", "--hub_model_id", "me/rnn", "--hub_token", "hf_x")
+    assert request.push_to_hub and request.hub_token == "hf_x" and not args.training.push_to_hub  # not Trainer's
     (out / hub_options.EXPORT_DIR_NAME).mkdir()
     (out / hub_options.EXPORT_DIR_NAME / "stale.bin").write_bytes(b"old export")
-    listed = hub_options.push_if_requested(args, model, module_word_tokenizer, out)
+    listed = hub_options.push_if_requested(request, model, module_word_tokenizer, out)
     printed = capsys.readouterr().out
     assert "Dry run: would upload" in printed and "https://huggingface.co/me/rnn" in printed
     assert "stale.bin" not in listed  # an earlier export is replaced, not merged
@@ -739,11 +746,10 @@ def test_push_if_requested_dry_run_and_options(tmp_path, capsys, fake_hub, modul
     assert fake_hub == {"created": [], "uploads": []}  # no network call in a dry run
     card = model_cards.validate_card((out / hub_options.EXPORT_DIR_NAME / "README.md").read_text())
     assert card.data.eval_results and card.data.model_name == "rnn"
-    recorded = hub_options.args_without_secrets(args)
+    recorded = args.record()
     assert recorded["hub_model_id"] == "me/rnn" and "hub_token" not in recorded
 
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--hub_model_id", "not a/valid//id"])
-    assert "--hub_model_id: expected a Hub repo id like 'user/model-name'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="add_hub_arguments.*push_to_hub"):
-        hub_options.push_if_requested(argparse.Namespace(), model, None, out)
+    with pytest.raises(ValueError, match="--hub_model_id: expected a Hub repo id like 'user/model-name'"):
+        parse("--hub_model_id", "not a/valid//id")
+    with pytest.raises(ValueError, match="HubRequest.*push_to_hub"):
+        hub_options.push_if_requested(object(), model, None, out)

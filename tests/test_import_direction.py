@@ -39,8 +39,8 @@ print(json.dumps(report))
     "steps",
     [
         # model_cards after modeling_fwp in one interpreter: model_cards may import modeling_fwp, never training
-        [("modeling_fwp", ["model_cards", "training"]), ("model_cards", ["training"])],
-        [("fwp_kernels", ["modeling_fwp", "transformers", "model_cards", "training"])],
+        [("modeling_fwp", ["model_cards", "training", "fwp_training"]), ("model_cards", ["training", "fwp_training"])],
+        [("fwp_kernels", ["modeling_fwp", "transformers", "model_cards", "training", "fwp_training"])],
     ],
     ids=["modeling_fwp-then-model_cards", "fwp_kernels"],
 )
@@ -71,3 +71,43 @@ def test_without_a_publisher_models_save_without_a_card(tmp_path, monkeypatch):
     assert with_files == {p.name for p in (tmp_path / "without").iterdir()}
     with pytest.raises(ImportError, match="import model_cards"):
         model.save_pretrained(tmp_path / "push", push_to_hub=True, repo_id="me/x")
+
+
+# The scripts' package under its installed name: setup.cfg maps `fwp_training` to training/ (package_dir), done here by
+# hand so that the test needs no installation. Every module is imported under that name, then every console script.
+IMPORT_INSTALLED = r"""
+import configparser, importlib, importlib.util, json, pkgutil, sys
+from pathlib import Path
+cfg = configparser.ConfigParser()
+cfg.read("setup.cfg")
+folders = dict(line.split(" = ") for line in cfg["options"]["package_dir"].strip().splitlines())
+folder = Path(folders["fwp_training"]).resolve()
+spec = importlib.util.spec_from_file_location("fwp_training", folder / "__init__.py",
+                                              submodule_search_locations=[str(folder)])
+package = importlib.util.module_from_spec(spec)
+sys.modules["fwp_training"] = package
+spec.loader.exec_module(package)
+names = [info.name for info in pkgutil.walk_packages(package.__path__, "fwp_training.")]
+for name in names:
+    importlib.import_module(name)
+scripts = {}
+for line in cfg["options.entry_points"]["console_scripts"].strip().splitlines():
+    command, target = (part.strip() for part in line.split("="))
+    module, function = target.split(":")
+    scripts[command] = callable(getattr(importlib.import_module(module), function))
+loaded = sorted(key for key in sys.modules if key == "training" or key.startswith("training."))
+print(json.dumps({"modules": names, "scripts": scripts, "loaded": loaded, "packages": cfg["options"]["packages"]}))
+"""
+
+
+def test_training_installs_as_fwp_training_with_console_scripts():
+    """Under its installed name the scripts' package never loads a top-level `training` (its modules import each
+    other relatively), and every console script of setup.cfg names a function of it."""
+    proc = subprocess.run([sys.executable, "-c", IMPORT_INSTALLED], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "fwp_training" in report["packages"] and "fwp_training.train_lm" in report["modules"]
+    assert report["loaded"] == [], f"fwp_training imported {report['loaded']}"
+    assert {"fwp-train-lm", "fwp-finetune-fwl", "fwp-eval-lm", "fwp-demo", "fwp-train-transfo-xl"} <= set(report["scripts"])
+    assert all(report["scripts"].values()), report["scripts"]

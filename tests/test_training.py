@@ -213,16 +213,19 @@ def test_train_lm_smoke_carry_state_and_resume(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     common = ["--train_file", str(tiny_corpus / "train.txt"), "--validation_file", str(tiny_corpus / "valid.txt"),
               "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2",
-              "--batch_size", "2", "--segment_length", "16", "--vocab_size", "300", "--carry_state",
-              "--output_dir", str(out), "--save_steps", "2", "--logging_steps", "1", "--warmup_steps", "1",
-              "--eval_max_tokens", "300"]
+              "--per_device_train_batch_size", "2", "--block_size", "16", "--vocab_size", "300", "--carry_state",
+              "--output_dir", str(out), "--save_steps", "1", "--save_total_limit", "1", "--logging_steps", "1",
+              "--warmup_steps", "1", "--max_eval_tokens", "300"]
     results = train_lm.main(common + ["--max_steps", "2"])
     saved = json.loads((out / "results.json").read_text())
     assert saved["training"]["steps"] == 2 and saved["training"]["carry_state"]
     entries = {(e["split"], e["protocol"]): e for e in saved["evaluation"]}
     assert set(entries) == {("valid", "carried_state"), ("valid", "independent_segments")}  # no test file given
     assert all(e["perplexity"] > 1 for e in entries.values())
-    assert (out / "model" / "config.json").is_file() and (out / "checkpoints" / "checkpoint-2").is_dir()
+    assert (out / "model" / "config.json").is_file()
+    # a Trainer flag through the script's parser: --save_total_limit 1 keeps the last of the two checkpoints
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert saved["args"]["save_total_limit"] == 1 and saved["args"]["block_size"] == 16
     assert results["model"]["model_type"] == "fwp_delta_net"
 
     resumed = train_lm.main(common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"])
@@ -234,10 +237,10 @@ def test_train_lm_under_accelerate_launch_two_processes_equals_one_process(tiny_
     two processes with batch 1 take the same steps as one process with batch 2 over the same 2 streams."""
     def argv(out, batch_size):
         return ["--train_file", tiny_corpus / "train.txt", "--validation_file", tiny_corpus / "valid.txt",
-                "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2", "--lr", "3e-3",
-                "--batch_size", batch_size, "--segment_length", "16", "--vocab_size", "300", "--carry_state",
-                "--output_dir", out, "--save_steps", "100", "--logging_steps", "1", "--warmup_steps", "0",
-                "--eval_max_tokens", "300", "--max_steps", "4"]
+                "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2",
+                "--learning_rate", "3e-3", "--per_device_train_batch_size", batch_size, "--block_size", "16",
+                "--vocab_size", "300", "--carry_state", "--output_dir", out, "--save_steps", "100",
+                "--logging_steps", "1", "--warmup_steps", "0", "--max_eval_tokens", "300", "--max_steps", "4"]
 
     alone = train_lm.main([str(a) for a in argv(tmp_path / "one", 2)])
     done = accelerate_launch_two_processes("training.train_lm", argv(tmp_path / "two", 1), cwd=tmp_path)
@@ -270,14 +273,15 @@ def test_state_is_carried_between_steps(tiny_corpus, tmp_path):
 
 
 def test_synthetic_smoke(tmp_path):
-    results = synthetic.main(["--task", "retrieval", "--model", "delta_net", "--model", "llama", "--steps", "2",
-                              "--batch_size", "4", "--hidden_size", "16", "--layers", "1", "--d_key", "8",
+    results = synthetic.main(["--task", "retrieval", "--model_type", "delta_net", "llama", "--max_steps", "2",
+                              "--per_device_train_batch_size", "4", "--hidden_size", "16", "--num_hidden_layers", "1",
+                              "--d_key", "8",
                               "--num_pairs", "3", "5", "--eval_examples", "8", "--output_dir", str(tmp_path),
                               "--results_file", str(tmp_path / "committed.json")])
     saved = json.loads((tmp_path / "retrieval.json").read_text())
     assert [(r["model"], r["num_pairs"]) for r in saved["results"]] == [
         ("delta_net", 3), ("llama", 3), ("delta_net", 5), ("llama", 5)]
-    assert saved["run"]["command"].startswith("python -m training.synthetic --task retrieval --model delta_net")
+    assert saved["run"]["command"].startswith("python -m training.synthetic --task retrieval --model_type delta_net")
     assert (tmp_path / "committed.json").read_text() == (tmp_path / "retrieval.json").read_text()
     assert all(np.isfinite(r["test_loss"]) for r in saved["results"])
     if results["plot"]:
@@ -286,8 +290,9 @@ def test_synthetic_smoke(tmp_path):
 
 @pytest.mark.parametrize("task", ["retrieval_replace", "code", "listops"])
 def test_synthetic_tasks_train(task, tmp_path):
-    results = synthetic.main(["--task", task, "--model", "linear_transformer", "--steps", "1", "--batch_size", "2",
-                              "--hidden_size", "16", "--layers", "1", "--eval_examples", "4",
+    results = synthetic.main(["--task", task, "--model_type", "linear_transformer", "--max_steps", "1",
+                              "--per_device_train_batch_size", "2", "--hidden_size", "16", "--num_hidden_layers", "1",
+                              "--eval_examples", "4",
                               "--output_dir", str(tmp_path)])
     assert (tmp_path / f"{task}.json").is_file() and len(results["results"]) == 1
     row = results["results"][0]
@@ -299,10 +304,11 @@ def test_synthetic_tasks_train(task, tmp_path):
 
 
 def test_synthetic_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
-    """A run interrupted after its step-2 checkpoint and continued with --resume ends exactly where a run without a
-    break ends: same data order, optimiser state and learning curve."""
-    common = ["--task", "code", "--model", "delta_net", "--num_statements", "6", "--steps", "4", "--batch_size", "3",
-              "--hidden_size", "16", "--layers", "1", "--heads", "2", "--eval_examples", "8", "--lr", "3e-3"]
+    """A run interrupted after its step-2 checkpoint and continued with --resume_from_checkpoint latest ends exactly
+    where a run without a break ends: same data order, optimiser state and learning curve."""
+    common = ["--task", "code", "--model_type", "delta_net", "--num_statements", "6", "--max_steps", "4",
+              "--per_device_train_batch_size", "3", "--hidden_size", "16", "--num_hidden_layers", "1",
+              "--num_attention_heads", "2", "--eval_examples", "8", "--learning_rate", "3e-3", "--logging_steps", "1"]
     straight = synthetic.main(common + ["--output_dir", str(tmp_path / "straight")])["results"][0]
 
     class Interrupted(Exception):
@@ -315,7 +321,8 @@ def test_synthetic_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
             return super().training_step(*args, **kwargs)
 
     out = tmp_path / "interrupted"
-    args = common + ["--save_steps", "2", "--resume", "--output_dir", str(out)]
+    args = common + ["--save_strategy", "steps", "--save_steps", "2", "--resume_from_checkpoint", "latest",
+                     "--output_dir", str(out)]
     with monkeypatch.context() as patch:
         patch.setattr(synthetic, "Trainer", StopsAfterStep2)
         with pytest.raises(Interrupted):
@@ -329,8 +336,8 @@ def test_synthetic_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert resumed["test_loss"] == straight["test_loss"] and resumed["test_accuracy"] == straight["test_accuracy"]
     assert [p.name for p in run_dir.glob("checkpoint-*")] == ["checkpoint-4"]  # only the latest is kept
     assert [p.name for p in (out / "data").glob("*.arrow")] == ["code_num_variables3_num_statements6_seed0_n12.arrow"]
-    with pytest.raises(SystemExit):
-        synthetic.parse_args(common + ["--save_steps", "0"])
+    with pytest.raises(ValueError, match="--max_steps must be positive"):
+        synthetic.parse_args(common + ["--max_steps", "0"])
 
 
 def test_answer_metrics_token_and_sequence_level():

@@ -517,7 +517,7 @@ def test_fwl_previous_position_in_one_backward_equals_a_separate_call(monkeypatc
 
 def test_residual_fwl_starts_as_the_base_model_and_continued_training_loads_it(tmp_path, word_tokenizer):
     """``fwl_residual``: gain 0 at initialisation, so h + f(h) = h and the log-probabilities are the base model's; the
-    training script's --init_from attaches it to a saved base model (only FWL parameters are new)."""
+    training script's --model_name_or_path attaches it to a saved base model (only FWL parameters are new)."""
     import argparse
 
     from training.train_transfo_xl import continued_model
@@ -526,8 +526,8 @@ def test_residual_fwl_starts_as_the_base_model_and_continued_training_loads_it(t
     base.save_pretrained(tmp_path / "base")
     word_tokenizer.save_pretrained(tmp_path / "base")
     (tmp_path / "base" / "train_log.json").write_text(json.dumps({"steps": 7, "start_segment": 3}))
-    args = argparse.Namespace(use_fwl=True, fwl_residual=True, fwl_step_size=0.05, segment_length=4, dropout=0.0,
-                              tokenizer=None)
+    args = argparse.Namespace(use_fwl=True, fwl_residual=True, fwl_step_size_init=0.05, block_size=4,
+                              hidden_dropout=0.0, tokenizer_name=None)
     model, tokenizer, next_segment = continued_model(tmp_path / "base", args)
     model.eval()
     assert next_segment == 10 and len(tokenizer) == len(word_tokenizer)

@@ -2,7 +2,11 @@
 
 - `training.data`: the embedded Wikipedia corpus (from gensim's test data) as clean text splits.
 - `training.tokenizer`: a byte-level BPE trained on the train split, and GPT-2's BPE from local files.
-- `training.demo`: the main job (`python -m training.demo`, `make demo`).
+- `training.demo`: a small Delta Net trained from scratch (`python -m training.demo`, `make demo-delta-net`).
+- `training.arguments`: the scripts' command lines (`HfArgumentParser` with `TrainingArguments`);
+  `training.trainer_utils`: the Trainer pieces they share; `training.cli`: the installed commands (`fwp-train-lm`, ...).
+
+Installed, this package is `fwp_training` (setup.cfg); its modules import each other relatively, so both names work.
 """
 import os
 from typing import Optional, Union

@@ -412,16 +412,19 @@ def train_memory(memory: str, setting: str, num_keys: int, config: TrainConfig) 
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    # not HfArgumentParser: a positional setting (capacity | update_rules | plot) and a plain training loop (no
+    # Trainer); the option names are the other scripts' (transformers' example scripts)
     p = argparse.ArgumentParser(prog="python -m training.associative_retrieval",
-                                description="Schlag et al. 2021 sec. 6.1 associative retrieval at reduced scale")
+                                description="Schlag et al. 2021 sec. 6.1 associative retrieval at reduced scale",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("setting", choices=SETTINGS + ("plot",))
     p.add_argument("inputs", nargs="*", help="plot: the setting (capacity|update_rules) then result JSON files")
     p.add_argument("--memory", nargs="+", default=None, help="memories to train (see the module docstring)")
     p.add_argument("--num_keys", type=int, nargs="+", default=None,
                    help="S values (default: 8 16 32 64 for capacity, 20 for update_rules)")
     p.add_argument("--d_key", type=int, default=TrainConfig.d_key)
-    p.add_argument("--batch_size", type=int, default=TrainConfig.batch_size)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--per_device_train_batch_size", dest="batch_size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--learning_rate", dest="lr", type=float, default=TrainConfig.lr)
     p.add_argument("--max_steps", type=int, default=TrainConfig.max_steps)
     p.add_argument("--eval_every", type=int, default=TrainConfig.eval_every)
     p.add_argument("--patience", type=int, default=TrainConfig.patience)
@@ -444,9 +447,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"unexpected arguments {args.inputs}")
     for name in ("d_key", "batch_size", "max_steps", "eval_every", "train_queries", "eval_sequences", "eval_queries"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+            option = "per_device_train_batch_size" if name == "batch_size" else name
+            p.error(f"--{option} must be positive, got {getattr(args, name)}")
     if args.lr <= 0:
-        p.error(f"--lr must be positive, got {args.lr}")
+        p.error(f"--learning_rate must be positive, got {args.lr}")
     args.memory = args.memory or (["softmax", "linear", "dpfp1", "dpfp2"] if args.setting == "capacity"
                                   else ["sum-dpfp1", "delta-dpfp1"])
     try:

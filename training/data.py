@@ -13,12 +13,11 @@ That layout is what `datasets`' "text" loader reads as one example per document 
 `sample_by="paragraph"` (see `load_wiki_splits`), or one example per line with the default
 `sample_by="line"`.
 
-CLI: `python -m training.data --out data/wiki` (installs gensim with pip --no-deps if it is missing).
+CLI: `python -m training.data --output_dir data/wiki` (installed: `fwp-prepare-data`) (installs gensim with pip --no-deps if it is missing).
 """
 
 from __future__ import annotations
 
-import argparse
 import bz2
 import hashlib
 import html
@@ -28,6 +27,7 @@ import random
 import re
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -421,20 +421,27 @@ def load_wiki_splits(data_dir: str | Path, by: str = "paragraph"):
     files = {name: str(data_dir / f"{name}.txt") for name in SPLITS}
     missing = [f for f in files.values() if not Path(f).is_file()]
     if missing:
-        raise FileNotFoundError(f"missing {missing}; run `python -m training.data --out {data_dir}` first")
+        raise FileNotFoundError(f"missing {missing}; run `python -m training.data --output_dir {data_dir}` first")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     return load_dataset("text", data_files=files, sample_by=by)
 
 
+@dataclass
+class PrepareArguments:
+    """Where the corpus goes and how its documents are split."""
+
+    output_dir: str = field(default="data/wiki", metadata={"help": "output folder"})
+    seed: int = field(default=0, metadata={"help": "seed of the document split"})
+    min_chars: int = field(default=200, metadata={"help": "skip shorter documents"})
+    no_install: bool = field(default=False, metadata={"help": "fail instead of pip-installing gensim"})
+
+
 def main(argv: list[str] | None = None) -> dict[str, Path]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="data/wiki", help="output folder (default: data/wiki)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the document split (default: 0)")
-    parser.add_argument("--min_chars", type=int, default=200, help="skip shorter documents (default: 200)")
-    parser.add_argument("--no_install", action="store_true", help="fail instead of pip-installing gensim")
-    args = parser.parse_args(argv)
+    from .arguments import parse_arguments
+
+    args = parse_arguments((PrepareArguments,), argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    paths = prepare_wiki(args.out, seed=args.seed, min_chars=args.min_chars, install=not args.no_install)
+    paths = prepare_wiki(args.output_dir, seed=args.seed, min_chars=args.min_chars, install=not args.no_install)
     for name, path in paths.items():
         print(f"{name:6s} {path}")
     return paths

@@ -6,8 +6,9 @@ Steps (`python -m training.demo`, or `make demo`):
 3. tokenize documents (each followed by `<|endoftext|>`), concatenate and cut into fixed
    --block_size segments (no padding);
 4. train `DeltaNetForCausalLM` (DPFP-1 feature map, delta rule) with transformers' Trainer for a
-   wall-clock budget (--minutes): the cosine learning-rate schedule re-estimates the number of steps
-   that fit from the measured step time, and a callback stops at the budget;
+   wall-clock budget (--max_train_minutes): the cosine learning-rate schedule re-estimates the number of steps
+   that fit from the measured step time, and a callback stops at the budget (`training.trainer_utils`); with
+   --max_steps, Trainer's own schedule over those steps (the budget still stops);
 5. validation perplexity: exp of the token-weighted mean next-token loss over the whole valid split
    (cut into --block_size segments, each read from an empty state), next to a unigram baseline;
 6. sample a continuation of --prompt with `model.generate` (fixed seed, cache on) and check that
@@ -17,6 +18,9 @@ Steps (`python -m training.demo`, or `make demo`):
 8. with --push_to_hub (Trainer's Hub options: --hub_model_id, --hub_private_repo, --hub_token, and --hub_dry_run):
    write <output_dir>/hub_export (weights, code for trust_remote_code, tokenizer, results.json and this project's
    model card filled from it) and upload it (`training.hub_options.push_if_requested`).
+
+Options: the model's size, the data, the sample, and every `TrainingArguments` option (`--learning_rate`,
+`--per_device_train_batch_size`, `--bf16`, `--report_to`, ...); `--help` lists them with their defaults.
 """
 
 from __future__ import annotations
@@ -26,14 +30,15 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import argparse  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Optional  # noqa: E402
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
@@ -42,49 +47,65 @@ import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
     Trainer,
-    TrainerCallback,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
 
+from .arguments import HubExportArguments, ParsedArguments, parse_arguments, require_positive  # noqa: E402
 from .data import load_wiki_splits, prepare_wiki  # noqa: E402
-from .hub_options import add_hub_arguments, args_without_secrets, push_if_requested  # noqa: E402
+from .hub_options import hub_request, push_if_requested  # noqa: E402
 from .tokenizer import train_bpe_tokenizer  # noqa: E402
+from .trainer_utils import WallClockBudget, budget_optimizers  # noqa: E402
 
 logger = logging.getLogger("training.demo")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Train a small Delta Net on the offline Wikipedia corpus (CPU).")
-    p.add_argument("--minutes", type=float, default=5.0, help="wall-clock training budget in minutes (default 5)")
-    p.add_argument("--max_steps", type=int, default=None, help="fixed number of optimizer steps (still capped by --minutes)")
-    p.add_argument("--output_dir", default="outputs/demo", help="results.json and model/ go here")
-    p.add_argument("--data_dir", default="data/wiki", help="prepared corpus folder (created if missing)")
-    p.add_argument("--hidden_size", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4, help="num_hidden_layers")
-    p.add_argument("--heads", type=int, default=None, help="num_attention_heads (default hidden_size // 64, at least 1)")
-    p.add_argument("--intermediate_size", type=int, default=None, help="feed-forward size (default 4 * hidden_size)")
-    p.add_argument("--vocab_size", type=int, default=8192, help="BPE vocabulary size")
-    p.add_argument("--block_size", type=int, default=256, help="tokens per training segment")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup_steps", type=int, default=10)
-    p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt", default="The history of the city")
-    p.add_argument("--max_new_tokens", type=int, default=60)
-    p.add_argument("--eval_max_blocks", type=int, default=None, help="evaluate only this many valid segments (smoke tests)")
-    p.add_argument("--logging_steps", type=int, default=10)
-    add_hub_arguments(p)
-    args = p.parse_args(argv)
-    for name in ("minutes", "hidden_size", "layers", "vocab_size", "block_size", "batch_size", "lr", "max_new_tokens"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.max_steps is not None and args.max_steps <= 0:
-        p.error(f"--max_steps must be positive, got {args.max_steps}")
-    if args.block_size < 2:
-        p.error("--block_size must be at least 2")
+@dataclass
+class DemoModelArguments:
+    """The Delta Net's size (``DeltaNetConfig`` fields) and its BPE vocabulary."""
+
+    hidden_size: int = field(default=256, metadata={"help": "model width"})
+    num_hidden_layers: int = field(default=4, metadata={"help": "layers"})
+    num_attention_heads: Optional[int] = field(default=None, metadata={
+        "help": "heads; unset: hidden_size // 64, at least 1"})
+    intermediate_size: Optional[int] = field(default=None, metadata={
+        "help": "feed-forward size; unset: 4 * hidden_size"})
+    vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size"})
+
+
+@dataclass
+class DemoRunArguments:
+    """The corpus, the wall-clock budget, the evaluation and the generated sample."""
+
+    data_dir: str = field(default="data/wiki", metadata={"help": "prepared corpus folder (created if missing)"})
+    block_size: int = field(default=256, metadata={"help": "tokens per training segment"})
+    max_train_minutes: float = field(default=5.0, metadata={
+        "help": "wall-clock training budget in minutes (--max_steps: a fixed number of steps, still capped by it)"})
+    max_eval_blocks: Optional[int] = field(default=None, metadata={
+        "help": "evaluate only this many valid segments (smoke tests)"})
+    prompt: str = field(default="The history of the city", metadata={"help": "prompt of the generated sample"})
+    max_new_tokens: int = field(default=60, metadata={"help": "tokens generated after --prompt"})
+
+
+# This script's choices for Trainer options (shown by --help, overridden like any option); --max_steps -1: as many
+# steps as fit in --max_train_minutes.
+TRAINING_DEFAULTS = dict(
+    output_dir="outputs/demo", per_device_train_batch_size=8, learning_rate=2e-3, warmup_steps=10, weight_decay=0.01,
+    adam_beta2=0.98, lr_scheduler_type="cosine", max_grad_norm=1.0, seed=0, logging_steps=10, logging_first_step=True,
+    save_strategy="no", use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> ParsedArguments:
+    """The command line (``--help``: every option with its default); ValueError names a bad option."""
+    args = parse_arguments((DemoModelArguments, DemoRunArguments, TrainingArguments, HubExportArguments), argv,
+                           description=__doc__, defaults=TRAINING_DEFAULTS)
+    require_positive(args, ("max_train_minutes", "hidden_size", "num_hidden_layers", "vocab_size", "block_size",
+                            "per_device_train_batch_size", "learning_rate", "max_new_tokens"),
+                     minimum={"block_size": 2})
+    if args.max_steps == 0:
+        raise ValueError("--max_steps must be positive, or -1 for as many steps as fit in --max_train_minutes")
     return args
 
 
@@ -124,67 +145,6 @@ def valid_blocks(ids: list[int], block_size: int, max_blocks: int | None = None)
     blocks = [torch.tensor(ids[i:i + block_size]) for i in range(0, len(ids), block_size)]
     blocks = [b for b in blocks if len(b) >= 2]
     return blocks[:max_blocks] if max_blocks else blocks
-
-
-# --------------------------------------------------------------------------------------------------
-# Training under a wall-clock budget
-# --------------------------------------------------------------------------------------------------
-
-
-class WallClockBudget(TrainerCallback):
-    """Stops training at `budget_s` seconds and keeps `total_steps` an estimate of the steps that fit.
-
-    The estimate uses the mean step time from step 1 on (step 0 carries one-time warm-up costs).
-    With `fixed_steps`, `total_steps` is that number and only the deadline can stop earlier.
-    """
-
-    def __init__(self, budget_s: float, fixed_steps: int | None = None) -> None:
-        self.budget_s = budget_s
-        self.fixed_steps = fixed_steps
-        self.total_steps = fixed_steps or 1_000_000
-        self.start = self.first_step_end = None
-        self.elapsed = 0.0
-        self.stopped_by_budget = False
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        self.elapsed = now - self.start
-        step = state.global_step
-        if step == 1:
-            self.first_step_end = now
-        elif step > 1 and self.fixed_steps is None:
-            per_step = (now - self.first_step_end) / (step - 1)
-            self.total_steps = step + max(0, int((self.budget_s - self.elapsed) / per_step))
-        if self.elapsed >= self.budget_s and step < self.total_steps:
-            self.stopped_by_budget = True
-            control.should_training_stop = True
-        elif step >= self.total_steps:
-            control.should_training_stop = True
-        return control
-
-
-def warmup_cosine(budget: WallClockBudget, warmup_steps: int):
-    """LR factor: linear warm-up, then cosine decay to 0 at the budget's current `total_steps`."""
-
-    def factor(step: int) -> float:
-        total = max(budget.total_steps, warmup + 1)
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
-
-    warmup = max(1, warmup_steps if budget.fixed_steps is None else min(warmup_steps, max(1, budget.fixed_steps // 10)))
-    return factor
-
-
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms, biases, scalars)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-8)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,12 +230,12 @@ def _format_table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
+def build_model(args: ParsedArguments, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
     """A new ``DeltaNetForCausalLM`` (DPFP-1 feature map, delta rule) sized by the arguments, for ``tokenizer``."""
     DeltaNetConfig, DeltaNetForCausalLM = _load_model_classes()
-    heads = args.heads or max(1, args.hidden_size // 64)
+    heads = args.num_attention_heads or max(1, args.hidden_size // 64)
     config = DeltaNetConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+        vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=heads, intermediate_size=args.intermediate_size or 4 * args.hidden_size,
         feature_map="dpfp", dpfp_nu=1, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -284,42 +244,28 @@ def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) ->
     model.config.use_cache = False  # no state to keep while training
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     logger.info("DeltaNetForCausalLM: %.2fM parameters (%d layers, hidden %d, %d heads)", n_params / 1e6,
-                args.layers, args.hidden_size, heads)
+                args.num_hidden_layers, args.hidden_size, heads)
     return model
 
 
 def build_trainer(
-    args: argparse.Namespace, model: torch.nn.Module, train_ds: datasets.Dataset, out_dir: Path
+    args: ParsedArguments, model: torch.nn.Module, train_ds: datasets.Dataset, out_dir: Path
 ) -> tuple[Trainer, WallClockBudget]:
-    """The demo's ``Trainer`` (AdamW, warmup + cosine over the wall-clock budget, no checkpoints) and its budget."""
-    budget = WallClockBudget(args.minutes * 60.0, fixed_steps=args.max_steps)
-    optimizer = build_optimizer(model, args.lr, args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(budget, args.warmup_steps))
-    training_args = TrainingArguments(
-        output_dir=str(out_dir / "trainer"),
-        per_device_train_batch_size=args.batch_size,
-        max_steps=args.max_steps or 1_000_000,  # the budget callback stops earlier
-        max_grad_norm=1.0,
-        logging_steps=min(args.logging_steps, args.max_steps or args.logging_steps),
-        logging_first_step=True,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        use_cpu=not torch.cuda.is_available(),
-        seed=args.seed,
-        data_seed=args.seed,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    """The demo's ``Trainer`` (Trainer's optimizer, weight decay on matrices only; warmup + cosine over the wall-clock
+    budget, or Trainer's schedule over ``--max_steps``; checkpoints in ``<output_dir>/trainer`` only if asked for
+    with ``--save_strategy``) and its budget."""
+    training_args = copy.copy(args.training)
+    training_args.output_dir = str(out_dir / "trainer")
+    optimizers, budget = budget_optimizers(model, training_args, args.max_train_minutes)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_ds, data_collator=default_data_collator,
-        optimizers=(optimizer, scheduler), callbacks=[budget],
+        optimizers=optimizers, callbacks=[budget],
     )
     return trainer, budget
 
 
 def run_training(
-    args: argparse.Namespace, model: torch.nn.Module, train_ds: datasets.Dataset, out_dir: Path,
+    args: ParsedArguments, model: torch.nn.Module, train_ds: datasets.Dataset, out_dir: Path,
     timings: dict[str, float],
 ) -> dict[str, Any]:
     """Step 4: trains ``model`` within the budget and returns the ``training`` entry of the results."""
@@ -330,13 +276,14 @@ def run_training(
     if Path(trainer.args.output_dir).is_dir() and not any(Path(trainer.args.output_dir).iterdir()):
         Path(trainer.args.output_dir).rmdir()  # Trainer creates it even with save_strategy="no"
     steps = trainer.state.global_step
-    train_tokens = steps * args.batch_size * args.block_size
+    batch_size = args.per_device_train_batch_size * trainer.args.world_size * args.gradient_accumulation_steps
+    train_tokens = steps * batch_size * args.block_size
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {
-        "steps": steps, "batch_size": args.batch_size, "block_size": args.block_size, "tokens_seen": train_tokens,
-        "epochs": train_tokens / max(1, len(train_ds) * args.block_size), "budget_s": args.minutes * 60.0,
+        "steps": steps, "batch_size": batch_size, "block_size": args.block_size, "tokens_seen": train_tokens,
+        "epochs": train_tokens / max(1, len(train_ds) * args.block_size), "budget_s": args.max_train_minutes * 60.0,
         "stopped_by_budget": budget.stopped_by_budget, "seconds": timings["train_s"],
-        "tokens_per_second": train_tokens / timings["train_s"], "peak_lr": args.lr,
+        "tokens_per_second": train_tokens / timings["train_s"], "peak_lr": args.learning_rate,
         "mean_train_loss": train_output.training_loss, "last_logged_loss": losses[-1] if losses else None,
         "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
     }
@@ -358,18 +305,19 @@ def save_and_reload(model, tokenizer, model_dir: Path, probe: torch.Tensor, prom
     return reload_diff, ids(reloaded_tok) == ids(tokenizer)
 
 
-def summary_rows(args: argparse.Namespace, results: dict[str, Any], vocab_size: int, out_dir: Path) -> list:
+def summary_rows(args: ParsedArguments, results: dict[str, Any], vocab_size: int, out_dir: Path) -> list:
     """The rows of the table printed at the end, from ``results``."""
     training, evaluation, generation = results["training"], results["evaluation"], results["generation"]
     data, saved, last_loss = results["data"], results["saved"], results["training"]["last_logged_loss"]
     valid_loss, uni_loss = evaluation["loss"], evaluation["unigram_loss"]
     n_params = results["model"]["parameters"]
     return [
-        ("model", f"DeltaNetForCausalLM, {n_params / 1e6:.2f}M params, {args.layers} layers x {args.hidden_size}, "
+        ("model", f"DeltaNetForCausalLM, {n_params / 1e6:.2f}M params, {args.num_hidden_layers} layers x "
+                  f"{args.hidden_size}, "
                   "DPFP-1, delta rule"),
         ("data", f"{data['train_documents']} Wikipedia articles, {data['train_tokens']:,} train tokens "
                  f"(BPE {vocab_size})"),
-        ("training", f"{training['steps']} steps x {args.batch_size} x {args.block_size} tokens = "
+        ("training", f"{training['steps']} steps x {training['batch_size']} x {args.block_size} tokens = "
                      f"{training['tokens_seen']:,} tokens ({training['epochs']:.2f} epochs) in "
                      f"{training['seconds']:.0f} s, {training['tokens_per_second']:.0f} tokens/s"),
         ("train loss", f"last logged {last_loss:.3f}" if last_loss is not None else "n/a"),
@@ -383,7 +331,7 @@ def summary_rows(args: argparse.Namespace, results: dict[str, Any], vocab_size: 
     ]
 
 
-def prepare_tokens(args: argparse.Namespace, data_dir: Path, timings: dict[str, float]) -> dict[str, Any]:
+def prepare_tokens(args: ParsedArguments, data_dir: Path, timings: dict[str, float]) -> dict[str, Any]:
     """Steps 1-3: the corpus (prepared unless present), the BPE tokenizer and the tokenized splits."""
     t = time.perf_counter()
     if all((data_dir / f"{s}.txt").is_file() for s in ("train", "valid", "test")):
@@ -399,7 +347,7 @@ def prepare_tokens(args: argparse.Namespace, data_dir: Path, timings: dict[str, 
     timings["train_tokenizer_s"] = time.perf_counter() - t
     t = time.perf_counter()
     train_ds, train_ids, valid_ids, n_train_docs = tokenize_splits(data_dir, tokenizer, args.block_size)
-    eval_blocks = valid_blocks(valid_ids, args.block_size, args.eval_max_blocks)
+    eval_blocks = valid_blocks(valid_ids, args.block_size, args.max_eval_blocks)
     timings["tokenize_s"] = time.perf_counter() - t
     logger.info("train: %d tokens -> %d segments of %d; valid: %d tokens", len(train_ids), len(train_ds),
                 args.block_size, len(valid_ids))
@@ -411,6 +359,7 @@ def prepare_tokens(args: argparse.Namespace, data_dir: Path, timings: dict[str, 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    hub = hub_request(args)  # acted on by push_if_requested at the end, not by Trainer
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     transformers.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()
@@ -432,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 5. evaluation
     t = time.perf_counter()
-    valid_loss, valid_tokens = evaluate_loss(model, eval_blocks, args.batch_size)
+    valid_loss, valid_tokens = evaluate_loss(model, eval_blocks, args.per_device_eval_batch_size)
     timings["evaluate_s"] = time.perf_counter() - t
     uni_loss = unigram_loss(train_ids, eval_blocks, len(tokenizer))
 
@@ -468,16 +417,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "threads": torch.get_num_threads(),
                         "machine": platform.machine()},
-        "args": args_without_secrets(args),
+        "args": args.record(),
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     # 8. Hub export and upload
-    pushed = push_if_requested(args, model, tokenizer, out_dir, results=out_dir / "results.json")
+    pushed = push_if_requested(hub, model, tokenizer, out_dir, results=out_dir / "results.json")
 
     rows = summary_rows(args, results, len(tokenizer), out_dir)
     if pushed is not None:
-        rows.append(("hub", f"{out_dir / 'hub_export'} " + ("listed (dry run)" if args.hub_dry_run else "uploaded")))
+        rows.append(("hub", f"{out_dir / 'hub_export'} " + ("listed (dry run)" if hub.hub_dry_run else "uploaded")))
     print("\n=== Delta Net demo ===")
     print(_format_table(rows))
     print(f"\nPrompt: {args.prompt!r}\nSample: {generation['text']!r}\nGreedy: {generation['greedy_text']!r}\n")

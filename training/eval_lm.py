@@ -5,18 +5,18 @@ baseline (``training.dynamic_eval``).
 
 Protocol (Dai et al. 2019 sec. 4; Clark et al. 2022 sec. 3): batch 1; the split is one token stream (every document
 followed by the tokenizer's eos; ``--per_document`` restarts the state at every document instead); it is read in
-consecutive segments of ``--segment_length`` tokens, each continuing from the previous segment's cache (memories,
+consecutive segments of ``--block_size`` tokens, each continuing from the previous segment's cache (memories,
 fast weights, FWL running update); every token but the first is scored exactly once. Transformer-XL's memory length
 can be changed with ``--mem_len`` (the papers evaluate with longer memories than they train with).
 
-    python -m training.eval_lm --model outputs/transfo_xl --model outputs/transfo_xl_fwl --split test \\
-        --dynamic_eval --dynamic_lr 1e-3 3e-3 --output outputs/eval_lm.json
+    python -m training.eval_lm --model_name_or_path outputs/transfo_xl outputs/transfo_xl_fwl --split test \\
+        --dynamic_eval --dynamic_lr 1e-3 3e-3 --results_file outputs/eval_lm.json     # or: fwp-eval-lm ...
 
 Dynamic evaluation adapts every parameter, or those named by ``--dynamic_eval_params`` (names or globs, e.g.
 ``'model.layers.*.mlp.*'``), with plain SGD steps or Krause et al.'s RMS-normalised steps (``--dynamic_method rms``).
 Its step size is chosen on the valid split first (lowest perplexity among ``--dynamic_lr``, by default a small grid
 per method; one value skips the choice), then used on ``--split``; the rows report the chosen value, the perplexities
-tried and the time per token.
+tried and the time per token. ``--help`` lists every option with its default.
 """
 from __future__ import annotations
 
@@ -24,16 +24,17 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple  # noqa: E402
+from typing import TYPE_CHECKING, Callable, Dict, List, Literal, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 
 import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 
+from .arguments import ParsedArguments, parse_arguments, require_positive  # noqa: E402
 from .dynamic_eval import (  # noqa: E402
     DEFAULT_STEP_SIZES,
     DynamicEvaluation,
@@ -94,7 +95,7 @@ def row(name: str, mode: str, result: ScoreResult, **extra) -> Dict[str, object]
 
 
 def dynamic_row(
-    args: argparse.Namespace,
+    args: ParsedArguments,
     name: str,
     score: Callable[[List[str], Optional[DynamicEvaluation]], ScoreResult],
     documents: List[str],
@@ -114,27 +115,42 @@ def dynamic_row(
                dynamic_eval_params=args.dynamic_eval_params)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", action="append", required=True, help="a saved model folder (repeatable)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: each model's folder)")
-    p.add_argument("--data_dir", default="data/wiki")
-    p.add_argument("--split", default="test", choices=["train", "valid", "test"])
-    p.add_argument("--segment_length", type=int, default=64)
-    p.add_argument("--mem_len", type=int, default=None, help="override Transformer-XL's memory length")
-    p.add_argument("--per_document", action="store_true", help="restart the state at every document")
-    p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens (smoke tests)")
-    p.add_argument("--dynamic_eval", action="store_true", help="also score with dynamic evaluation")
-    p.add_argument("--dynamic_lr", type=float, nargs="+", default=None,
-                   help=f"step sizes, the best on the valid split is used (default per method: {DEFAULT_STEP_SIZES})")
-    p.add_argument("--dynamic_method", default="sgd", choices=["sgd", "rms"],
-                   help="sgd: theta -= lr g; rms: theta -= lr g / sqrt(running mean of g^2) (Krause et al. 2019)")
-    p.add_argument("--dynamic_decay", type=float, default=0.0, help="rms: decay towards the trained weights")
-    p.add_argument("--dynamic_eval_params", nargs="+", default=None, metavar="NAME_OR_GLOB",
-                   help="adapt only these parameters (names or fnmatch globs; default: all)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--output", default=None, help="write the results as JSON here")
-    return p.parse_args(argv)
+@dataclass
+class EvalArguments:
+    """The models, the split and the protocol."""
+
+    model_name_or_path: List[str] = field(metadata={"help": "saved causal LM folder(s), scored in turn"})
+    tokenizer_name: Optional[str] = field(default=None, metadata={
+        "help": "tokenizer folder; unset: each model's folder"})
+    data_dir: str = field(default="data/wiki", metadata={"help": "prepared corpus folder (train/valid/test.txt)"})
+    split: Literal["train", "valid", "test"] = field(default="test", metadata={"help": "the split scored"})
+    block_size: int = field(default=64, metadata={"help": "tokens per segment (the state is carried across)"})
+    mem_len: Optional[int] = field(default=None, metadata={"help": "override Transformer-XL's memory length"})
+    per_document: bool = field(default=False, metadata={"help": "restart the state at every document"})
+    max_eval_tokens: Optional[int] = field(default=None, metadata={"help": "score only the first N tokens"})
+    threads: Optional[int] = field(default=None, metadata={"help": "torch threads; unset: torch's"})
+    results_file: Optional[str] = field(default=None, metadata={"help": "write the results as JSON here"})
+
+
+@dataclass
+class DynamicEvalArguments:
+    """Dynamic evaluation (Krause et al. 2019) as the baseline: ``training.dynamic_eval``."""
+
+    dynamic_eval: bool = field(default=False, metadata={"help": "also score with dynamic evaluation"})
+    dynamic_lr: Optional[List[float]] = field(default=None, metadata={
+        "help": f"step sizes, the best on the valid split is used (unset: per method, {DEFAULT_STEP_SIZES})"})
+    dynamic_method: Literal["sgd", "rms"] = field(default="sgd", metadata={
+        "help": "sgd: theta -= lr g; rms: theta -= lr g / sqrt(running mean of g^2) (Krause et al. 2019)"})
+    dynamic_decay: float = field(default=0.0, metadata={"help": "rms: decay towards the trained weights"})
+    dynamic_eval_params: Optional[List[str]] = field(default=None, metadata={
+        "help": "adapt only these parameters (names or fnmatch globs; default: all)"})
+
+
+def parse_args(argv=None) -> ParsedArguments:
+    """The command line (``--help``: every option with its default); ValueError names a bad option."""
+    args = parse_arguments((EvalArguments, DynamicEvalArguments), argv, description=__doc__)
+    require_positive(args, ("block_size", "mem_len", "max_eval_tokens", "threads"))
+    return args
 
 
 def main(argv=None) -> List[Dict[str, object]]:
@@ -144,10 +160,10 @@ def main(argv=None) -> List[Dict[str, object]]:
         torch.set_num_threads(args.threads)
     documents = read_documents(Path(args.data_dir) / f"{args.split}.txt")
     rows = []
-    for path in args.model:
-        model, tokenizer = load_model_and_tokenizer(path, args.tokenizer, args.mem_len)
+    for path in args.model_name_or_path:
+        model, tokenizer = load_model_and_tokenizer(path, args.tokenizer_name, args.mem_len)
         score = lambda docs, dynamic=None: score_split(  # noqa: E731
-            model, tokenizer, docs, args.segment_length, args.per_document, dynamic, args.max_tokens
+            model, tokenizer, docs, args.block_size, args.per_document, dynamic, args.max_eval_tokens
         )
         rows.append(row(path, "static", score(documents)))
         if args.dynamic_eval:
@@ -155,9 +171,9 @@ def main(argv=None) -> List[Dict[str, object]]:
         for r in rows[-(2 if args.dynamic_eval else 1) :]:
             logger.info("%s  %-28s ppl %9.2f  %8.1f tok/s  %.3f ms/token  (%d tokens)", r["model"], r["mode"],
                         r["perplexity"], r["tokens_per_second"], r["ms_per_token"], r["tokens"])
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2) + "\n")
+    if args.results_file:
+        Path(args.results_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results_file).write_text(json.dumps({"args": args.record(), "results": rows}, indent=2) + "\n")
     return rows
 
 

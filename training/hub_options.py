@@ -1,18 +1,19 @@
 """Trainer's Hub options for the training scripts: ``--push_to_hub`` and friends, acted on with this project's export.
 
-Training scripts take Trainer's Hub options (``--push_to_hub``, ``--hub_model_id``, ``--hub_private_repo``,
-``--hub_token``, ``--hub_revision``, plus ``--hub_dry_run``) from :func:`add_hub_arguments` and act on them with
-:func:`push_if_requested`: a ``model_cards.hub.export_for_hub`` folder (weights, code, tokenizer, results and this
+Training scripts parse Trainer's Hub options (``--push_to_hub``, ``--hub_model_id``, ``--hub_private_repo``,
+``--hub_token``, ``--hub_revision``) with ``TrainingArguments``, plus ``--hub_dry_run``
+(``training.arguments.HubExportArguments``), take them out of Trainer's hands with :func:`hub_request` and act on
+them with :func:`push_if_requested`: a ``model_cards.hub.export_for_hub`` folder (weights, code, tokenizer, results and this
 project's card) uploaded by ``model_cards.hub.push_folder``, not ``TrainingArguments(push_to_hub=True)``, whose upload
 replaces the card with Trainer's generic one.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from huggingface_hub import HfApi
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -21,52 +22,41 @@ from transformers import PreTrainedModel
 from model_cards.hub import RESULTS_NAME, Results, export_for_hub, push_folder
 
 EXPORT_DIR_NAME = "hub_export"  # the folder push_if_requested writes under a script's output directory
-# Command-line arguments never written into results files (which are uploaded with the model).
-SECRET_ARGUMENTS = frozenset({"hub_token"})
+HUB_FIELDS = ("push_to_hub", "hub_model_id", "hub_private_repo", "hub_token", "hub_revision", "hub_dry_run")
 
 
-def _hub_repo_id(value: str) -> str:
-    """argparse type of ``--hub_model_id``: ``name`` or ``namespace/name``, checked before any training starts."""
-    try:
-        validate_repo_id(value)
-    except HFValidationError as error:
-        raise argparse.ArgumentTypeError(f"expected a Hub repo id like 'user/model-name', got {value!r}: {error}")
-    return value
+@dataclass
+class HubRequest:
+    """What a training script's run asks of the Hub: Trainer's Hub options plus ``--hub_dry_run``."""
+
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+    hub_private_repo: Optional[bool] = None
+    hub_token: Optional[str] = None
+    hub_revision: Optional[str] = None
+    hub_dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hub_model_id is not None:
+            try:
+                validate_repo_id(self.hub_model_id)
+            except HFValidationError as error:
+                raise ValueError(
+                    f"--hub_model_id: expected a Hub repo id like 'user/model-name', got {self.hub_model_id!r}: {error}"
+                ) from error
 
 
-def add_hub_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Adds the Hub options of ``TrainingArguments`` to a training script's parser, in an argument group.
-
-    ``--push_to_hub``, ``--hub_model_id`` (default: the name of the output directory, in the token's namespace, as
-    Trainer does), ``--hub_private_repo``, ``--hub_token`` (default: ``HF_TOKEN`` or the cached login; never
-    written to results files, see :func:`args_without_secrets`), ``--hub_revision``, and ``--hub_dry_run`` (export
-    and list the files an upload would send, upload nothing). :func:`push_if_requested` acts on them.
-    Returns the group.
-    """
-    group = parser.add_argument_group(
-        "Hugging Face Hub", "export the trained model with its code and this project's model card, and upload it"
-    )
-    group.add_argument("--push_to_hub", action="store_true",
-                       help="after training, write <output_dir>/hub_export (model_cards.hub) and upload it")
-    group.add_argument("--hub_model_id", type=_hub_repo_id, default=None,
-                       help="Hub repo id (user/name); default: the output directory's name in the token's namespace")
-    group.add_argument("--hub_private_repo", action="store_true", default=None,
-                       help="create the repo private (default: the Hub's default visibility)")
-    group.add_argument("--hub_token", default=None,
-                       help="Hub token (default: $HF_TOKEN or `hf auth login`); never written to results files")
-    group.add_argument("--hub_revision", default=None, help="branch to upload to (default: main)")
-    group.add_argument("--hub_dry_run", action="store_true",
-                       help="write the export and list the files an upload would send; upload nothing")
-    return group
-
-
-def args_without_secrets(args: argparse.Namespace) -> Dict[str, Any]:
-    """``vars(args)`` without the values that must not be written into (uploaded) results files (``hub_token``)."""
-    return {key: value for key, value in vars(args).items() if key not in SECRET_ARGUMENTS}
+def hub_request(args: Any) -> HubRequest:
+    """The :class:`HubRequest` of parsed arguments holding ``TrainingArguments`` and ``HubExportArguments``
+    (``training.arguments``), and Trainer's own upload turned off: ``TrainingArguments(push_to_hub=True)`` would
+    push Trainer's checkpoints with its generic card; :func:`push_if_requested` uploads this project's export."""
+    request = HubRequest(**{name: getattr(args, name) for name in HUB_FIELDS})
+    args.training.push_to_hub = False
+    return request
 
 
 def push_if_requested(
-    args: argparse.Namespace,
+    args: Any,
     model: PreTrainedModel,
     tokenizer: Any,
     output_dir: Union[str, os.PathLike],
@@ -74,7 +64,7 @@ def push_if_requested(
     results: Results = None,
     **card_options: Any,
 ) -> Optional[Union[List[str], Any]]:
-    """Acts on the options of :func:`add_hub_arguments` at the end of a training script (main process only).
+    """Acts on a :class:`HubRequest` at the end of a training script (main process only).
 
     Without ``--push_to_hub`` or ``--hub_dry_run`` it does nothing and returns None. Otherwise it writes
     ``<output_dir>/hub_export`` (``model_cards.hub.export_for_hub``: weights, config, code, ``tokenizer``, the
@@ -82,8 +72,7 @@ def push_if_requested(
     (``model_cards.hub.push_folder``), or with ``--hub_dry_run`` prints and returns the file list.
 
     Args:
-        args: the parsed arguments (``push_to_hub``, ``hub_model_id``, ``hub_private_repo``, ``hub_token``,
-            ``hub_revision``, ``hub_dry_run``).
+        args: a :class:`HubRequest` (:func:`hub_request`), or any object with its attributes.
         model: the trained model (any of this package's families).
         tokenizer: saved with it (None: no tokenizer files).
         output_dir: the script's output directory; its name is the default repo name.
@@ -94,10 +83,9 @@ def push_if_requested(
     Returns:
         None (nothing requested), the file list (dry run) or ``HfApi.upload_folder``'s commit info.
     """
-    missing = [name for name in ("push_to_hub", "hub_model_id", "hub_private_repo", "hub_token", "hub_revision",
-                                 "hub_dry_run") if not hasattr(args, name)]
+    missing = [name for name in HUB_FIELDS if not hasattr(args, name)]
     if missing:
-        raise ValueError(f"`args` must come from a parser set up with add_hub_arguments; it has no {missing}")
+        raise ValueError(f"`args` must be a HubRequest (training.hub_options.hub_request); it has no {missing}")
     if not (args.push_to_hub or args.hub_dry_run):
         return None
     output_dir = Path(output_dir)

@@ -16,8 +16,8 @@ Tasks (every example is a token sequence; the loss is on the answer tokens only,
 - ``listops`` (Irie et al. 2021 sec. 4.3, appendix B.3): a prefix ListOps expression of nesting depth exactly ``depth`` (10) over MIN, MAX, MED
   (lower median) and SM (sum modulo 10) on digits; predict its value.
 
-    python -m training.synthetic --task retrieval --model delta_net --model linear_transformer --model llama \\
-        --num_pairs 20 40 80 --d_key 16 --steps 2000 --output_dir outputs/synthetic
+    python -m training.synthetic --task retrieval --model_type delta_net linear_transformer llama \\
+        --num_pairs 20 40 80 --d_key 16 --max_steps 2000 --output_dir outputs/synthetic
 
 Schlag et al. 2021's own setup of the retrieval experiment (one fast-weight memory between a key/value encoder and
 the value read-out, no LM around it: ``training/associative_retrieval.py``) runs through this CLI too, with
@@ -30,13 +30,16 @@ the value read-out, no LM around it: ``training/associative_retrieval.py``) runs
 Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accuracy per model and setting),
 ``<output_dir>/<task>.md`` (the accuracy table, token and sequence level) and, when matplotlib is installed,
 ``<output_dir>/<task>.png`` (retrieval: final loss against the swept setting, one line per model; code and ListOps:
-training curves). Long runs can save Trainer checkpoints (``--save_steps``, under
-``<output_dir>/trainer/<model>_<setting>/``); the same command with ``--resume`` continues each run from its latest
-checkpoint, with the same data and the same result as an uninterrupted run. The training examples are written to
+training curves). Long runs can save Trainer checkpoints (``--save_strategy steps --save_steps N``, the latest one kept,
+under ``<output_dir>/trainer/<model>_<setting>/``); the same command with ``--resume_from_checkpoint latest``
+continues each run from its latest checkpoint, with the same data and the same result as an uninterrupted run. The training examples are written to
 ``<output_dir>/data/`` (Arrow files, memory-mapped; reused by the other models of the command and by ``--resume``).
 The JSON starts with the run's record (command, versions, machine, git commit, load average before and after:
 ``training.result_file``); ``--results_file docs/results/<name>.json`` writes the same JSON there too, to be committed
 as the source of the figures quoted in docs/RESULTS.md (``outputs/`` is not kept).
+
+Options: the task and its sweep, the models' size, and every ``TrainingArguments`` option (``--learning_rate``,
+``--max_steps``, ``--per_device_train_batch_size``, ``--bf16``, ...); ``--help`` lists them with their defaults.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import argparse  # noqa: E402
+import copy  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -65,6 +68,7 @@ import modeling_fwp  # noqa: E402,F401  (registers the Auto classes)
 from modeling_fwp.families import FAMILIES  # noqa: E402
 
 from . import associative_retrieval, latest_checkpoint, plots  # noqa: E402
+from .arguments import ParsedArguments, parse_arguments, parse_overrides, require_positive  # noqa: E402
 from .result_file import RunRecord  # noqa: E402
 
 logger = logging.getLogger("training.synthetic")
@@ -430,34 +434,30 @@ def shortcut_accuracy(spec: TaskSpec, dataset: datasets.Dataset) -> Optional[flo
 
 
 def train_one(
-    spec: TaskSpec, model_name: str, args: argparse.Namespace, output_dir: Path, data_dir: Optional[Path] = None
+    spec: TaskSpec, model_name: str, args: ParsedArguments, output_dir: Path, data_dir: Optional[Path] = None
 ) -> Dict[str, Any]:
-    """Trains `model_name` on `spec` for ``args.steps`` steps on fresh data and returns its metrics.
+    """Trains `model_name` on `spec` for ``args.max_steps`` steps on fresh data and returns its metrics.
 
-    The ``args.steps * args.batch_size`` training examples are kept on disk in `data_dir` (see :func:`make_dataset`),
-    or in memory when it is None.
+    The ``args.max_steps * args.per_device_train_batch_size`` training examples are kept on disk in `data_dir` (see
+    :func:`make_dataset`), or in memory when it is None.
 
-    Checkpoints (``args.save_steps``) go to `output_dir`; with ``args.resume`` the run continues from the latest one
-    there. ``seconds`` is this process's training time."""
+    Checkpoints (``--save_strategy steps``) go to `output_dir`; with ``--resume_from_checkpoint latest`` the run
+    continues from the latest one there. ``seconds`` is this process's training time."""
     set_seed(args.seed)
-    train = make_dataset(spec, args.steps * args.batch_size, seed=args.seed, cache_dir=data_dir)
+    train = make_dataset(spec, args.max_steps * args.per_device_train_batch_size, seed=args.seed, cache_dir=data_dir)
     test = make_dataset(spec, args.eval_examples, seed=args.seed + 1)
     max_length = pc.max(pc.list_value_length(train.data.column("input_ids"))).as_py()
-    model = build_model(model_name, len(spec.vocabulary), args.hidden_size, args.layers, args.heads, max_length,
-                        args.overrides)
+    model = build_model(model_name, len(spec.vocabulary), args.hidden_size, args.num_hidden_layers,
+                        args.num_attention_heads, max_length, parse_overrides(args.config_overrides))
     model.config.use_cache = False
-    checkpointing = (dict(save_strategy="steps", save_steps=args.save_steps, save_total_limit=1) if args.save_steps
-                     else dict(save_strategy="no"))
-    training_args = TrainingArguments(
-        output_dir=str(output_dir), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-        learning_rate=args.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=min(100, args.steps // 10),
-        max_grad_norm=1.0, logging_steps=max(1, args.steps // 20), eval_strategy="no", report_to="none",
-        use_cpu=not torch.cuda.is_available(), seed=args.seed, remove_unused_columns=False, disable_tqdm=True,
-        **checkpointing,
-    )
+    training_args = copy.copy(args.training)
+    training_args.output_dir = str(output_dir)
+    if training_args.warmup_steps >= 1:  # at most a tenth of the run
+        training_args.warmup_steps = min(training_args.warmup_steps, args.max_steps // 10)
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=pad_collator)
-    resume = latest_checkpoint(output_dir) if args.resume else None
-    if args.resume:
+    resuming = args.resume_from_checkpoint == "latest"
+    resume = latest_checkpoint(output_dir) if resuming else args.resume_from_checkpoint
+    if resuming:
         logger.info("%s: %s", output_dir, f"resuming from {resume}" if resume else "no checkpoint, starting")
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
@@ -468,7 +468,7 @@ def train_one(
     return {
         "model": model_name, "task": spec.name, **spec.setting,
         "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-        "steps": args.steps, "seed": args.seed, "final_train_loss": final_train, "test_loss": metrics["loss"],
+        "steps": args.max_steps, "seed": args.seed, "final_train_loss": final_train, "test_loss": metrics["loss"],
         "test_accuracy": metrics["accuracy"], "test_sequence_accuracy": metrics["sequence_accuracy"],
         "test_answers": metrics["answers"], "shortcut_accuracy": shortcut_accuracy(spec, test), "seconds": seconds,
         "resumed_from": resume,
@@ -495,55 +495,55 @@ def accuracy_table(rows: List[Dict[str, Any]], x_key: str) -> str:
 SWEEPS = {"retrieval": "num_pairs", "retrieval_replace": "num_pairs", "code": "num_variables", "listops": "depth"}
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    from .train_lm import parse_overrides
+@dataclass
+class SyntheticArguments:
+    """The task, its sweep (several values: one run per value) and the models trained on it."""
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", required=True, choices=TASKS,
-                   help="also capacity / update_rules: see training/associative_retrieval.py")
-    p.add_argument("--model", action="append", choices=sorted(MODEL_TYPES),
-                   help="repeatable (default: linear_transformer, delta_net)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--hidden_size", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=1)
-    p.add_argument("--d_key", type=int, default=None,
-                   help="per-head key size (head_dim) of the fast-weight models: sets heads = hidden_size // d_key")
-    p.add_argument("--config_overrides", default=None, help="extra config fields for our models (JSON or k=v,...)")
-    p.add_argument("--eval_examples", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", default="outputs/synthetic")
-    p.add_argument("--results_file", default=None,
-                   help="also write the result JSON here (e.g. docs/results/code_s30_delta_net.json, to commit)")
-    p.add_argument("--save_steps", type=int, default=None,
-                   help="save a Trainer checkpoint every N steps (the latest one is kept), for --resume")
-    p.add_argument("--resume", action="store_true",
-                   help="continue each run from its latest checkpoint under --output_dir (a run without one starts)")
-    g = p.add_argument_group("sweeps (several values: one run per value)")
-    g.add_argument("--num_pairs", type=int, nargs="+", default=None, help="retrieval: S (pairs per sequence)")
-    g.add_argument("--num_keys", type=int, default=None, help="retrieval: key vocabulary size")
-    g.add_argument("--num_values", type=int, default=None)
-    g.add_argument("--num_variables", type=int, nargs="+", default=None, help="code: 3 or 5 in the paper")
-    g.add_argument("--num_statements", type=int, default=None)
-    g.add_argument("--depth", type=int, nargs="+", default=None, help="listops: nesting depth (10 in the paper)")
-    g.add_argument("--max_args", type=int, default=None, help="listops: at most this many arguments per operator (3)")
-    args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "eval_examples"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.save_steps is not None and args.save_steps <= 0:
-        p.error(f"--save_steps must be positive, got {args.save_steps}")
+    task: str = field(metadata={"help": "also capacity / update_rules: see training/associative_retrieval.py",
+                                "choices": TASKS})
+    model_type: List[str] = field(default_factory=lambda: ["linear_transformer", "delta_net"], metadata={
+        "help": "the models, each trained in turn", "choices": sorted(MODEL_TYPES)})
+    hidden_size: int = field(default=64, metadata={"help": "model width"})
+    num_hidden_layers: int = field(default=2, metadata={"help": "layers"})
+    num_attention_heads: int = field(default=1, metadata={"help": "heads"})
+    d_key: Optional[int] = field(default=None, metadata={
+        "help": "per-head key size (head_dim) of the fast-weight models: sets heads = hidden_size // d_key"})
+    config_overrides: Optional[str] = field(default=None, metadata={
+        "help": "extra config fields for our models (JSON or k=v,...)"})
+    eval_examples: int = field(default=500, metadata={"help": "held-out examples scored"})
+    results_file: Optional[str] = field(default=None, metadata={
+        "help": "also write the result JSON here (e.g. docs/results/code_s30_delta_net.json, to commit)"})
+    num_pairs: Optional[List[int]] = field(default=None, metadata={"help": "retrieval: S (pairs per sequence)"})
+    num_keys: Optional[int] = field(default=None, metadata={"help": "retrieval: key vocabulary size"})
+    num_values: Optional[int] = field(default=None, metadata={"help": "retrieval: value vocabulary size"})
+    num_variables: Optional[List[int]] = field(default=None, metadata={"help": "code: 3 or 5 in the paper"})
+    num_statements: Optional[int] = field(default=None, metadata={"help": "code: statements per program"})
+    depth: Optional[List[int]] = field(default=None, metadata={"help": "listops: nesting depth (10 in the paper)"})
+    max_args: Optional[int] = field(default=None, metadata={
+        "help": "listops: at most this many arguments per operator (3)"})
+
+
+# This script's choices for Trainer options (shown by --help, overridden like any option): a constant rate after a
+# warm-up of at most a tenth of the run, a log line every twentieth of it, no checkpoints unless asked for.
+TRAINING_DEFAULTS = dict(
+    output_dir="outputs/synthetic", max_steps=1000, per_device_train_batch_size=32, learning_rate=1e-3,
+    lr_scheduler_type="constant_with_warmup", warmup_steps=100, max_grad_norm=1.0, logging_steps=0.05, seed=0,
+    save_strategy="no", save_total_limit=1, use_cpu=not torch.cuda.is_available(), remove_unused_columns=False,
+    disable_tqdm=True,
+)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
+    """The command line (``--help``: every option with its default); ValueError names a bad option."""
+    args = parse_arguments((SyntheticArguments, TrainingArguments), argv, description=__doc__,
+                           defaults=TRAINING_DEFAULTS)
+    require_positive(args, ("max_steps", "per_device_train_batch_size", "hidden_size", "num_hidden_layers",
+                            "num_attention_heads", "eval_examples", "d_key"))
     if args.d_key is not None:
-        if args.d_key <= 0 or args.hidden_size % args.d_key:
-            p.error(f"--d_key must divide --hidden_size ({args.hidden_size}), got {args.d_key}")
-        args.heads = args.hidden_size // args.d_key
-    args.model = args.model or ["linear_transformer", "delta_net"]
-    try:
-        args.overrides = parse_overrides(args.config_overrides)
-    except ValueError as err:
-        p.error(str(err))
+        if args.hidden_size % args.d_key:
+            raise ValueError(f"--d_key must divide --hidden_size ({args.hidden_size}), got {args.d_key}")
+        args.num_attention_heads = args.hidden_size // args.d_key
+    parse_overrides(args.config_overrides)  # a malformed value fails before any work
     return args
 
 
@@ -552,7 +552,7 @@ FIXED_OPTIONS = {"num_keys": ("retrieval", "retrieval_replace"), "num_values": (
                  "num_statements": ("code",), "max_args": ("listops",)}
 
 
-def task_settings(args: argparse.Namespace) -> List[Dict[str, Any]]:
+def task_settings(args: ParsedArguments) -> List[Dict[str, Any]]:
     """One options dict per run of the sweep (the swept option's values; the others fixed)."""
     fixed = {}
     for name, tasks in FIXED_OPTIONS.items():
@@ -584,14 +584,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     rows = []
     for options in task_settings(args):
         spec = build_task(args.task, **options)
-        for model_name in args.model:
+        for model_name in args.model_type:
             run_name = f"{model_name}_{spec.setting_label}"
             row = train_one(spec, model_name, args, out / "trainer" / run_name, data_dir=out / "data")
             logger.info("%s %s %s: final train loss %.3f, test loss %.3f, accuracy %.3f (sequences %.3f) (%.0f s)",
                         args.task, spec.setting, model_name, row["final_train_loss"], row["test_loss"],
                         row["test_accuracy"], row["test_sequence_accuracy"], row["seconds"])
             rows.append(row)
-    results = {"task": args.task, "args": vars(args), "results": rows}
+    results = {"task": args.task, "args": args.record(), "results": rows}
     record.write(out / f"{args.task}.json", results, copies=[args.results_file] if args.results_file else [])
     (out / f"{args.task}.md").write_text(accuracy_table(rows, SWEEPS[args.task]), encoding="utf-8")
     if args.task in ("retrieval", "retrieval_replace"):  # the capacity-style sweep
