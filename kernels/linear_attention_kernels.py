@@ -13,7 +13,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from .chunk import ChunkFastWeightFunction, ChunkRule, Intra, auto_mode, bmm, chunk_kernel_finder
+from .chunk import (
+    ChunkFastWeightFunction,
+    ChunkRule,
+    Intra,
+    auto_chunk_size,
+    auto_mode,
+    bmm,
+    chunk_kernel_finder,
+)
 from .dispatch import (
     Recurrence,
     acc_dtype,
@@ -166,6 +174,8 @@ def linear_attention(
     """
     check_fast_weight_inputs(q, k, v, initial_state, chunk_size, mask)
     kernel = select_kernel(LINEAR_ATTENTION, mode, q.shape[2], q.device)
+    if mode == "auto":  # the measured chunk size (chunk.auto_chunk_size)
+        chunk_size = auto_chunk_size(q.device, max(q.shape[-1], v.shape[-1]), chunk_size)
     if mask is not None:
         (k,) = mask_positions(mask, k)
     return kernel(q, k, v, initial_state, output_final_state, chunk_size)
