@@ -22,7 +22,9 @@ On CPU the forward and the backward run in a C++ kernel instead (csrc/chunk_delt
 (``ChunkRule.cpp``): per sequence, chunk by chunk, it solves ``(I + A) U' = diag(beta) (V - K S^T)`` with one
 triangular solve and calls the BLAS for every product, so the sequential pass costs no Python or dispatcher time and
 T, W, U are never formed; its backward recomputes the states entering the chunks (one per chunk, per sequence) and
-runs the transposed pass in the same loop. float16 / bfloat16 inputs go through it in float32. Without the build the
+runs the transposed pass in the same loop; with fewer sequences than threads it splits the value columns over
+threads, and one position (a decode step) is one pass over the state (``decode_step``). float16 / bfloat16 inputs go
+through it in float32. Without the build the
 PyTorch path above runs: silently when there is no compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning
 when a build fails. A saved model folder carries the C++ source (``chunk_delta.cpp`` and the string of
 ``chunk_delta_csrc.py``, written by ``modeling_fwp.remote_code``) and builds it the same way.
