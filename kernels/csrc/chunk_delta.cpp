@@ -277,10 +277,11 @@ void for_sequences(int64_t BH, const F& f) {
 // Both rules act on each column of V (row of the state S [Dv, Dk]) on its own given the keys, queries and beta:
 // in (I + A) U' = diag(beta) (V - K S^T), O = Q S^T + P U', S' = S + U'^T K, column j of U' and O and row j of
 // S read only column j of V and row j of S. Each block recomputes the key-only products (P, A) of its chunks.
-// At least 16 columns per block. 1: no split.
-inline int64_t value_blocks(int64_t BH, int64_t Dv) {
+// At least 16 columns per block, and only for sequences of at least 64 positions (below that a task is a few
+// microseconds, the cost of starting one). 1: no split.
+inline int64_t value_blocks(int64_t BH, int64_t L, int64_t Dv) {
   const int64_t threads = at::get_num_threads();
-  if (BH >= threads) return 1;
+  if (BH >= threads || L < 64) return 1;
   return std::max<int64_t>(1, std::min((threads + BH - 1) / BH, Dv / 16));
 }
 
@@ -314,7 +315,7 @@ static ChunkShapes chunk_shapes(const at::Tensor& q, const at::Tensor& k, const 
   return {BH, L, Dk, Dv, C, N};
 }
 
-// The forward of value_blocks(BH, Dv) = nb > 1 column blocks, one task per (sequence, block): see value_blocks.
+// The forward of value_blocks(BH, L, Dv) = nb > 1 column blocks, one task per (sequence, block): see value_blocks.
 template <typename T>
 void forward_value_blocks(const ChunkShapes& s, int64_t nb, const T* q, const T* k, const T* v, const T* beta, T* S,
                           T* o) {
@@ -404,7 +405,7 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     TORCH_CHECK(u_new->numel() == BH * L * Dv, "fwp_chunk: u_new must be [BH, L, Dv]");
   }
   // the states entering the chunks and U' are kept only by the backward's own call, which splits by itself
-  const int64_t nb = o.has_value() && !entering.has_value() && !u_new.has_value() ? value_blocks(BH, Dv) : 1;
+  const int64_t nb = o.has_value() && !entering.has_value() && !u_new.has_value() ? value_blocks(BH, L, Dv) : 1;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_forward", [&] {
     if (nb > 1) {
       return forward_value_blocks<scalar_t>(
@@ -445,7 +446,7 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     check(*dbeta, q, "dbeta");
     TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
-  const int64_t nb = value_blocks(BH, Dv);
+  const int64_t nb = value_blocks(BH, L, Dv);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_backward", [&] {
     if (nb > 1) {
       return backward_value_blocks<scalar_t>(
