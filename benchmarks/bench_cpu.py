@@ -206,7 +206,8 @@ def print_side_by_side(results: dict) -> None:
     print("\nmode='auto' table (fwp_kernels/chunk.py _CPU_AUTO), from this run:")
     for th, r in runs.items():
         widths = tuple((int(D[1:]), row["best_chunk_size"]) for D, row in r["auto_table"].items())
-        t1 = {D: row["T1_ms"] for D, row in r["auto_table"].items()}
+        t1 = "; ".join(f"{D} step loop {row['T1_ms']['step_loop']:.3f}, decode_step {row['T1_ms']['decode_step']:.3f}"
+                       for D, row in r["auto_table"].items())
         print(f"    {th}: CpuAutoChoice(recurrent_max_t=0, chunk_sizes={widths}),  # T = 1 ms: {t1}")
 
 
