@@ -22,7 +22,9 @@ On CPU the forward and the backward run in a C++ kernel instead (csrc/chunk_delt
 (``ChunkRule.cpp``): per sequence, chunk by chunk, it solves ``(I + A) U' = diag(beta) (V - K S^T)`` with one
 triangular solve and calls the BLAS for every product, so the sequential pass costs no Python or dispatcher time and
 T, W, U are never formed; its backward recomputes the states entering the chunks (one per chunk, per sequence) and
-runs the transposed pass in the same loop. float16 / bfloat16 inputs go through it in float32. Without the build the
+runs the transposed pass in the same loop; with fewer sequences than threads it splits the value columns over
+threads, and one position (a decode step) is one pass over the state (``decode_step``). float16 / bfloat16 inputs go
+through it in float32. Without the build the
 PyTorch path above runs: silently when there is no compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning
 when a build fails. A saved model folder carries the C++ source (``chunk_delta.cpp`` and the string of
 ``chunk_delta_csrc.py``, written by ``modeling_fwp.remote_code``) and builds it the same way.
@@ -217,7 +219,8 @@ try:  # inside a saved model folder the C++ source travels as a string (transfor
 except ImportError:  # the installed package: the source is csrc/chunk_delta.cpp
     _EMBEDDED_SOURCE = None
 _CPU_KERNEL = register_cpu_kernel(
-    "chunk_delta", _EMBEDDED_SOURCE, "fwp_chunk", "chunk_forward", ["-O3"], "the PyTorch chunked kernel (slower on CPU)"
+    "chunk_delta", _EMBEDDED_SOURCE, "fwp_chunk", "chunk_forward", ["-O3", "-fopenmp-simd"],
+    "the PyTorch chunked kernel (slower on CPU)",
 )
 _SOURCE = _CPU_KERNEL.source_path
 # Which CPU path the chunked kernels take (see CompiledCpuKernel.describe), and the build on first use (False: the
@@ -237,8 +240,27 @@ def _op_beta(gates: Tuple[torch.Tensor, ...]) -> Optional[torch.Tensor]:
     return beta
 
 
+def _decode_cpu(q, k, v, gates, initial_state) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One position (T = 1) of every head in one C++ call that reads each row of the state once and writes it once
+    (``decode_step`` in csrc/chunk_delta.cpp): ``[B, H, 1, D]`` inputs -> o ``[B, H, 1, Dv]``, state ``[B, H, Dv, Dk]``.
+    """
+    acc = acc_dtype(q, k, v, initial_state, *gates)
+    B, H, _, Dk = q.shape
+    Dv = v.shape[-1]
+    q1, k1, v1 = (x.reshape(B * H, x.shape[-1]).to(acc).contiguous() for x in (q, k, v))
+    beta = _op_beta(gates)
+    beta = None if beta is None else beta.reshape(B * H).to(acc).contiguous()
+    state = None if initial_state is None else initial_state.reshape(B * H, Dv, Dk).to(acc).contiguous()
+    new_state = q.new_empty(B, H, Dv, Dk, dtype=acc)  # never written in place: the caller's state stays
+    o = q.new_empty(B, H, 1, Dv, dtype=acc)
+    torch.ops.fwp_chunk.decode_step(q1, k1, v1, beta, state, new_state, o)
+    return o.to(q.dtype), new_state
+
+
 def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The C++ forward: ``[B, H, T, D]`` inputs -> o ``[B, H, T, Dv]`` (q's dtype), final state ``[B, H, Dv, Dk]``."""
+    if q.shape[2] == 1:
+        return _decode_cpu(q, k, v, gates, initial_state)
     acc = acc_dtype(q, k, v, initial_state, *gates)
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
@@ -317,27 +339,63 @@ class ChunkFastWeightFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------
 # mode "chunk" in the dispatcher: which kernel, and when "auto" takes it
 
-# mode="auto": inputs up to this many positions run as a step loop, longer ones chunkwise.
-# CPU, measured (benchmarks/bench_kernels.py, fp32, D = 64, B*H = 8 and 32, one thread): the C++ chunk
-# kernel (csrc/chunk_delta.cpp) is faster than the loop from T = 2 on and ties with it at T = 1;
-# without it, the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop.
-# CUDA, estimated (no GPU was available to measure): a step costs ~5 kernel launches, the Triton
+class CpuAutoChoice(NamedTuple):
+    """What mode="auto" runs on CPU with the C++ kernel at one torch thread count."""
+
+    recurrent_max_t: int  # the step loop up to this many positions (0: never; T = 1 is the C++ decode step)
+    chunk_sizes: Tuple[Tuple[int, int], ...]  # (head width max(Dk, Dv) up to, chunk size); wider: the caller's
+
+
+# mode="auto" on CPU with the C++ kernel, by torch thread count (more threads than listed: the last row). Regenerated
+# by `python benchmarks/bench_cpu.py` ("auto_table": B*H = 8, fp32, forward and forward + backward), which prints
+# the rows. Measured, process CPU time, one thread, on a loaded machine (load 9-10, s24-cpu), B*H = 8, forward /
+# forward + backward ms, delta rule then sum rule:
+#   D = 64,  T = 4096:  C=16 15.8 / 72.9, 9.7 / 44.4;   C=32 17.5 / 79.3, 10.5 / 49.0;   C=64 23.4 / 96.8, 12.0 / 49.3
+#   D = 128, T = 2048:  C=16 21.9 / 110.9, 15.1 / 62.6; C=32 23.8 / 104.6, 15.2 / 65.0; C=64 29.8 / 123.2, 17.5 / 68.7
+# (a quiet run, benchmarks/results/bench_kernels.json at bd87491: D = 64, C=32 18.7 / 76.6, C=64 24.0 / 96.2 ms).
+# Short T: the chunk kernel beats the step loop from T = 2 (0.062 vs 0.089 ms, same file); T = 1, the decode step
+# (csrc decode_step) vs the step loop: 0.029 vs 0.042 ms (B*H = 8, D = 64), 0.091 vs 0.116 ms (B*H = 16, D = 128).
+# Two threads: rough wall times on the loaded machine only (the lead reruns bench_cpu.py on a quiet one); the decode
+# step 0.028 vs 0.059 ms (B*H = 8, D = 64); the one-thread chunk sizes are kept.
+_CPU_AUTO = {
+    1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
+    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
+}
+# CPU without the C++ kernel: the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop
+# (same benchmark). CUDA, estimated (no GPU was available to measure): a step costs ~5 kernel launches, the Triton
 # forward two, so only single-token decode steps stay on the loop.
-_RECURRENT_MAX_T = {"cpu": 1, "cuda": 1}
-_RECURRENT_MAX_T_CPU_PYTORCH = 3  # CPU when the C++ chunk kernel is not built
+_RECURRENT_MAX_T_CPU_PYTORCH = 3
+_RECURRENT_MAX_T = {"cuda": 1}
 _RECURRENT_MAX_T_DEFAULT = 3
+
+
+def cpu_auto_choice(threads: Optional[int] = None) -> CpuAutoChoice:
+    """The row of the measured table for `threads` (default: torch's current intra-op thread count)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return _CPU_AUTO.get(threads, _CPU_AUTO[max(_CPU_AUTO)] if threads > max(_CPU_AUTO) else _CPU_AUTO[1])
 
 
 def _recurrent_max_t(device: torch.device) -> int:
     if device.type == "cpu":
-        return _RECURRENT_MAX_T["cpu"] if cpu_kernel_available() else _RECURRENT_MAX_T_CPU_PYTORCH
+        return cpu_auto_choice().recurrent_max_t if cpu_kernel_available() else _RECURRENT_MAX_T_CPU_PYTORCH
     return _RECURRENT_MAX_T.get(device.type, _RECURRENT_MAX_T_DEFAULT)
 
 
 def auto_mode(T: int, device: torch.device) -> str:
-    """mode="auto" of the chunkwise rules: decode steps (and very short inputs) are cheapest as a plain step, longer
-    inputs use the chunkwise-parallel form."""
-    return "recurrent" if T <= 1 or T <= _recurrent_max_t(device) else "chunk"
+    """mode="auto" of the chunkwise rules: the step loop up to the measured crossover (on CPU with the C++ kernel
+    never: a decode step is its one-pass ``decode_step``), the chunkwise-parallel form above it."""
+    return "recurrent" if T <= _recurrent_max_t(device) else "chunk"
+
+
+def auto_chunk_size(device: torch.device, head_width: int, chunk_size: int) -> int:
+    """mode="auto"'s chunk size for heads ``head_width = max(Dk, Dv)`` wide: the measured table's on CPU with the C++
+    kernel, for widths it covers; else the caller's `chunk_size` (e.g. the Fast Weight Layers' vocabulary-wide heads).
+    """
+    if device.type == "cpu" and cpu_kernel_available():
+        for width, size in cpu_auto_choice().chunk_sizes:
+            if head_width <= width:
+                return size
+    return chunk_size
 
 
 def chunk_kernel_finder(torch_kernel, triton_kernel: str) -> KernelFinder:

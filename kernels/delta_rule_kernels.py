@@ -16,7 +16,16 @@ from typing import Optional, Tuple
 
 import torch
 
-from .chunk import ChunkFastWeightFunction, ChunkRule, Intra, auto_mode, bmm, chunk_kernel_finder, unit_lower_inverse
+from .chunk import (
+    ChunkFastWeightFunction,
+    ChunkRule,
+    Intra,
+    auto_chunk_size,
+    auto_mode,
+    bmm,
+    chunk_kernel_finder,
+    unit_lower_inverse,
+)
 from .dispatch import (
     Recurrence,
     acc_dtype,
@@ -180,7 +189,8 @@ def delta_rule(
         initial_state: ``[B, H, Dv, Dk]`` or None (zeros).
         output_final_state: return the final ``[B, H, Dv, Dk]`` float32 state.
         mode: "recurrent" (step loop), "chunk" (chunkwise-parallel) or "auto".
-        chunk_size: chunk length for mode "chunk" (any T works; the last chunk is padded internally).
+        chunk_size: chunk length for mode "chunk" (any T works; the last chunk is padded internally); mode "auto" on
+            CPU with the C++ kernel takes the measured one for heads up to 128 wide (`chunk.auto_chunk_size`).
         mask: ``[B, T]`` or None; 0 marks padding, where k and beta are zeroed, so that nothing is written (the
             outputs there are of no use).
     Returns:
@@ -188,6 +198,8 @@ def delta_rule(
     """
     check_fast_weight_inputs(q, k, v, initial_state, chunk_size, mask, beta=beta)
     kernel = select_kernel(DELTA_RULE, mode, q.shape[2], q.device)
+    if mode == "auto":  # the measured chunk size (chunk.auto_chunk_size)
+        chunk_size = auto_chunk_size(q.device, max(q.shape[-1], v.shape[-1]), chunk_size)
     if mask is not None:
         k, beta = mask_positions(mask, k, beta)
     return kernel(q, k, v, beta, initial_state, output_final_state, chunk_size)

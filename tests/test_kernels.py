@@ -293,7 +293,7 @@ def test_chunked_prefill_then_recurrent_decode(rule):
 
         o_pre, state = part(slice(0, 70), inputs["initial_state"], "chunk")  # prefill, chunked
         outs = [o_pre]
-        for t in range(70, 80):  # decode steps, recurrent ("auto" with T = 1)
+        for t in range(70, 80):  # decode steps ("auto" with T = 1: the C++ decode step on CPU)
             o_t, state = part(slice(t, t + 1), state, "auto")
             outs.append(o_t)
         o_rest, state = part(slice(80, 90), state, "chunk")  # a second chunked prefill
@@ -354,18 +354,76 @@ def test_chunk_backward_saves_no_per_step_state(rule):
 
 
 def test_auto_mode_resolution():
+    from fwp_kernels import chunk
+
     cpu = torch.device("cpu")
-    assert _resolve_mode("auto", 1, cpu) == "recurrent"  # decode step
+    built = chunk.cpu_kernel_available()
+    # a decode step: the C++ one-pass decode step (mode "chunk" with T = 1) when built, else the step loop
+    assert _resolve_mode("auto", 1, cpu) == ("chunk" if built else "recurrent")
     assert _resolve_mode("auto", 512, cpu) == "chunk"
     assert _resolve_mode("auto", 1, torch.device("cuda")) == "recurrent"
     assert _resolve_mode("auto", 512, torch.device("cuda")) == "chunk"
     assert _resolve_mode("recurrent", 512, cpu) == "recurrent"
     assert _resolve_mode("chunk", 1, cpu) == "chunk"
     # Two positions: chunkwise with the C++ chunk kernel (faster from T = 2 on), a step loop without it.
+    assert _resolve_mode("auto", 2, cpu) == ("chunk" if built else "recurrent")
+    assert _resolve_mode("auto", 4, cpu) == "chunk"
+
+
+def test_auto_chunk_size_from_the_measured_table(monkeypatch):
+    """mode="auto" on CPU takes the table's chunk size for heads it covers and the caller's for wider ones (the
+    Fast Weight Layers' vocabulary-wide heads); without the C++ kernel always the caller's."""
     from fwp_kernels import chunk
 
-    assert _resolve_mode("auto", 2, cpu) == ("chunk" if chunk.cpu_kernel_available() else "recurrent")
-    assert _resolve_mode("auto", 4, cpu) == "chunk"
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: True)
+    for threads in (1, 2, 8):
+        row = chunk.cpu_auto_choice(threads)
+        for width, size in row.chunk_sizes:
+            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+            assert chunk.auto_chunk_size(cpu, width, 64) == size
+        assert chunk.auto_chunk_size(cpu, row.chunk_sizes[-1][0] + 1, 256) == 256
+    assert chunk.cpu_auto_choice(8) == chunk._CPU_AUTO[max(chunk._CPU_AUTO)]
+    monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: False)
+    assert chunk.auto_chunk_size(cpu, 64, 64) == 64
+
+
+def _with_threads(threads, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_cpp_kernel_fewer_sequences_than_threads(rule, threads, dtype):
+    """B*H = 1 < 2 threads: the C++ kernel splits the value columns over tasks (partial dq, dk, dbeta summed);
+    forward and backward against the float64 step loop, at 1 and 2 threads. Dv = 40: blocks of 20 columns."""
+    _cpp_kernel_or_skip()
+    inputs, ref = case(rule, 1, 1, 150, 32, 40, dtype, seed=5)
+    got = _with_threads(threads, lambda: outputs_and_grads(rule, inputs, mode="chunk", chunk_size=32))
+    assert_close(got, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("state", [True, False])
+def test_decode_step_matches_step_loop(rule, threads, dtype, state):
+    """T = 1 through mode "auto" (the C++ decode step on CPU, one pass over the state): output, new state and every
+    gradient (the backward is the chunk kernel's) against the float64 step loop; the caller's state is unchanged."""
+    inputs = make_inputs(rule, 2, 3, 1, 32, 24, dtype, seed=7, state=state)
+    ref = reference(rule, inputs)
+    before = None if not state else inputs["initial_state"].detach().clone()
+    got = _with_threads(threads, lambda: outputs_and_grads(rule, inputs, mode="auto"))
+    assert got["o"].dtype == dtype and got["o"].shape == inputs["v"].shape
+    assert_close(got, ref, TOL[dtype])
+    if state:
+        assert torch.equal(inputs["initial_state"].detach(), before)
 
 
 # ---------------------------------------------------------------------------------------------------

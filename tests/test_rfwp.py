@@ -100,6 +100,22 @@ def test_cpu_kernel_matches_step_loop(kind, with_mask):
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("kind", ["rnn_b", "lstm_c", "rdn"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_matches_step_loop_at_1_and_2_threads(kind, threads):
+    """The fused scans run one (batch, head) sequence per task of at::parallel_for over every torch thread."""
+    x = scan_inputs(kind)
+    expected = outputs_and_grads(kind, x, "recurrent", padding_mask(2, 9))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = outputs_and_grads(kind, x, "fused", padding_mask(2, 9))
+    finally:
+        torch.set_num_threads(before)
+    assert_close_dicts(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@needs_cpu_kernel
 @pytest.mark.parametrize("kind", KINDS)
 def test_cpu_kernel_gradcheck_float64(kind):
     x = scan_inputs(kind, B=1, H=1, T=3, D=3, dtype=torch.float64, seed=3)

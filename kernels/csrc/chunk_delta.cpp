@@ -262,7 +262,8 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q
 
 // Runs f(begin, end) over the sequences: in parallel (one sequence per task) when there are at least as
 // many sequences as threads, else in the calling thread, where the BLAS may use the threads itself (few,
-// long sequences with large heads).
+// long sequences with large heads). Inside at::parallel_for each BLAS call runs single-threaded (an OpenMP
+// parallel region does not nest, and MKL runs sequentially inside one): no oversubscription.
 template <typename F>
 void for_sequences(int64_t BH, const F& f) {
   if (BH >= at::get_num_threads()) {
@@ -270,6 +271,28 @@ void for_sequences(int64_t BH, const F& f) {
   } else {
     f(0, BH);
   }
+}
+
+// Fewer sequences than threads: the value dimension is cut into blocks of columns, one task per (sequence, block).
+// Both rules act on each column of V (row of the state S [Dv, Dk]) on its own given the keys, queries and beta:
+// in (I + A) U' = diag(beta) (V - K S^T), O = Q S^T + P U', S' = S + U'^T K, column j of U' and O and row j of
+// S read only column j of V and row j of S. Each block recomputes the key-only products (P, A) of its chunks.
+// At least 16 columns per block, and only for sequences of at least 64 positions (below that a task is a few
+// microseconds, the cost of starting one). 1: no split.
+inline int64_t value_blocks(int64_t BH, int64_t L, int64_t Dv) {
+  const int64_t threads = at::get_num_threads();
+  if (BH >= threads || L < 64) return 1;
+  return std::max<int64_t>(1, std::min((threads + BH - 1) / BH, Dv / 16));
+}
+
+// Columns [j0, j0 + n) of a row-major x [L, ld] into the contiguous out [L, n], and back.
+template <typename T>
+void gather_columns(const T* x, int64_t L, int64_t ld, int64_t j0, int64_t n, T* out) {
+  for (int64_t t = 0; t < L; ++t) std::memcpy(out + t * n, x + t * ld + j0, sizeof(T) * n);
+}
+template <typename T>
+void scatter_columns(const T* x, int64_t L, int64_t ld, int64_t j0, int64_t n, T* out) {
+  for (int64_t t = 0; t < L; ++t) std::memcpy(out + t * ld + j0, x + t * n, sizeof(T) * n);
 }
 
 void check(const at::Tensor& x, const at::Tensor& like, const char* name) {
@@ -290,6 +313,68 @@ static ChunkShapes chunk_shapes(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(std::max({L * std::max(Dk, Dv), C * C, Dv * Dk}) < std::numeric_limits<int>::max(),
               "fwp_chunk: sizes exceed the 32-bit BLAS interface");
   return {BH, L, Dk, Dv, C, N};
+}
+
+// The forward of value_blocks(BH, L, Dv) = nb > 1 column blocks, one task per (sequence, block): see value_blocks.
+template <typename T>
+void forward_value_blocks(const ChunkShapes& s, int64_t nb, const T* q, const T* k, const T* v, const T* beta, T* S,
+                          T* o) {
+  at::parallel_for(0, s.BH * nb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> buf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
+      buf.resize(2 * s.L * n + chunk_workspace(s.C, s.Dk, n));
+      T* vb = buf.data();  // the block's columns of V, then of O   [L, n] each
+      T* ob = vb + s.L * n;
+      gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
+      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, q + bh * s.L * s.Dk, k + bh * s.L * s.Dk, vb,
+                           beta != nullptr ? beta + bh * s.L : nullptr, S + (bh * s.Dv + j0) * s.Dk, ob, nullptr,
+                           nullptr, ob + s.L * n);
+      scatter_columns(ob, s.L, s.Dv, j0, n, o + bh * s.L * s.Dv);
+    }
+  });
+}
+
+// The backward in nb > 1 column blocks. dV and the rows of dS split like V and S; dQ, dK and dbeta are sums over
+// the value columns (dQ = dO S + dP K, dP = tril(dO U'^T), ...): each block writes its part, summed at the end.
+template <typename T>
+void backward_value_blocks(const ChunkShapes& s, int64_t nb, const at::Tensor& q, const at::Tensor& k, const T* v,
+                           const T* beta, const T* s0, const T* dout, T* dS, const at::Tensor& dq,
+                           const at::Tensor& dk, T* dv, const std::optional<at::Tensor>& dbeta) {
+  const at::Tensor dq_parts = q.new_empty({nb, s.BH, s.L, s.Dk});
+  const at::Tensor dk_parts = q.new_empty({nb, s.BH, s.L, s.Dk});
+  const at::Tensor db_parts = q.new_empty({nb, s.BH, s.L});
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>();
+  T *dqp = dq_parts.data_ptr<T>(), *dkp = dk_parts.data_ptr<T>(), *dbp = db_parts.data_ptr<T>();
+  at::parallel_for(0, s.BH * nb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> buf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
+      const int64_t work = std::max(chunk_workspace(s.C, s.Dk, n), chunk_backward_workspace(s.C, s.Dk, n));
+      buf.resize(4 * s.L * n + (s.N + 1) * n * s.Dk + work);
+      T* vb = buf.data();         // the block's columns of V, dO, dV and U'   [L, n] each
+      T* dob = vb + s.L * n;
+      T* dvb = dob + s.L * n;
+      T* u_new = dvb + s.L * n;
+      T* entering = u_new + s.L * n;  // the block's rows of the state entering each chunk   [N, n, Dk]
+      T* state = entering + s.N * n * s.Dk;
+      gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
+      gather_columns(dout + bh * s.L * s.Dv, s.L, s.Dv, j0, n, dob);
+      std::memcpy(state, s0 + (bh * s.Dv + j0) * s.Dk, sizeof(T) * n * s.Dk);
+      const T* qs = qp + bh * s.L * s.Dk;
+      const T* ks = kp + bh * s.L * s.Dk;
+      const T* bs = beta != nullptr ? beta + bh * s.L : nullptr;
+      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, state, nullptr, entering, u_new, state + n * s.Dk);
+      const int64_t part = j * s.BH + bh;
+      chunk_backward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, entering, u_new, dob, dS + (bh * s.Dv + j0) * s.Dk,
+                            dqp + part * s.L * s.Dk, dkp + part * s.L * s.Dk, dvb, dbp + part * s.L,
+                            state + n * s.Dk);
+      scatter_columns(dvb, s.L, s.Dv, j0, n, dv + bh * s.L * s.Dv);
+    }
+  });
+  dq.copy_(dq_parts.sum(0));
+  dk.copy_(dk_parts.sum(0));
+  if (dbeta.has_value()) dbeta->copy_(db_parts.sum(0).view_as(*dbeta));
 }
 
 // q, k [BH, L, Dk], v [BH, L, Dv], beta [BH, L] or None (sum rule); S [BH, Dv, Dk]: initial state in,
@@ -319,7 +404,14 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     check(*u_new, q, "u_new");
     TORCH_CHECK(u_new->numel() == BH * L * Dv, "fwp_chunk: u_new must be [BH, L, Dv]");
   }
+  // the states entering the chunks and U' are kept only by the backward's own call, which splits by itself
+  const int64_t nb = o.has_value() && !entering.has_value() && !u_new.has_value() ? value_blocks(BH, L, Dv) : 1;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_forward", [&] {
+    if (nb > 1) {
+      return forward_value_blocks<scalar_t>(
+          shapes, nb, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+          beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr, S.data_ptr<scalar_t>(), o->data_ptr<scalar_t>());
+    }
     for_sequences(BH, [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> work(chunk_workspace(C, Dk, Dv));
       for (int64_t bh = begin; bh < end; ++bh) {
@@ -354,7 +446,14 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     check(*dbeta, q, "dbeta");
     TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
+  const int64_t nb = value_blocks(BH, L, Dv);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_backward", [&] {
+    if (nb > 1) {
+      return backward_value_blocks<scalar_t>(
+          shapes, nb, q, k, v.data_ptr<scalar_t>(), beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr,
+          s0.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), dS.data_ptr<scalar_t>(), dq, dk,
+          dv.data_ptr<scalar_t>(), dbeta);
+    }
     for_sequences(BH, [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> work(std::max(chunk_workspace(C, Dk, Dv), chunk_backward_workspace(C, Dk, Dv)));
       std::vector<scalar_t> entering(N * Dv * Dk), state(Dv * Dk);
@@ -377,6 +476,70 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
+// One position for every sequence (decoding), each row of the state read and written once. Row i of S [Dv, Dk]
+// (value i) with the key k, query q:
+//   delta rule (eqs. 20, 24, 25):  d_i = beta (v_i - S_i k),  S'_i = S_i + d_i k^T,  o_i = S'_i q = S_i q + d_i (k q)
+//   sum rule (eqs. 10-11):          d_i = v_i
+// q, k [BH, Dk], v [BH, Dv], beta [BH] or None (sum rule), S [BH, Dv, Dk] or None (zeros); writes S_out (may be S)
+// and o [BH, Dv]. Rows in parallel over threads.
+template <typename T>
+void decode_rows(int64_t r0, int64_t r1, int64_t Dv, int64_t Dk, const T* q, const T* k, const T* v, const T* beta,
+                 const T* S, T* S_out, T* o) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t bh = r / Dv;
+    const T* kk = k + bh * Dk;
+    const T* qq = q + bh * Dk;
+    T* So = S_out + r * Dk;
+    T sk = 0, sq = 0, kq = 0;
+    if (S != nullptr) {
+      const T* Si = S + r * Dk;
+#pragma omp simd reduction(+ : sk, sq)
+      for (int64_t j = 0; j < Dk; ++j) {
+        sk += Si[j] * kk[j];
+        sq += Si[j] * qq[j];
+      }
+    }
+#pragma omp simd reduction(+ : kq)
+    for (int64_t j = 0; j < Dk; ++j) kq += kk[j] * qq[j];
+    const T d = beta != nullptr ? beta[bh] * (v[r] - sk) : v[r];
+    if (S != nullptr) {
+      const T* Si = S + r * Dk;
+#pragma omp simd
+      for (int64_t j = 0; j < Dk; ++j) So[j] = Si[j] + d * kk[j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < Dk; ++j) So[j] = d * kk[j];
+    }
+    o[r] = sq + d * kq;
+  }
+}
+
+void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& beta,
+                 const std::optional<at::Tensor>& S, const at::Tensor& S_out, const at::Tensor& o) {
+  TORCH_CHECK(q.dim() == 2 && k.sizes() == q.sizes() && v.dim() == 2 && v.size(0) == q.size(0),
+              "fwp_chunk.decode_step: q, k must be [BH, Dk] and v [BH, Dv]");
+  const int64_t BH = q.size(0), Dk = q.size(1), Dv = v.size(1);
+  for (auto* x : {&k, &v, &S_out, &o}) check(*x, q, "input");
+  TORCH_CHECK(S_out.numel() == BH * Dv * Dk && o.numel() == BH * Dv, "fwp_chunk.decode_step: inconsistent shapes");
+  if (S.has_value()) {
+    check(*S, q, "S");
+    TORCH_CHECK(S->numel() == BH * Dv * Dk, "fwp_chunk.decode_step: S must be [BH, Dv, Dk]");
+  }
+  if (beta.has_value()) {
+    check(*beta, q, "beta");
+    TORCH_CHECK(beta->numel() == BH, "fwp_chunk.decode_step: beta must be [BH]");
+  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_step", [&] {
+    const scalar_t* Sp = S.has_value() ? S->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* bp = beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr;
+    // about 16K state elements per task: a task's rows stay in L1/L2, small states run in the calling thread
+    at::parallel_for(0, BH * Dv, std::max<int64_t>(1, 16384 / std::max<int64_t>(Dk, 1)), [&](int64_t r0, int64_t r1) {
+      decode_rows<scalar_t>(r0, r1, Dv, Dk, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                            bp, Sp, S_out.data_ptr<scalar_t>(), o.data_ptr<scalar_t>());
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fwp_chunk, m) {
@@ -386,9 +549,11 @@ TORCH_LIBRARY(fwp_chunk, m) {
   m.def(
       "chunk_backward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor s0, int chunk_size, Tensor dout, "
       "Tensor(a!) dS, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv, Tensor(e!)? dbeta) -> ()");
+  m.def("decode_step(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor? S, Tensor(a!) S_out, Tensor(b!) o) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fwp_chunk, CPU, m) {
   m.impl("chunk_forward", &chunk_forward);
   m.impl("chunk_backward", &chunk_backward);
+  m.impl("decode_step", &decode_step);
 }

@@ -1,0 +1,239 @@
+"""CPU speed of the chunkwise fast-weight kernels against this machine's limits, at 1 and 2 threads, in one run.
+
+    python benchmarks/bench_cpu.py            # a few minutes on an idle 2-core CPU
+    python benchmarks/bench_cpu.py --quick    # tiny sizes, a few seconds: checks that it runs
+
+Prints, and writes to benchmarks/results/bench_cpu.json (``--out``; ``training.result_file.RunRecord``: command,
+versions, machine, load average before and after), for each thread count side by side:
+
+1. ``peaks``: fp32 and bf16 matmul 2048^3 (GFLOP/s; torch.matmul: MKL for fp32, oneDNN for bf16) and the memory read
+   bandwidth (GB/s, ``x.sum()`` over 512 MB).
+2. ``kernels``: B=1 H=8 T=4096 D=64, forward and forward + backward of the delta and sum rules (C = 16, 32, 64 and
+   ``mode="auto"``), bf16 inputs through the same kernels, and transformers' ``torch_chunk_gated_delta_rule`` (g = 0,
+   the same delta rule: ``bench_kernels.hf_delta_rule``): ms, achieved GFLOP/s over the fp32 peak
+   (``bench_kernels.chunk_flops``), ratio to transformers', and thread scaling (1-thread time / 2-thread time).
+3. ``delta_net_1b3``: the 1.3B Delta Net shape (hidden 2048, 16 heads of 128, 24 layers), the fast-weight kernel only:
+   prefill of 2048 tokens (tokens/s, 24 layers of ``delta_rule(mode="auto")``) against the matmul bound (its FLOPs at
+   the fp32 peak), and decode (ms/token: 24 layers of one-token ``delta_rule(mode="auto")``, each with its own state)
+   against the bandwidth bound (each layer's fp32 state read and written once, at the read bandwidth). The bound of the
+   whole model's decode (1.3e9 fp32 weights read per token, plus the states) is printed beside it.
+4. ``auto_table``: the chunk size with the least forward + (forward + backward) time per head width (64, 128), B*H = 8,
+   and the T = 1 decode step against the step loop: the rows of ``fwp_kernels.chunk._CPU_AUTO`` (printed as code).
+
+Times are medians over the rounds (best beside them in the file); every function runs once per round.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import chunk_flops, hf_delta_rule, make_inputs, timings  # noqa: E402
+from fwp_kernels import chunk, delta_rule, linear_attention  # noqa: E402
+from fwp_kernels.delta_rule_kernels import delta_rule_recurrent  # noqa: E402
+from training.result_file import RunRecord  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_cpu.json"
+THREADS = (1, 2)
+CHUNKS = (16, 32, 64)
+MODEL_1B3 = {"hidden": 2048, "heads": 16, "head_dim": 128, "layers": 24, "params": 1.3e9}
+
+
+def sizes(quick: bool) -> dict:
+    """Problem sizes: the real ones, or tiny ones for --quick."""
+    if quick:
+        return {"matmul": 256, "bandwidth_mb": 16, "T": 256, "prefill_T": 128, "table_T": 128, "repeats": 2}
+    return {"matmul": 2048, "bandwidth_mb": 512, "T": 4096, "prefill_T": 2048, "table_T": 2048, "repeats": 5}
+
+
+def median_ms(summary: dict) -> float:
+    return summary["median"] * 1e3
+
+
+def peaks(size: dict) -> dict:
+    """fp32 / bf16 matmul GFLOP/s and read bandwidth GB/s at the current thread count."""
+    n = size["matmul"]
+    a32, b32 = torch.randn(n, n), torch.randn(n, n)
+    a16, b16 = a32.bfloat16(), b32.bfloat16()
+    x = torch.ones(size["bandwidth_mb"] * 2**20 // 4)
+    t = timings({"fp32": lambda: a32 @ b32, "bf16": lambda: a16 @ b16, "read": lambda: x.sum()}, size["repeats"])
+    flop = 2 * n**3
+    return {
+        "matmul_fp32_gflops": flop / t["fp32"]["median"] / 1e9,
+        "matmul_bf16_gflops": flop / t["bf16"]["median"] / 1e9,
+        "read_gbs": x.numel() * 4 / t["read"]["median"] / 1e9,
+        "timings": t,
+    }
+
+
+def fwd_bwd(fn):
+    def run():
+        o, s = fn()
+        (o.float().sum() + s.sum()).backward()
+
+    return run
+
+
+def kernel_functions(T: int, hf) -> dict:
+    """The timed calls at B=1 H=8 T D=64: name -> (forward fn, forward + backward fn, flops or None)."""
+    fp32 = make_inputs(1, 8, T, 64, requires_grad=True)
+    bf16 = make_inputs(1, 8, T, 64, dtype=torch.bfloat16, requires_grad=True)
+    fns = {}
+    for C in CHUNKS + ("auto",):
+        mode = dict(mode="auto") if C == "auto" else dict(mode="chunk", chunk_size=C)
+        flops_C = chunk.cpu_auto_choice().chunk_sizes[0][1] if C == "auto" else C
+        for rule in ("delta", "sum"):
+            def call(x=fp32, rule=rule, mode=mode):
+                if rule == "delta":
+                    return delta_rule(*x, output_final_state=True, **mode)
+                return linear_attention(*x[:3], output_final_state=True, **mode)
+
+            fns[f"{rule}_C{C}"] = (call, fwd_bwd(call), chunk_flops(rule, 1, 8, T, 64, 64, flops_C))
+    bf16_call = lambda: delta_rule(*bf16, output_final_state=True)  # noqa: E731
+    fns["delta_auto_bf16"] = (bf16_call, fwd_bwd(bf16_call), fns["delta_Cauto"][2])
+    if hf is not None:
+        hf_call = lambda: hf(*fp32)  # noqa: E731
+        fns["delta_hf"] = (hf_call, fwd_bwd(hf_call), None)
+    return fns
+
+
+def kernels(size: dict, hf, peak: dict) -> dict:
+    """Forward and forward + backward times, GFLOP/s, share of the fp32 peak, ratio to transformers'."""
+    fns = kernel_functions(size["T"], hf)
+    with torch.no_grad():
+        fwd = timings({name: f[0] for name, f in fns.items()}, size["repeats"])
+    both = timings({name: f[1] for name, f in fns.items()}, max(2, size["repeats"] - 2))
+    out = {}
+    for name, (_, _, flops) in fns.items():
+        row = {"forward_ms": median_ms(fwd[name]), "fwd_bwd_ms": median_ms(both[name]),
+               "forward_timings": fwd[name], "fwd_bwd_timings": both[name]}
+        if flops is not None:
+            row["forward_gflops"] = flops / fwd[name]["median"] / 1e9
+            row["forward_of_fp32_peak"] = row["forward_gflops"] / peak["matmul_fp32_gflops"]
+        if "delta_hf" in fns and name.startswith("delta"):
+            row["forward_vs_hf"] = median_ms(fwd["delta_hf"]) / row["forward_ms"]
+            row["fwd_bwd_vs_hf"] = median_ms(both["delta_hf"]) / row["fwd_bwd_ms"]
+        out[name] = row
+    return out
+
+
+def delta_net_1b3(size: dict, peak: dict) -> dict:
+    """Prefill tokens/s and decode ms/token of the fast-weight kernel of the 1.3B Delta Net shape, with bounds."""
+    H, D, layers, T = MODEL_1B3["heads"], MODEL_1B3["head_dim"], MODEL_1B3["layers"], size["prefill_T"]
+    prefill = make_inputs(1, H, T, D)
+    steps = [make_inputs(1, H, 1, D, seed=layer + 1) for layer in range(layers)]
+    states = [0.1 * torch.randn(1, H, D, D) for _ in range(layers)]
+
+    def decode_token():
+        for layer in range(layers):
+            states[layer] = delta_rule(*steps[layer], initial_state=states[layer], output_final_state=True)[1]
+
+    with torch.no_grad():
+        t = timings({"prefill_layer": lambda: delta_rule(*prefill, output_final_state=True),
+                     "decode_token": decode_token}, size["repeats"])
+    C = chunk.auto_chunk_size(torch.device("cpu"), D, 64)
+    flops = layers * chunk_flops("delta", 1, H, T, D, D, C)
+    state_bytes = H * D * D * 4  # one layer's fp32 state
+    decode_bound_s = layers * 2 * state_bytes / (peak["read_gbs"] * 1e9)  # read once, written once
+    model_bound_s = (MODEL_1B3["params"] * 4 + layers * 2 * state_bytes) / (peak["read_gbs"] * 1e9)
+    prefill_s = layers * t["prefill_layer"]["median"]
+    return {
+        "prefill_T": T, "chunk_size": C,
+        "prefill_tokens_per_s": T / prefill_s,
+        "prefill_matmul_bound_tokens_per_s": T / (flops / (peak["matmul_fp32_gflops"] * 1e9)),
+        "decode_ms_per_token": median_ms(t["decode_token"]),
+        "decode_bandwidth_bound_ms": decode_bound_s * 1e3,
+        "whole_model_decode_bound_ms": model_bound_s * 1e3,
+        "timings": t,
+    }
+
+
+def auto_table(size: dict) -> dict:
+    """Per head width: forward and fwd + bwd ms per chunk size (delta rule, B*H = 8), the best size; T = 1."""
+    out = {}
+    for D in (64, 128):
+        x = make_inputs(1, 8, size["table_T"], D, requires_grad=True)
+        fns = {f"C{C}": (lambda C=C: delta_rule(*x, output_final_state=True, mode="chunk", chunk_size=C))
+               for C in CHUNKS}
+        with torch.no_grad():
+            fwd = timings(fns, size["repeats"])
+        both = timings({n: fwd_bwd(f) for n, f in fns.items()}, max(2, size["repeats"] - 2))
+        cost = {n: fwd[n]["median"] + both[n]["median"] for n in fns}
+        out[f"D{D}"] = {"forward_ms": {n: median_ms(fwd[n]) for n in fns},
+                        "fwd_bwd_ms": {n: median_ms(both[n]) for n in fns},
+                        "best_chunk_size": int(min(cost, key=cost.get)[1:])}
+        step = make_inputs(1, 8, 1, D)
+        state = 0.1 * torch.randn(1, 8, D, D)
+        with torch.no_grad():
+            t1 = timings({"step_loop": lambda: delta_rule_recurrent(*step, state, True),
+                          "decode_step": lambda: delta_rule(*step, initial_state=state, output_final_state=True)},
+                         10 * size["repeats"])
+        out[f"D{D}"]["T1_ms"] = {n: median_ms(t) for n, t in t1.items()}
+    return out
+
+
+def print_side_by_side(results: dict) -> None:
+    """One table per section, a column per thread count."""
+    runs = {th: results[f"threads_{th}"] for th in THREADS}
+    head = "".join(f"{f'{th} thread(s)':>24}" for th in THREADS)
+    print(f"\n{'peaks':<44}{head}")
+    for key in ("matmul_fp32_gflops", "matmul_bf16_gflops", "read_gbs"):
+        print(f"  {key:<42}" + "".join(f"{r['peaks'][key]:>24.1f}" for r in runs.values()))
+    wide_head = "".join(f"{f'{th} thread(s)':>32}" for th in THREADS)
+    print(f"\n{'kernels, B=1 H=8 D=64 (median ms)':<24}{wide_head}")
+    for name in runs[THREADS[0]]["kernels"]:
+        cells = []
+        for r in runs.values():
+            k = r["kernels"][name]
+            share = f" {100 * k['forward_of_fp32_peak']:.0f}%" if "forward_of_fp32_peak" in k else ""
+            vs = f" {k['forward_vs_hf']:.1f}x" if "forward_vs_hf" in k else ""
+            cells.append(f"{k['forward_ms']:.2f}{share}{vs} | {k['fwd_bwd_ms']:.1f}")
+        print(f"  {name:<22}" + "".join(f"{c:>32}" for c in cells))
+    print("  (forward ms, share of fp32 peak, x transformers' | forward + backward ms)")
+    one, two = runs[THREADS[0]]["kernels"], runs[THREADS[-1]]["kernels"]
+    print("  thread scaling, forward (1 / 2 threads): " + ", ".join(
+        f"{n} {one[n]['forward_ms'] / two[n]['forward_ms']:.2f}x" for n in one))
+    print(f"\n{'1.3B Delta Net shape, kernel only':<44}{head}")
+    for key in ("prefill_tokens_per_s", "prefill_matmul_bound_tokens_per_s", "decode_ms_per_token",
+                "decode_bandwidth_bound_ms", "whole_model_decode_bound_ms"):
+        print(f"  {key:<42}" + "".join(f"{r['delta_net_1b3'][key]:>24.3f}" for r in runs.values()))
+    print("\nmode='auto' table (fwp_kernels/chunk.py _CPU_AUTO), from this run:")
+    for th, r in runs.items():
+        widths = tuple((int(D[1:]), row["best_chunk_size"]) for D, row in r["auto_table"].items())
+        t1 = "; ".join(f"{D} step loop {row['T1_ms']['step_loop']:.3f}, decode_step {row['T1_ms']['decode_step']:.3f}"
+                       for D, row in r["auto_table"].items())
+        print(f"    {th}: CpuAutoChoice(recurrent_max_t=0, chunk_sizes={widths}),  # T = 1 ms: {t1}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that the script runs")
+    parser.add_argument("--out", default=str(RESULTS), help="default: benchmarks/results/bench_cpu.json")
+    args = parser.parse_args()
+    record = RunRecord.start("python benchmarks/bench_cpu.py")
+    size = sizes(args.quick)
+    hf = hf_delta_rule()
+    results = {"quick": args.quick, "sizes": size, "chunk_kernel": chunk.cpu_kernel_status() if
+               chunk.cpu_kernel_available() else f"PyTorch ({chunk.cpu_kernel_status()})"}
+    threads_before = torch.get_num_threads()
+    for th in THREADS:
+        torch.set_num_threads(th)
+        start = time.perf_counter()
+        peak = peaks(size)
+        results[f"threads_{th}"] = {"peaks": peak, "kernels": kernels(size, hf, peak),
+                                    "delta_net_1b3": delta_net_1b3(size, peak), "auto_table": auto_table(size),
+                                    "wall_s": time.perf_counter() - start, "load_average": os.getloadavg()}
+    torch.set_num_threads(threads_before)
+    print_side_by_side(results)
+    path = record.write(args.out, results)
+    print(f"\nwrote {path} (load average {os.getloadavg()[0]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
