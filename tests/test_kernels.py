@@ -13,10 +13,12 @@ gradients of q, k, v, beta and initial_state, against the step loop run in float
   about u (observed 3e-4; x8 margin over u).
 * bfloat16: 1e-2. Likewise with u = 3.9e-3; the gradients also see the bfloat16-rounded output gradient
   (the reference the float64 one), so up to ~2u. Measured <= 3.1e-3 on every CPU case here (dq at T = 1)
-  and 3.3e-3 for the Triton forward under the interpreter (x3 margin). The compiled Triton test on CUDA
+  and 3.3e-3 for the Triton forward under the interpreter (x3 margin); the gated delta rule: <= 3.2e-3 on every
+  CPU case (C++ and PyTorch chunk paths and the step loop alike: dq at T = 1), float16 <= 5.2e-4. The compiled Triton test on CUDA
   keeps the earlier 3e-2 (no GPU was available to measure it).
 
-Inputs are what the models feed: k l2-normalised (delta rule) or non-negative and sum-normalised
+Inputs are what the models feed: k l2-normalised (delta rules; the gated rule's decays exp(g) spread over
+(0.5, 1)) or non-negative and sum-normalised
 (sum rule, as phi(k) with sum normalisation), beta = sigmoid(.), so the recurrences stay bounded.
 """
 from __future__ import annotations
@@ -164,24 +166,33 @@ def test_chunk_long_sequence_float32(rule, chunk_size):
 # compiler is there); these run both, explicitly.
 
 
-def _cpp_kernel_or_skip():
-    from fwp_kernels import chunk
+def _cpp_kernel_modules():
+    """The modules whose ``cpu_kernel_available`` switch the C++ chunk kernels: chunk.py (csrc/chunk_delta.cpp, sum
+    and delta rule) and gated_delta_rule_kernels.py (csrc/chunk_gated_delta.cpp)."""
+    from fwp_kernels import chunk, gated_delta_rule_kernels
 
-    if not chunk.cpu_kernel_available():
-        pytest.skip(f"the C++ chunk kernel is {chunk.cpu_kernel_status()}")
-    return chunk
+    return chunk, gated_delta_rule_kernels
+
+
+def _cpp_kernel_or_skip():
+    for module in _cpp_kernel_modules():
+        if not module.cpu_kernel_available():
+            pytest.skip(f"the C++ chunk kernel of {module.__name__} is {module.cpu_kernel_status()}")
+
+
+def _disable_cpp_kernels(monkeypatch):
+    for module in _cpp_kernel_modules():
+        monkeypatch.setattr(module, "cpu_kernel_available", lambda: False)
 
 
 @pytest.fixture(params=["cpp", "pytorch"])
 def chunk_path(request, monkeypatch):
-    """Runs a test once with the C++ chunk kernel (skipped when it cannot be built) and once with the
+    """Runs a test once with the C++ chunk kernels (skipped when they cannot be built) and once with the
     PyTorch chunked kernel."""
-    from fwp_kernels import chunk
-
     if request.param == "cpp":
         _cpp_kernel_or_skip()
     else:
-        monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: False)
+        _disable_cpp_kernels(monkeypatch)
     return request.param
 
 
@@ -223,28 +234,27 @@ def test_linear_attention_one_chunk_closed_form(dtype, monkeypatch):
 def test_cpp_kernel_agrees_with_pytorch_path(rule, monkeypatch):
     """Same inputs through both paths, float32, T = 300 (no multiple of C), a leaf initial state; also
     that the C++ forward leaves the caller's initial state untouched (it updates a copy in place)."""
-    from fwp_kernels import chunk
-
     _cpp_kernel_or_skip()
     inputs = make_inputs(rule, 2, 2, 300, 64, 64, torch.float32, seed=11)
     state_before = inputs["initial_state"].detach().clone()
     cpp = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=64)
     assert torch.equal(inputs["initial_state"].detach(), state_before)
-    monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: False)
+    _disable_cpp_kernels(monkeypatch)
     torch_path = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=64)
     assert_close(cpp, torch_path, TOL[torch.float32])
 
 
-def test_cpp_kernel_threads_agree():
+@pytest.mark.parametrize("rule", ["delta", "gated"])
+def test_cpp_kernel_threads_agree(rule):
     """One sequence per task of at::parallel_for: 1 and 2 threads give the same bits."""
     _cpp_kernel_or_skip()
-    inputs = make_inputs("delta", 2, 3, 150, 32, 32, torch.float32, seed=2)
+    inputs = make_inputs(rule, 2, 3, 150, 32, 32, torch.float32, seed=2)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = outputs_and_grads("delta", inputs, mode="chunk", chunk_size=32)
+        one = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=32)
         torch.set_num_threads(2)
-        two = outputs_and_grads("delta", inputs, mode="chunk", chunk_size=32)
+        two = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=32)
     finally:
         torch.set_num_threads(threads)
     for name in one:
