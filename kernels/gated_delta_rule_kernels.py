@@ -7,7 +7,8 @@ gate); ``g = 0`` is the delta rule.
 
 Modes (``dispatch.MODES``): "recurrent" (:func:`gated_delta_rule_recurrent`, the step loop), "chunk"
 (:func:`gated_delta_rule_chunk`, the decayed WY representation / UT transform of :class:`GatedDeltaRuleChunks`: the
-C++ kernel ``csrc/chunk_gated_delta.cpp`` on CPU, PyTorch elsewhere), "auto".
+C++ kernel ``csrc/chunk_gated_delta.cpp`` on CPU, PyTorch elsewhere; ``triton_gated_chunk.gated_delta_rule_chunk`` on
+CUDA), "auto".
 
 Layout (DESIGN.md kernel contract): q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, beta and g ``[B, H, T]`` (g the log
 of the decay, normally <= 0), fast weight state ``[B, H, Dv, Dk]`` (the paper's W, read as ``y = W q``), accumulated
@@ -261,7 +262,7 @@ GATED_DELTA_RULE = register(
     Recurrence(
         "gated_delta_rule",
         reference=gated_delta_rule_recurrent,
-        kernels={"chunk": lambda device: gated_delta_rule_chunk},
+        kernels={"chunk": chunk_kernel_finder(gated_delta_rule_chunk, "triton_gated_chunk.gated_delta_rule_chunk")},
         auto=lambda T, device: "recurrent",
     )
 )

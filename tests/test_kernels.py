@@ -577,20 +577,23 @@ TRITON_CASES = [
     (rule, T, chunk_size, Dk, Dv, dtype)
     for rule in ("delta", "sum")
     for T, chunk_size, Dk, Dv, dtype in [(45, 16, 24, 48, "float32"), (40, 32, 32, 72, "bfloat16")]
-]
+] + [("gated", 45, 16, 24, 48, "float32"), ("gated", 20, 16, 16, 16, "bfloat16")]
 
 
 def _triton_errors(cases, device="cpu"):
     """{case id: {tensor name: relative error}} for the Triton forward (+ PyTorch backward)."""
-    from fwp_kernels import triton_chunk
+    from fwp_kernels import triton_chunk, triton_gated_chunk
 
+    functions = {
+        "delta": triton_chunk.delta_rule_chunk,
+        "sum": triton_chunk.linear_attention_chunk,
+        "gated": triton_gated_chunk.gated_delta_rule_chunk,
+    }
     errors = {}
     for rule, T, chunk_size, Dk, Dv, dtype in cases:
         inputs, ref = case(rule, 1, 2, T, Dk, Dv, getattr(torch, dtype), seed=T)
         inputs = {n: None if x is None else x.detach().to(device).requires_grad_() for n, x in inputs.items()}
-        args = [inputs["q"], inputs["k"], inputs["v"]] + ([inputs["beta"]] if rule == "delta" else [])
-        fn = triton_chunk.delta_rule_chunk if rule == "delta" else triton_chunk.linear_attention_chunk
-        o, final = fn(*args, inputs["initial_state"], True, chunk_size)
+        o, final = functions[rule](*positional(rule, inputs), inputs["initial_state"], True, chunk_size)
         assert o.dtype == getattr(torch, dtype) and final.dtype == torch.float32
         g = torch.Generator().manual_seed(1)
         go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)
