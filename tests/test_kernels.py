@@ -32,10 +32,7 @@ import torch.nn.functional as F
 
 from conftest import triton_interpreted_results
 from fwp_kernels import delta_rule, gated_delta_rule, linear_attention
-from fwp_kernels.delta_rule_kernels import DELTA_RULE
 from fwp_kernels.dispatch import RECURRENCES, resolve_mode, select_kernel
-
-_resolve_mode = functools.partial(resolve_mode, DELTA_RULE)  # mode="auto" of the chunkwise rules
 
 RULES = ("delta", "sum", "gated")  # the gated delta rule: g = log-decay
 RULE_FUNCTIONS = {"delta": delta_rule, "sum": linear_attention, "gated": gated_delta_rule}
@@ -369,7 +366,12 @@ def test_chunk_backward_saves_no_per_step_state(rule):
     assert sum(saved) <= input_bytes
 
 
-def test_auto_mode_resolution():
+@pytest.mark.parametrize("rule", ["delta", "gated"])
+def test_auto_mode_resolution(rule, monkeypatch):
+    from fwp_kernels import chunk, gated_delta_rule_kernels
+
+    kernel_module = gated_delta_rule_kernels if rule == "gated" else chunk
+    _resolve_mode = functools.partial(resolve_mode, RECURRENCES[RULE_FUNCTIONS[rule].__name__])
     cpu = torch.device("cpu")
     assert _resolve_mode("auto", 1, cpu) == "recurrent"  # decode step
     assert _resolve_mode("auto", 512, cpu) == "chunk"
@@ -377,11 +379,11 @@ def test_auto_mode_resolution():
     assert _resolve_mode("auto", 512, torch.device("cuda")) == "chunk"
     assert _resolve_mode("recurrent", 512, cpu) == "recurrent"
     assert _resolve_mode("chunk", 1, cpu) == "chunk"
-    # Two positions: chunkwise with the C++ chunk kernel (faster from T = 2 on), a step loop without it.
-    from fwp_kernels import chunk
-
-    assert _resolve_mode("auto", 2, cpu) == ("chunk" if chunk.cpu_kernel_available() else "recurrent")
+    # Two positions: chunkwise with the rule's C++ chunk kernel (faster from T = 2 on), a step loop without it.
+    assert _resolve_mode("auto", 2, cpu) == ("chunk" if kernel_module.cpu_kernel_available() else "recurrent")
     assert _resolve_mode("auto", 4, cpu) == "chunk"
+    monkeypatch.setattr(kernel_module, "cpu_kernel_available", lambda: False)
+    assert _resolve_mode("auto", 3, cpu) == "recurrent" and _resolve_mode("auto", 4, cpu) == "chunk"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -415,14 +417,19 @@ def test_gated_delta_rule_matches_equation(mode, T):
     assert rel_err(o, o_ref) < TOL[torch.float64] and rel_err(final, final_ref) < TOL[torch.float64]
 
 
+@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_gated_delta_rule_with_zero_gate_is_the_delta_rule(dtype):
-    """g = 0 (no decay): the same outputs, final state and gradients as delta_rule, to the bit."""
+def test_gated_delta_rule_with_zero_gate_is_the_delta_rule(dtype, mode):
+    """g = 0 (no decay): the same outputs, final state and gradients as delta_rule; to the bit in the step loop
+    (the same operations, times exp(0) = 1), to rounding chunkwise (another kernel)."""
     inputs = make_inputs("gated", 2, 2, 30, 16, 8, dtype, seed=4)
     inputs["g"] = torch.zeros_like(inputs["g"], requires_grad=True)
-    gated = outputs_and_grads("gated", inputs, mode="recurrent")
-    delta = outputs_and_grads("delta", {n: x for n, x in inputs.items() if n != "g"}, mode="recurrent")
+    gated = outputs_and_grads("gated", inputs, mode=mode, chunk_size=8)
+    delta = outputs_and_grads("delta", {n: x for n, x in inputs.items() if n != "g"}, mode=mode, chunk_size=8)
     assert gated.pop("dg").abs().sum() > 0  # the decay's gradient is there (a real input of the rule)
+    if mode == "chunk":
+        assert_close(gated, delta, TOL[dtype])
+        return
     assert gated.keys() == delta.keys()
     for name in delta:
         assert torch.equal(gated[name], delta[name]), name
