@@ -435,6 +435,36 @@ def test_gated_delta_rule_with_zero_gate_is_the_delta_rule(dtype, mode):
         assert torch.equal(gated[name], delta[name]), name
 
 
+@pytest.mark.parametrize("qk_l2norm", [False, True])
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_gated_delta_rule_matches_transformers(mode, qk_l2norm):
+    """transformers' own torch path (Qwen3-Next's torch_chunk_gated_delta_rule, float32) gives our outputs and final
+    state to 1e-5 once its conventions are converted: [B, T, H, D] layout, q and k L2-normalised inside (optional,
+    eps 1e-6 under the root), q scaled by Dk^-1/2 inside, value heads grouped over query/key heads (repeat_interleave),
+    state [B, H, Dk, Dv] (ours: [B, H, Dv, Dk])."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    B, T, Hk, Hv, Dk, Dv = 2, 100, 2, 4, 32, 24  # T: no multiple of its chunk of 64
+    gen = torch.Generator().manual_seed(7)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q, k = randn(B, T, Hk, Dk), randn(B, T, Hk, Dk)
+    if not qk_l2norm:  # the caller normalises (a bounded recurrence)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v, beta, g = randn(B, T, Hv, Dv), torch.sigmoid(randn(B, T, Hv)), F.logsigmoid(randn(B, T, Hv) + 2)
+    state = 0.1 * randn(B, Hv, Dk, Dv)
+    o_ref, final_ref = qwen3_next.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=qk_l2norm
+    )
+    if qk_l2norm:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    heads = lambda x: x.repeat_interleave(Hv // Hk, dim=2).transpose(1, 2)  # noqa: E731  [B, Hv, T, D]
+    o, final = gated_delta_rule(
+        heads(q) * Dk**-0.5, heads(k), v.transpose(1, 2), beta.transpose(1, 2), g.transpose(1, 2),
+        initial_state=state.mT, output_final_state=True, mode=mode, chunk_size=32,
+    )
+    assert rel_err(o.transpose(1, 2), o_ref) < 1e-5
+    assert rel_err(final.mT, final_ref) < 1e-5
+
+
 # ---------------------------------------------------------------------------------------------------
 # Padding: `mask` [B, T], 0 at padded positions, which write nothing
 
