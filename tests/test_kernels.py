@@ -677,6 +677,8 @@ def test_package_imports_without_triton():
         "from fwp_kernels.dispatch import RECURRENCES, select_kernel\n"
         "kernel = select_kernel(RECURRENCES['delta_rule'], 'chunk', 20, torch.device('cuda'))\n"
         "assert kernel.__module__ == 'fwp_kernels.delta_rule_kernels'\n"
+        "kernel = select_kernel(RECURRENCES['gated_delta_rule'], 'chunk', 20, torch.device('cuda'))\n"
+        "assert kernel.__module__ == 'fwp_kernels.gated_delta_rule_kernels'\n"
         "o, _ = fwp_kernels.delta_rule(*[torch.rand(1, 1, 20, 4)] * 3, torch.rand(1, 1, 20))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
