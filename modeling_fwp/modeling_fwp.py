@@ -82,9 +82,15 @@ def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Te
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index: Optional[int] = None) -> None:
     """Raises a ValueError naming `name` unless ``ids`` is ``[B, T]`` with values in ``[0, vocab_size)`` (or
-    ``ignore_index``)."""
+    ``ignore_index``).
+
+    The range check reads the values on the host (a device sync, and a graph break under ``torch.compile``): it runs
+    in eager mode only; a compiled forward checks the shape alone.
+    """
     if ids.dim() != 2:
         raise ValueError(f"`{name}` must be [batch, seq_len], got shape {tuple(ids.shape)}")
+    if torch.compiler.is_compiling():
+        return
     values = ids if ignore_index is None else ids[ids != ignore_index]
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= vocab_size):
         raise ValueError(
@@ -97,7 +103,11 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index:
 def padding_mask(
     attention_mask: Optional[torch.Tensor], batch_size: int, seq_len: int, past_len: int
 ) -> Optional[torch.Tensor]:
-    """Validates a 2-D padding mask ``[B, T]`` or ``[B, past + T]``; returns ``[B, T]`` floats, or None if all ones."""
+    """Validates a 2-D padding mask ``[B, T]`` or ``[B, past + T]``; returns ``[B, T]`` floats, or None if all ones.
+
+    Under ``torch.compile`` the mask is returned as is (even all ones, which gives the same result as None): testing
+    its values would break the graph.
+    """
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
@@ -110,6 +120,8 @@ def padding_mask(
             f"got {tuple(attention_mask.shape)}"
         )
     mask = attention_mask[:, -seq_len:]
+    if torch.compiler.is_compiling():
+        return mask.to(torch.float32)
     return None if bool(mask.all()) else mask.to(torch.float32)
 
 
@@ -156,7 +168,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
             position_ids = self._positions(token_mask, cache, embeds.shape[0], embeds.shape[1], embeds.device)
         if config.position_embedding_type == "sinusoidal":
             return embeds + sinusoidal_position_embedding(position_ids, config.hidden_size).to(embeds.dtype)
-        if int(position_ids.max()) >= config.max_position_embeddings:
+        if not torch.compiler.is_compiling() and int(position_ids.max()) >= config.max_position_embeddings:
             raise ValueError(
                 f"`position_ids` reach {int(position_ids.max())}, beyond max_position_embeddings="
                 f"{config.max_position_embeddings}"

@@ -155,7 +155,13 @@ class AdaptiveEmbedding(nn.Module):
         weight = self.projections[0].weight
         embeds = torch.zeros(flat.shape[0], self.hidden_size, dtype=weight.dtype, device=weight.device)
         for (start, end), table, projection in zip(self.bounds, self.layers, self.projections):
-            index = ((flat >= start) & (flat < end)).nonzero().squeeze(-1)
+            in_cluster = (flat >= start) & (flat < end)
+            if torch.compiler.is_compiling():
+                # every token through every cluster, kept where it belongs (no data-dependent shapes in a graph)
+                dense = projection(table((flat - start).clamp(0, end - start - 1))).to(embeds.dtype)
+                embeds = torch.where(in_cluster[:, None], dense, embeds)
+                continue
+            index = in_cluster.nonzero().squeeze(-1)
             if index.numel():
                 embeds = embeds.index_copy(0, index, projection(table(flat[index] - start)).to(embeds.dtype))
         return embeds.view(*input_ids.shape, self.hidden_size) * self.scale
@@ -262,6 +268,12 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             start, end = self.bounds[i]
             in_cluster = (target >= start) & (target < end)
             head_target = torch.where(in_cluster, self.shortlist_size + i - 1, head_target)
+            if torch.compiler.is_compiling():
+                # every row through cluster i, weighted by its membership (no data-dependent shapes in a graph)
+                member = in_cluster.to(h.dtype) if w is None else w * in_cluster.to(h.dtype)
+                tail = self._logit_gradient(h, (target - start).clamp(0, end - start - 1), member, i)
+                grad = tail if grad is None else grad + tail
+                continue
             rows = (in_cluster if w is None else in_cluster & (w != 0)).nonzero().squeeze(-1)
             if rows.numel():
                 tail = self._logit_gradient(h[rows], target[rows] - start, None if w is None else w[rows], i)
