@@ -201,3 +201,8 @@ class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
+
+    def create_masks_for_generate(self, attention_mask: Optional[Any] = None, **kwargs: Any) -> Optional[Any]:
+        """The padding mask as it is: ``generate`` turns a 2-D mask into a 4-D causal one for a compileable cache,
+        but a fast-weight model attends to no key sequence and reads the 2-D ``[B, T]`` / ``[B, past + T]`` mask."""
+        return attention_mask
