@@ -8,6 +8,7 @@ The recurrent state lives in a ``FastWeightCache``: it is what generation contin
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
@@ -175,6 +176,18 @@ class FastWeightModel(FastWeightPreTrainedModel):
             )
         return embeds + self.embed_positions(position_ids)
 
+    def _replay(self, cache: FastWeightCache, inputs_embeds: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                position_ids: Optional[torch.LongTensor], num_tokens: int) -> None:
+        """Runs the first ``num_tokens`` of a recorded forward pass again from its restored state (a rollback)."""
+        dropped = inputs_embeds.shape[1] - num_tokens
+        self(
+            inputs_embeds=inputs_embeds[:, :num_tokens],
+            attention_mask=None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - dropped],
+            position_ids=None if position_ids is None else position_ids[:, :num_tokens],
+            cache=cache,
+            use_cache=True,
+        )
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -224,6 +237,8 @@ class FastWeightModel(FastWeightPreTrainedModel):
             cache = FastWeightCache(config.num_hidden_layers)
         past_len = cache.get_seq_length() if cache is not None else 0
         token_mask = padding_mask(attention_mask, batch_size, seq_len, past_len)
+        if cache is not None and cache.record_past:  # assisted decoding may roll this pass back (cache_fwp.RollbackMixin)
+            cache.checkpoint(seq_len, partial(self._replay, cache, inputs_embeds, attention_mask, position_ids))
 
         if self.training and past_len == 0:
             # FAVOR+ draws new random features for every training batch (not mid-stream: a carried state
@@ -277,6 +292,9 @@ class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
+
+    def _empty_cache(self) -> FastWeightCache:
+        return FastWeightCache(self.config.num_hidden_layers)
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings

@@ -191,12 +191,38 @@ class FastWeightHubMixin:
 
 class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
     """Base of every model of this package: it builds its own recurrent ``Cache`` in ``forward`` (generate must not
-    create a DynamicCache), cannot roll that cache back (no assisted decoding), and exports self-contained for the
-    Hub (``FastWeightHubMixin``)."""
+    create a DynamicCache), rolls that cache back for assisted and prompt-lookup decoding, and exports
+    self-contained for the Hub (``FastWeightHubMixin``).
+
+    transformers refuses assisted decoding for models flagged ``_is_stateful`` ("they can't reset to a previous subset
+    of generated text"). Ours can: while generate's assisted mode records (``activate_past_recording``), the cache
+    keeps a checkpoint per forward pass and ``crop(-n)`` restores one and replays the accepted tokens
+    (``cache_fwp.RollbackMixin``). So the flag is False, and generation hands the assisted mode (and an assistant
+    model of ours) a recording cache before the first forward pass (``_prepare_cache_for_generation``).
+    """
 
     supports_gradient_checkpointing = True
     _skip_keys_device_placement = ["cache", "past_key_values"]
-    _is_stateful = True
+    _is_stateful = False
+
+    def _empty_cache(self) -> Optional[Any]:
+        """A new, empty cache of this model (what ``forward`` creates when given none)."""
+        return None
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: Dict[str, Any],
+                                      generation_mode: Any, *args: Any, **kwargs: Any) -> None:
+        """As transformers', plus: in assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), and when
+        this model drafts for another (``generation_config.is_assistant``), a recording cache (``crop`` rolls it back)
+        is created before the first forward pass."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation"
+        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+            return
+        if assisted or getattr(generation_config, "is_assistant", False):
+            cache = self._empty_cache()
+            if cache is not None:
+                cache.activate_past_recording()
+                model_kwargs["cache"] = cache
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
