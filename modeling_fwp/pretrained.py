@@ -209,13 +209,28 @@ class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
         """A new, empty cache of this model (what ``forward`` creates when given none)."""
         return None
 
+    def _split_dependent_outputs(self) -> Optional[str]:
+        """Why this model's outputs depend on how the tokens are split into forward passes (None: they do not).
+        Assisted decoding verifies several tokens in one pass, so it cannot reproduce such a model's decoding."""
+        return None
+
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: Dict[str, Any],
                                       generation_mode: Any, *args: Any, **kwargs: Any) -> None:
         """As transformers', plus: in assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), and when
         this model drafts for another (``generation_config.is_assistant``), a recording cache (``crop`` rolls it back)
-        is created before the first forward pass."""
+        is created before the first forward pass.
+
+        Raises:
+            ValueError: assisted decoding of a model whose outputs depend on how tokens are split into forward passes.
+        """
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
         assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation"
+        reason = self._split_dependent_outputs() if assisted else None
+        if reason is not None:
+            raise ValueError(
+                f"Assisted and prompt-lookup decoding verify several tokens in one forward pass, which changes the "
+                f"outputs of this {type(self).__name__}: {reason}"
+            )
         if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return
         if assisted or getattr(generation_config, "is_assistant", False):
