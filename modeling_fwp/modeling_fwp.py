@@ -225,9 +225,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
         cache = resolve_cache_argument(cache, past_key_values)
 
         if cache is not None and not isinstance(cache, FastWeightCache):
-            raise ValueError(
-                f"`cache` (`past_key_values`) must be a FastWeightCache (or None), got {type(cache).__name__}"
-            )
+            raise ValueError(f"`cache` (`past_key_values`) must be a FastWeightCache (or None), got {type(cache).__name__}")
         if cache is not None and cache.batch_size not in (-1, batch_size):
             raise ValueError(
                 f"`cache` (`past_key_values`) holds a state for batch size {cache.batch_size}, but the input has "

@@ -78,7 +78,7 @@ def crops(monkeypatch):
 def test_assisted_decoding_equals_greedy(family, mode, crops):
     model = MODELS[family](0)
     ids = repetitive_prompt(model.config.get_text_config().vocab_size)
-    settings = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    settings = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(ids, **settings)
     drafts = {"prompt_lookup_num_tokens": 3} if mode == "prompt_lookup" else {"assistant_model": perturbed_copy(family)}
     assisted = model.generate(ids, **drafts, **settings)
