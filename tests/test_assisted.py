@@ -19,7 +19,8 @@ from test_transfo_xl import fwl_model
 
 # Larger initial weights than the default, so that the tiny models do not repeat one token forever.
 MODELS = {
-    "DeltaNet": lambda seed: tiny_model(DeltaNetConfig, seed=seed, initializer_range=0.5),
+    "DeltaNet": lambda seed: tiny_model(DeltaNetConfig, seed=seed, initializer_range=0.5,
+                                        position_embedding_type="sinusoidal"),  # positions continue from the cache
     "DeltaLSTM": lambda seed: tiny_model(DeltaLSTMConfig, seed=seed, initializer_range=0.5),
     "FWL(Llama)": lambda seed: tiny_fwl("llama", seed=seed),
     "TransfoXL+FWL": lambda seed: fwl_model(seed=seed, fwl_decay_init=None),  # a decay depends on the splitting
@@ -47,13 +48,15 @@ def repetitive_prompt(vocab_size: int) -> torch.Tensor:
 
 
 def cache_tensors(cache) -> dict:
-    """Every state tensor of a cache (an FWLCache's base cache included), by a readable name."""
+    """Every state tensor of a cache (an FWLCache's base cache included) and its per-row token counts, by name."""
     found = {}
     for i, layer in enumerate(cache.layers):
         found.update({f"{i}.{name}": t for name, t in getattr(layer, "states", {}).items()})
         for name in ("keys", "values"):
             if getattr(layer, name, None) is not None:
                 found[f"{i}.{name}"] = getattr(layer, name)
+    if getattr(cache, "token_counts", None) is not None:
+        found["token_counts"] = cache.token_counts
     base = getattr(cache, "base_cache", None)
     if base is not None:
         found.update({f"base.{name}": t for name, t in cache_tensors(base).items()})
