@@ -101,8 +101,12 @@ class CompiledCpuKernel:
         """Forget the outcome of an earlier attempt (the next ``available()`` tries again)."""
         self._available, self.status = None, "not tried yet"
 
+    @torch.compiler.assume_constant_result
     def available(self) -> bool:
-        """Builds (once per source version, cached on disk) and loads the kernel; False when it cannot."""
+        """Builds (once per source version, cached on disk) and loads the kernel; False when it cannot.
+
+        Under ``torch.compile`` it runs while tracing and its answer is a constant of the graph (the lock would
+        otherwise break the graph on a kernel's first use)."""
         if self._available is not None:
             return self._available
         with self._lock:

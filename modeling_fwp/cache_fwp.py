@@ -2,13 +2,15 @@
 
 Each layer keeps a dict of named state tensors (batch first), e.g. the fast weight matrix
 ``fast_weight [B, H, Dv, Dk]`` and the normaliser ``normalizer [B, H, 1, Dk]``; recurrent FWPs add their
-own entries (second fast weight, previous output, cell state). The cache counts the tokens it has seen,
-reorders / selects / repeats rows for beam search and batched generation, and cannot be cropped: a
-fast weight update cannot be undone by dropping positions.
+own entries (second fast weight, previous output, cell state). The cache counts the tokens it has seen and
+reorders / selects / repeats rows for beam search and batched generation. A fast weight update cannot be undone by
+dropping positions, so a cache rolls back (``crop(-n)``, for assisted and prompt-lookup decoding) only while it
+records (``activate_past_recording``, see :class:`RollbackMixin`).
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,9 +40,9 @@ def output_cache(outputs: Mapping) -> Optional[Cache]:
 class FastWeightCacheLayer(CacheLayerMixin):
     """One layer's recurrent state: a dict of batch-first tensors and a count of seen tokens."""
 
-    is_compileable = False
-    is_croppable = False
     supports_early_init = False
+    # A constant-size state: a compiled decode step sees the same shapes at every token.
+    is_compileable = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__()
@@ -102,12 +104,115 @@ class FastWeightCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
-            "FastWeightCache cannot be cropped: fast weights are a running sum of updates, so earlier states "
-            "cannot be recovered by dropping positions (assisted decoding and cache rollback are unsupported)"
+            "A FastWeightCacheLayer cannot be cropped by itself: its cache rolls back (RollbackMixin.crop)"
         )
 
 
-class FastWeightCache(Cache):
+class StateCheckpoint(NamedTuple):
+    """What a recording cache keeps of one forward pass: the state before it and how to redo part of it."""
+
+    states: List[Dict[str, torch.Tensor]]  # each layer's state dict (references: layers replace, never write in place)
+    seen_tokens: List[int]
+    attributes: Dict[str, Any]  # the cache's own per-row bookkeeping (``token_counts``...), also references
+    num_tokens: int  # tokens the forward pass wrote
+    replay: Callable[[int], None]  # replay(k): runs the forward's first k tokens again, writing this cache
+
+
+class RollbackMixin:
+    """Rollback of a recurrent cache (``crop(-n)``) for assisted and prompt-lookup decoding.
+
+    ``generate``'s assisted mode verifies several draft tokens in one forward pass, then crops the cache back to the
+    accepted ones. A recurrent state holds no positions to drop, and our kernels return only the state after the
+    last token. Two designs would roll it back: states for every draft position (each kernel returning all its
+    intermediate states, or the verification run token by token, which forfeits the one-pass verification that makes
+    assisted decoding fast), or a snapshot and a replay. We take the second, generic over whatever tensors a layer
+    holds: while recording, each forward pass that writes the cache first calls :meth:`checkpoint`, which keeps
+    references to every layer's state dict (a snapshot for free: layers replace their tensors, they never write in
+    place) and to the attributes named in ``_rollback_attributes``, with a ``replay`` function from the model.
+    ``crop(-n)`` restores the checkpoint of the forward pass that holds the n-th last token and replays that pass's
+    tokens before it (one batched forward over the accepted tokens, at most one per verification); ``crop(0)``
+    (after each verification) drops the checkpoints. Reordering rows (beam search) drops them as well.
+    """
+
+    _rollback_attributes: Tuple[str, ...] = ()
+
+    def _init_recording(self) -> None:
+        self.record_past = False
+        self._checkpoints: List[StateCheckpoint] = []
+        self._replaying = False
+
+    def activate_past_recording(self) -> None:
+        """Keeps a checkpoint per forward pass from now on, so that ``crop(-n)`` can roll back."""
+        self.record_past = True
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past
+
+    def checkpoint(self, num_tokens: int, replay: Callable[[int], None]) -> None:
+        """Called by a model before a forward pass writes ``num_tokens`` tokens (no-op unless recording)."""
+        if not self.record_past or self._replaying:
+            return
+        self._checkpoints.append(StateCheckpoint(
+            states=[dict(layer.states) for layer in self.layers],
+            seen_tokens=[layer.seen_tokens for layer in self.layers],
+            attributes={name: getattr(self, name) for name in self._rollback_attributes},
+            num_tokens=num_tokens,
+            replay=replay,
+        ))
+
+    def _restore(self, checkpoint: StateCheckpoint) -> None:
+        for layer, states, seen in zip(self.layers, checkpoint.states, checkpoint.seen_tokens):
+            layer.states, layer.seen_tokens = dict(states), seen
+        for name, value in checkpoint.attributes.items():
+            setattr(self, name, value)
+
+    @contextmanager
+    def _replay_mode(self) -> Iterator[None]:
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forgets the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count; 0 commits).
+
+        Raises:
+            ValueError: a positive count, a cache that does not record, or more tokens than were recorded.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"{type(self).__name__} cannot be cropped to a length ({tokens_to_remove}): pass minus the number of "
+                "tokens to remove"
+            )
+        remove = -tokens_to_remove
+        if remove and not self.record_past:
+            raise ValueError(
+                f"{type(self).__name__} cannot be cropped unless it records its past: fast weights are a running sum "
+                "of updates, so earlier states cannot be recovered by dropping positions. Call "
+                "`activate_past_recording()` before the forward passes to roll back (generate's assisted decoding does)"
+            )
+        recorded = sum(checkpoint.num_tokens for checkpoint in self._checkpoints)
+        if remove > recorded:
+            raise ValueError(
+                f"`crop({tokens_to_remove})` asks to remove {remove} tokens, but {type(self).__name__} recorded only "
+                f"the last {recorded} since the previous crop"
+            )
+        while remove > 0:
+            checkpoint = self._checkpoints.pop()
+            self._restore(checkpoint)
+            if checkpoint.num_tokens > remove:
+                with self._replay_mode():
+                    checkpoint.replay(checkpoint.num_tokens - remove)
+            remove -= min(remove, checkpoint.num_tokens)
+        self._checkpoints.clear()
+
+    def _drop_checkpoints(self) -> None:
+        self._checkpoints.clear()
+
+
+class FastWeightCache(RollbackMixin, Cache):
     """Per-layer recurrent state of a fast-weight model (transformers ``Cache``), constant in sequence length.
 
     ``get_state(layer_idx) -> dict | None`` returns the state to continue from; ``set_state(layer_idx, state,
@@ -115,9 +220,17 @@ class FastWeightCache(Cache):
     tokens of each row (used for absolute positions under left padding).
     """
 
+    _rollback_attributes = ("token_counts",)
+
     def __init__(self, num_hidden_layers: int) -> None:
         super().__init__(layers=[FastWeightCacheLayer() for _ in range(num_hidden_layers)])
         self.token_counts: Optional[torch.Tensor] = None
+        self._init_recording()
+
+    @property
+    def is_compileable(self) -> bool:
+        # recording appends checkpoints holding Python callables: decode eagerly then (as transformers' linear layers)
+        return not self.record_past and super().is_compileable
 
     def get_state(self, layer_idx: int) -> Optional[Dict[str, torch.Tensor]]:
         states = self.layers[layer_idx].states
@@ -166,18 +279,19 @@ class FastWeightCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self._map_counts(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._drop_checkpoints()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self._map_counts(lambda t: t[indices.to(t.device)])
+        self._drop_checkpoints()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         self._map_counts(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self.layers[0].crop(tokens_to_remove)
+        self._drop_checkpoints()
 
     def reset(self) -> None:
         super().reset()
         self.token_counts = None
+        self._drop_checkpoints()

@@ -42,7 +42,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 
-from .cache_fwp import FastWeightCacheLayer
+from .cache_fwp import FastWeightCacheLayer, RollbackMixin
 from .configuration_fwl import DEFAULT_FAST_PARAMETERS, HIDDEN_PARAMETERS, FWLHeadConfigMixin
 
 # For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
@@ -784,19 +784,41 @@ def _keep_index(logits_to_keep: Union[int, torch.Tensor], T: int) -> Union[slice
     return logits_to_keep
 
 
-class FWLCache(Cache):
+class FWLCache(RollbackMixin, Cache):
     """Cache of ``FWLForCausalLM``: the base model's cache plus the FWL state, both constant per token for the FWL.
 
     ``base_cache`` is whatever the base model uses (a ``DynamicCache`` of keys and values, a ``FastWeightCache``...);
     the FWL state lives in one ``FastWeightCacheLayer``, ``fwl_layer``, which ``FWLHead`` reads and writes: the running
     gradient sums ``sum.<parameter>`` (``[B, Dv, Dk]`` for matrices, ``[B, Dv]`` for vectors) and the last position's
     slow pass ``prev.<key>`` (``[B, 1, *]``), whose gradient is added once its label (the next token) arrives. Beam
-    search reorders both.
+    search reorders both. While recording (assisted decoding), ``crop(-n)`` rolls back both: the base cache by its
+    own ``crop`` (a KV cache drops positions; a ``FastWeightCache`` replays), the FWL state as ``RollbackMixin``.
     """
 
     def __init__(self, base_cache: Optional[Cache] = None) -> None:
         super().__init__(layers=[FastWeightCacheLayer()])
         self.base_cache = base_cache
+        self._init_recording()
+
+    def set_base_cache(self, base_cache: Cache) -> None:
+        """The base model's cache, once its first forward pass has made one (recording too if this cache records)."""
+        self.base_cache = base_cache
+        if self.record_past and hasattr(base_cache, "activate_past_recording"):
+            base_cache.activate_past_recording()
+
+    def activate_past_recording(self) -> None:
+        super().activate_past_recording()
+        if self.base_cache is not None:
+            self.base_cache.activate_past_recording()
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past and (self.base_cache is None or self.base_cache.is_croppable)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # the FWL state first: it checks the request
+        if self.base_cache is not None:
+            self.base_cache.crop(tokens_to_remove)
 
     @property
     def fwl_layer(self) -> FastWeightCacheLayer:
@@ -820,24 +842,22 @@ class FWLCache(Cache):
         if self.base_cache is not None:
             self.base_cache.reorder_cache(beam_idx)
         super().reorder_cache(beam_idx)
+        self._drop_checkpoints()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.base_cache is not None:
             self.base_cache.batch_select_indices(indices)
         super().batch_select_indices(indices)
+        self._drop_checkpoints()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.base_cache is not None:
             self.base_cache.batch_repeat_interleave(repeats)
         super().batch_repeat_interleave(repeats)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(
-            "FWLCache cannot be cropped: the FWL's fast weights are running sums of gradients, which cannot be undone "
-            "by dropping positions (assisted decoding and cache rollback are unsupported)"
-        )
+        self._drop_checkpoints()
 
     def reset(self) -> None:
         if self.base_cache is not None:
             self.base_cache.reset()
         super().reset()
+        self._drop_checkpoints()

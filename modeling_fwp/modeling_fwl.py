@@ -8,11 +8,13 @@ FWL head.
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_fwl import FWLConfig
@@ -141,6 +143,36 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.language_model.set_input_embeddings(value)
 
+    def _split_dependent_outputs(self) -> Optional[str]:
+        head = getattr(self, "fwl_head", None)
+        if head is not None and head.decay is not None:
+            return ("its FWL head decays the carried fast-weight update at forward-pass (segment) boundaries "
+                    "(`fwl_decay_init`); a model without decay supports it")
+        return None
+
+    def _empty_cache(self) -> FWLCache:
+        """An empty ``FWLCache`` around an empty cache of the base model: ours (``_empty_cache``), or the
+        ``DynamicCache`` a transformers model creates when given none."""
+        language_model = self.language_model
+        if hasattr(language_model, "_empty_cache"):
+            return FWLCache(language_model._empty_cache())
+        if language_model._supports_default_dynamic_cache():
+            return FWLCache(DynamicCache(config=self.config.text_config))
+        return FWLCache(None)
+
+    def _replay_head(self, cache: FWLCache, hidden_states: torch.Tensor, input_ids: torch.LongTensor,
+                     attention_mask: Optional[torch.Tensor], num_tokens: int) -> None:
+        """Runs the FWL head over the first ``num_tokens`` of a recorded forward pass again, from its restored state
+        (a rollback; the base cache rolls back by itself)."""
+        dropped = input_ids.shape[1] - num_tokens
+        self.fwl_head(
+            hidden_states[:, :num_tokens],
+            input_ids[:, :num_tokens],
+            attention_mask=None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - dropped],
+            cache_layer=cache.fwl_layer,
+            logits_to_keep=1,
+        )
+
     def get_output_embeddings(self) -> nn.Linear:
         return self.fwl_head.slow.output_embedding
 
@@ -199,6 +231,11 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
 
         if use_cache and cache is None:
             cache = FWLCache(output_cache(outputs))
+        elif cache is not None and cache.base_cache is None:
+            cache.set_base_cache(output_cache(outputs))
+        if cache is not None and cache.record_past:  # assisted decoding may roll this pass back (cache_fwp.RollbackMixin)
+            cache.checkpoint(input_ids.shape[1], partial(self._replay_head, cache, hidden_states, input_ids,
+                                                         attention_mask))
         logits = self.fwl_head(
             hidden_states,
             input_ids,

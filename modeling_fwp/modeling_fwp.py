@@ -8,6 +8,7 @@ The recurrent state lives in a ``FastWeightCache``: it is what generation contin
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
@@ -82,9 +83,15 @@ def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Te
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index: Optional[int] = None) -> None:
     """Raises a ValueError naming `name` unless ``ids`` is ``[B, T]`` with values in ``[0, vocab_size)`` (or
-    ``ignore_index``)."""
+    ``ignore_index``).
+
+    The range check reads the values on the host (a device sync, and a graph break under ``torch.compile``): it runs
+    in eager mode only; a compiled forward checks the shape alone.
+    """
     if ids.dim() != 2:
         raise ValueError(f"`{name}` must be [batch, seq_len], got shape {tuple(ids.shape)}")
+    if torch.compiler.is_compiling():
+        return
     values = ids if ignore_index is None else ids[ids != ignore_index]
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= vocab_size):
         raise ValueError(
@@ -97,7 +104,11 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index:
 def padding_mask(
     attention_mask: Optional[torch.Tensor], batch_size: int, seq_len: int, past_len: int
 ) -> Optional[torch.Tensor]:
-    """Validates a 2-D padding mask ``[B, T]`` or ``[B, past + T]``; returns ``[B, T]`` floats, or None if all ones."""
+    """Validates a 2-D padding mask ``[B, T]`` or ``[B, past + T]``; returns ``[B, T]`` floats, or None if all ones.
+
+    Under ``torch.compile`` the mask is returned as is (even all ones, which gives the same result as None): testing
+    its values would break the graph.
+    """
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
@@ -110,6 +121,8 @@ def padding_mask(
             f"got {tuple(attention_mask.shape)}"
         )
     mask = attention_mask[:, -seq_len:]
+    if torch.compiler.is_compiling():
+        return mask.to(torch.float32)
     return None if bool(mask.all()) else mask.to(torch.float32)
 
 
@@ -156,12 +169,24 @@ class FastWeightModel(FastWeightPreTrainedModel):
             position_ids = self._positions(token_mask, cache, embeds.shape[0], embeds.shape[1], embeds.device)
         if config.position_embedding_type == "sinusoidal":
             return embeds + sinusoidal_position_embedding(position_ids, config.hidden_size).to(embeds.dtype)
-        if int(position_ids.max()) >= config.max_position_embeddings:
+        if not torch.compiler.is_compiling() and int(position_ids.max()) >= config.max_position_embeddings:
             raise ValueError(
                 f"`position_ids` reach {int(position_ids.max())}, beyond max_position_embeddings="
                 f"{config.max_position_embeddings}"
             )
         return embeds + self.embed_positions(position_ids)
+
+    def _replay(self, cache: FastWeightCache, inputs_embeds: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                position_ids: Optional[torch.LongTensor], num_tokens: int) -> None:
+        """Runs the first ``num_tokens`` of a recorded forward pass again from its restored state (a rollback)."""
+        dropped = inputs_embeds.shape[1] - num_tokens
+        self(
+            inputs_embeds=inputs_embeds[:, :num_tokens],
+            attention_mask=None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - dropped],
+            position_ids=None if position_ids is None else position_ids[:, :num_tokens],
+            cache=cache,
+            use_cache=True,
+        )
 
     def forward(
         self,
@@ -200,9 +225,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
         cache = resolve_cache_argument(cache, past_key_values)
 
         if cache is not None and not isinstance(cache, FastWeightCache):
-            raise ValueError(
-                f"`cache` (`past_key_values`) must be a FastWeightCache (or None), got {type(cache).__name__}"
-            )
+            raise ValueError(f"`cache` (`past_key_values`) must be a FastWeightCache (or None), got {type(cache).__name__}")
         if cache is not None and cache.batch_size not in (-1, batch_size):
             raise ValueError(
                 f"`cache` (`past_key_values`) holds a state for batch size {cache.batch_size}, but the input has "
@@ -212,6 +235,8 @@ class FastWeightModel(FastWeightPreTrainedModel):
             cache = FastWeightCache(config.num_hidden_layers)
         past_len = cache.get_seq_length() if cache is not None else 0
         token_mask = padding_mask(attention_mask, batch_size, seq_len, past_len)
+        if cache is not None and cache.record_past:  # assisted decoding may roll this pass back (cache_fwp.RollbackMixin)
+            cache.checkpoint(seq_len, partial(self._replay, cache, inputs_embeds, attention_mask, position_ids))
 
         if self.training and past_len == 0:
             # FAVOR+ draws new random features for every training batch (not mid-stream: a carried state
@@ -265,6 +290,9 @@ class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
+
+    def _empty_cache(self) -> FastWeightCache:
+        return FastWeightCache(self.config.num_hidden_layers)
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings

@@ -15,6 +15,7 @@ the adaptive softmax and only evaluates the clusters the targets fall in.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -155,7 +156,13 @@ class AdaptiveEmbedding(nn.Module):
         weight = self.projections[0].weight
         embeds = torch.zeros(flat.shape[0], self.hidden_size, dtype=weight.dtype, device=weight.device)
         for (start, end), table, projection in zip(self.bounds, self.layers, self.projections):
-            index = ((flat >= start) & (flat < end)).nonzero().squeeze(-1)
+            in_cluster = (flat >= start) & (flat < end)
+            if torch.compiler.is_compiling():
+                # every token through every cluster, kept where it belongs (no data-dependent shapes in a graph)
+                dense = projection(table((flat - start).clamp(0, end - start - 1))).to(embeds.dtype)
+                embeds = torch.where(in_cluster[:, None], dense, embeds)
+                continue
+            index = in_cluster.nonzero().squeeze(-1)
             if index.numel():
                 embeds = embeds.index_copy(0, index, projection(table(flat[index] - start)).to(embeds.dtype))
         return embeds.view(*input_ids.shape, self.hidden_size) * self.scale
@@ -262,6 +269,12 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             start, end = self.bounds[i]
             in_cluster = (target >= start) & (target < end)
             head_target = torch.where(in_cluster, self.shortlist_size + i - 1, head_target)
+            if torch.compiler.is_compiling():
+                # every row through cluster i, weighted by its membership (no data-dependent shapes in a graph)
+                member = in_cluster.to(h.dtype) if w is None else w * in_cluster.to(h.dtype)
+                tail = self._logit_gradient(h, (target - start).clamp(0, end - start - 1), member, i)
+                grad = tail if grad is None else grad + tail
+                continue
             rows = (in_cluster if w is None else in_cluster & (w != 0)).nonzero().squeeze(-1)
             if rows.numel():
                 tail = self._logit_gradient(h[rows], target[rows] - start, None if w is None else w[rows], i)
@@ -697,6 +710,30 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
         cache_layer = cache.fwl_layer if cache is not None else None
         return self.fwl_head(hidden_states, input_ids, attention_mask, cache_layer=cache_layer, return_hidden=True)
 
+    def _split_dependent_outputs(self) -> Optional[str]:
+        head = getattr(self, "fwl_head", None)
+        if head is not None and head.decay is not None:
+            return ("its FWL head decays the carried fast-weight update at forward-pass (segment) boundaries "
+                    "(`fwl_decay_init`); a model without decay supports it")
+        return None
+
+    def _empty_cache(self) -> TransfoXLCache:
+        return TransfoXLCache(self.config.num_hidden_layers, use_fwl=self.config.use_fwl)
+
+    def _replay(self, cache: TransfoXLCache, input_ids: Optional[torch.LongTensor],
+                inputs_embeds: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor], num_tokens: int) -> None:
+        """Runs the first ``num_tokens`` of a recorded forward pass again from its restored memories and FWL state
+        (a rollback, ``cache_fwp.RollbackMixin``)."""
+        dropped = (input_ids if input_ids is not None else inputs_embeds).shape[1] - num_tokens
+        self(
+            input_ids=None if input_ids is None else input_ids[:, :num_tokens],
+            inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, :num_tokens],
+            attention_mask=None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - dropped],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -723,10 +760,14 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
             ``CausalLMOutputWithPast(loss, logits [B, T', V] (log-probabilities), cache, hidden_states)``.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        cache = resolve_cache_argument(cache, past_key_values)
+        if isinstance(cache, TransfoXLCache) and cache.record_past:  # assisted decoding may roll this pass back
+            num_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+            cache.checkpoint(num_tokens, partial(self._replay, cache, input_ids, inputs_embeds, attention_mask))
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            cache=resolve_cache_argument(cache, past_key_values),
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,

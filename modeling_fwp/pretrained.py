@@ -202,13 +202,59 @@ def take_loss_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):
     """Base of every model of this package: it builds its own recurrent ``Cache`` in ``forward`` (generate must not
-    create a DynamicCache), cannot roll that cache back (no assisted decoding), and exports self-contained for the
-    Hub (``FastWeightHubMixin``)."""
+    create a DynamicCache), rolls that cache back for assisted and prompt-lookup decoding, and exports
+    self-contained for the Hub (``FastWeightHubMixin``).
+
+    transformers refuses assisted decoding for models flagged ``_is_stateful`` ("they can't reset to a previous subset
+    of generated text"). Ours can: while generate's assisted mode records (``activate_past_recording``), the cache
+    keeps a checkpoint per forward pass and ``crop(-n)`` restores one and replays the accepted tokens
+    (``cache_fwp.RollbackMixin``). So the flag is False, and generation hands the assisted mode (and an assistant
+    model of ours) a recording cache before the first forward pass (``_prepare_cache_for_generation``).
+    """
 
     supports_gradient_checkpointing = True
     _skip_keys_device_placement = ["cache", "past_key_values"]
-    _is_stateful = True
+    _is_stateful = False
+
+    def _empty_cache(self) -> Optional[Any]:
+        """A new, empty cache of this model (what ``forward`` creates when given none)."""
+        return None
+
+    def _split_dependent_outputs(self) -> Optional[str]:
+        """Why this model's outputs depend on how the tokens are split into forward passes (None: they do not).
+        Assisted decoding verifies several tokens in one pass, so it cannot reproduce such a model's decoding."""
+        return None
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: Dict[str, Any],
+                                      generation_mode: Any, *args: Any, **kwargs: Any) -> None:
+        """As transformers', plus: in assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), and when
+        this model drafts for another (``generation_config.is_assistant``), a recording cache (``crop`` rolls it back)
+        is created before the first forward pass.
+
+        Raises:
+            ValueError: assisted decoding of a model whose outputs depend on how tokens are split into forward passes.
+        """
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation"
+        reason = self._split_dependent_outputs() if assisted else None
+        if reason is not None:
+            raise ValueError(
+                f"Assisted and prompt-lookup decoding verify several tokens in one forward pass, which changes the "
+                f"outputs of this {type(self).__name__}: {reason}"
+            )
+        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+            return
+        if assisted or getattr(generation_config, "is_assistant", False):
+            cache = self._empty_cache()
+            if cache is not None:
+                cache.activate_past_recording()
+                model_kwargs["cache"] = cache
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
+
+    def create_masks_for_generate(self, attention_mask: Optional[Any] = None, **kwargs: Any) -> Optional[Any]:
+        """The padding mask as it is: ``generate`` turns a 2-D mask into a 4-D causal one for a compileable cache,
+        but a fast-weight model attends to no key sequence and reads the 2-D ``[B, T]`` / ``[B, past + T]`` mask."""
+        return attention_mask
