@@ -4,8 +4,10 @@ Public API (DESIGN.md "Kernel contract")::
 
     delta_rule(q, k, v, beta, *, initial_state=None, output_final_state=False, mode="auto", chunk_size=64, mask=None)
     linear_attention(q, k, v, *, initial_state=None, output_final_state=False, mode="auto", chunk_size=64, mask=None)
+    gated_delta_rule(q, k, v, beta, g, *, initial_state=None, output_final_state=False, mode="auto", chunk_size=64,
+                     mask=None)                                       # g [B, H, T]: log-decay, a_t = exp(g_t)
 
-Both return ``(o, final_state or None)``. Kernels take already-transformed q, k (feature map and
+All three return ``(o, final_state or None)``. Kernels take already-transformed q, k (feature map and
 normalisation are the caller's job) and apply no scaling of their own.
 
 Recurrent FWP scans (Irie et al. 2021), same layout, states in a ``ScanState``::
@@ -27,6 +29,7 @@ from .delta_rule_kernels import delta_rule
 from .dense import dense_linear, linear_cross_entropy_input_gradient
 from .dispatch import MODES
 from .fast_rnn_scan_kernels import fast_rnn_scan
+from .gated_delta_rule_kernels import gated_delta_rule
 from .linear_attention_kernels import linear_attention
 from .recurrent_delta_rule_kernels import recurrent_delta_rule
 from .rfwp_scan import ScanState
@@ -34,6 +37,7 @@ from .rfwp_scan import ScanState
 __all__ = [
     "delta_rule",
     "linear_attention",
+    "gated_delta_rule",
     "ScanState",
     "fast_rnn_scan",
     "recurrent_delta_rule",

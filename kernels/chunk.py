@@ -158,6 +158,15 @@ class ChunkRule:
         """From dU' (and dk's part through ``O`` and ``S'``): ``(dk, dv, the gates' gradients)``."""
         raise NotImplementedError
 
+    def forward_chunks(self, q, k, v, gates, s0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The PyTorch forward on chunked inputs: ``(O [BH, N, C, Dv], final state [BH, Dv, Dk])``. A rule whose
+        output is not ``Q S^T + P U'`` (the gated delta rule) overrides it and :meth:`backward_chunks`."""
+        return _forward(self, q, k, v, gates, s0)
+
+    def backward_chunks(self, do, d_final, q, k, v, gates, s0) -> Tuple:
+        """The PyTorch backward on chunked inputs: ``(dq, dk, dv, dgates, ds0)``."""
+        return _backward(self, do, d_final, q, k, v, gates, s0)
+
     def compiled(self, x: torch.Tensor, acc: torch.dtype) -> bool:
         """Whether a compiled kernel runs the rule for inputs like `x` accumulated in `acc`: csrc/chunk_delta.cpp on
         CPU for float32 / float64 when ``cpp`` and the kernel is built."""
@@ -294,7 +303,7 @@ class ChunkFastWeightFunction(torch.autograd.Function):
         if rule.compiled(q, acc_dtype(q, k, v, initial_state, *gates)):
             return rule.compiled_forward(q, k, v, gates, initial_state, chunk_size)
         (qc, kc, vc, gc), s0 = _prepare(q, k, v, gates, initial_state, chunk_size)
-        o, final = _forward(rule, qc, kc, vc, gc, s0)
+        o, final = rule.forward_chunks(qc, kc, vc, gc, s0)
         return _from_chunks(o, q), final.view(*q.shape[:2], *final.shape[1:])
 
     @staticmethod
@@ -307,7 +316,8 @@ class ChunkFastWeightFunction(torch.autograd.Function):
         (qc, kc, vc, gc), s0 = _prepare(q, k, v, gates, initial_state, chunk_size)
         do = torch.zeros_like(v, dtype=s0.dtype) if do is None else do
         d_final = torch.zeros_like(s0) if d_final is None else d_final.reshape(s0.shape).to(s0.dtype)
-        dq, dk, dv, dgates, ds0 = _backward(rule, _to_chunks(do, chunk_size, s0.dtype), d_final, qc, kc, vc, gc, s0)
+        do = _to_chunks(do, chunk_size, s0.dtype)
+        dq, dk, dv, dgates, ds0 = rule.backward_chunks(do, d_final, qc, kc, vc, gc, s0)
         dq, dk, dv = (_from_chunks(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
         dgates = (_from_chunks(g, x) for g, x in zip(dgates, gates))
         ds0 = None if initial_state is None else ds0.view(initial_state.shape).to(initial_state.dtype)

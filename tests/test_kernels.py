@@ -29,13 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from conftest import triton_interpreted_results
-from fwp_kernels import delta_rule, linear_attention
+from fwp_kernels import delta_rule, gated_delta_rule, linear_attention
 from fwp_kernels.delta_rule_kernels import DELTA_RULE
 from fwp_kernels.dispatch import RECURRENCES, resolve_mode, select_kernel
 
 _resolve_mode = functools.partial(resolve_mode, DELTA_RULE)  # mode="auto" of the chunkwise rules
 
-RULES = ("delta", "sum")
+RULES = ("delta", "sum", "gated")  # the gated delta rule: g = log-decay
+RULE_FUNCTIONS = {"delta": delta_rule, "sum": linear_attention, "gated": gated_delta_rule}
+GATES = {"delta": ("beta",), "sum": (), "gated": ("beta", "g")}  # the positional arguments after v
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1e-2}
 CUDA_TOL = {**TOL, torch.bfloat16: 3e-2}  # not measured: no GPU was available
 
@@ -43,22 +45,28 @@ CUDA_TOL = {**TOL, torch.bfloat16: 3e-2}  # not measured: no GPU was available
 def make_inputs(rule, B, H, T, Dk, Dv, dtype=torch.float32, seed=0, state=True):
     g = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    if rule == "delta":
+    if rule != "sum":
         q, k = F.normalize(randn(B, H, T, Dk), dim=-1), F.normalize(randn(B, H, T, Dk), dim=-1)
     else:  # phi(x) >= 0, sum-normalised
         q, k = F.softmax(randn(B, H, T, Dk), dim=-1), F.softmax(randn(B, H, T, Dk), dim=-1)
     inputs = {
         "q": q, "k": k, "v": randn(B, H, T, Dv),
-        "beta": torch.sigmoid(randn(B, H, T)) if rule == "delta" else None,
+        "beta": torch.sigmoid(randn(B, H, T)) if rule != "sum" else None,
+        # decays a_t = exp(g_t) spread over about (0.5, 1): 0.88 in the median, ~3e-4 over a chunk of 64
+        "g": F.logsigmoid(randn(B, H, T) + 2) if rule == "gated" else None,
         "initial_state": 0.1 * randn(B, H, Dv, Dk) if state else None,
     }
     return {n: None if x is None else x.to(dtype).requires_grad_() for n, x in inputs.items()}
 
 
+def positional(rule, inputs):
+    """q, k, v and the rule's gates, as its public function takes them."""
+    return [inputs["q"], inputs["k"], inputs["v"]] + [inputs[n] for n in GATES[rule]]
+
+
 def run(rule, inputs, **kwargs):
-    fn = delta_rule if rule == "delta" else linear_attention
-    args = [inputs["q"], inputs["k"], inputs["v"]] + ([inputs["beta"]] if rule == "delta" else [])
-    return fn(*args, initial_state=inputs["initial_state"], output_final_state=True, **kwargs)
+    fn = RULE_FUNCTIONS[rule]
+    return fn(*positional(rule, inputs), initial_state=inputs["initial_state"], output_final_state=True, **kwargs)
 
 
 def outputs_and_grads(rule, inputs, seed=1, **kwargs):
@@ -306,9 +314,7 @@ def test_chunked_prefill_then_recurrent_decode(rule):
 @pytest.mark.parametrize("mode", ["recurrent", "chunk"])
 def test_without_initial_or_final_state(rule, mode):
     inputs = make_inputs(rule, 1, 2, 20, 16, 16, torch.float64, state=False)
-    args = [inputs["q"], inputs["k"], inputs["v"]] + ([inputs["beta"]] if rule == "delta" else [])
-    fn = delta_rule if rule == "delta" else linear_attention
-    o, final = fn(*args, mode=mode)
+    o, final = RULE_FUNCTIONS[rule](*positional(rule, inputs), mode=mode)
     assert final is None
     o.sum().backward()
     ref = reference(rule, inputs)
@@ -369,6 +375,50 @@ def test_auto_mode_resolution():
 
 
 # ---------------------------------------------------------------------------------------------------
+# The gated delta rule against the equation, and against the delta rule at g = 0
+
+
+def gated_equation_loop(q, k, v, beta, g, initial_state):
+    """W_t = a_t W_{t-1} + beta_t (v_t - a_t W_{t-1} k_t) k_t^T, a_t = exp(g_t), o_t = W_t q_t (Yang et al. 2025,
+    sec. 3.1) in float64, one (batch, head) and one step at a time, as written."""
+    B, H, T, _ = q.shape
+    o = torch.zeros(B, H, T, v.shape[-1], dtype=torch.float64)
+    final = initial_state.double().clone()
+    for b in range(B):
+        for h in range(H):
+            W = final[b, h]
+            for t in range(T):
+                a, k_t = torch.exp(g[b, h, t].double()), k[b, h, t].double()
+                W = a * W + beta[b, h, t].double() * torch.outer(v[b, h, t].double() - a * W @ k_t, k_t)
+                o[b, h, t] = W @ q[b, h, t].double()
+            final[b, h] = W
+    return o, final
+
+
+@pytest.mark.parametrize("mode", ["recurrent", "auto"])
+@pytest.mark.parametrize("T", [1, 37])
+def test_gated_delta_rule_matches_equation(mode, T):
+    inputs = {n: x.detach() for n, x in make_inputs("gated", 2, 3, T, 8, 12, torch.float64, seed=T).items()}
+    o, final = run("gated", inputs, mode=mode)
+    o_ref, final_ref = gated_equation_loop(*positional("gated", inputs), inputs["initial_state"])
+    assert o.dtype == final.dtype == torch.float64
+    assert rel_err(o, o_ref) < TOL[torch.float64] and rel_err(final, final_ref) < TOL[torch.float64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_gated_delta_rule_with_zero_gate_is_the_delta_rule(dtype):
+    """g = 0 (no decay): the same outputs, final state and gradients as delta_rule, to the bit."""
+    inputs = make_inputs("gated", 2, 2, 30, 16, 8, dtype, seed=4)
+    inputs["g"] = torch.zeros_like(inputs["g"], requires_grad=True)
+    gated = outputs_and_grads("gated", inputs, mode="recurrent")
+    delta = outputs_and_grads("delta", {n: x for n, x in inputs.items() if n != "g"}, mode="recurrent")
+    assert gated.pop("dg").abs().sum() > 0  # the decay's gradient is there (a real input of the rule)
+    assert gated.keys() == delta.keys()
+    for name in delta:
+        assert torch.equal(gated[name], delta[name]), name
+
+
+# ---------------------------------------------------------------------------------------------------
 # Padding: `mask` [B, T], 0 at padded positions, which write nothing
 
 
@@ -383,7 +433,8 @@ def _padding(B, T):
 @pytest.mark.parametrize("mode", ["recurrent", "chunk", "auto"])
 def test_mask_equals_step_loop_without_the_padded_positions(rule, mode):
     """Outputs at the tokens, the final state and every gradient equal those of the float64 step loop run on each
-    row with its padded positions removed (the outputs at padded positions are of no use: they get no gradient)."""
+    row with its padded positions removed (the outputs at padded positions are of no use: they get no gradient; the
+    gated rule's state does not decay there either)."""
     B, H, T, Dk, Dv = 2, 2, 23, 16, 8
     inputs = make_inputs(rule, B, H, T, Dk, Dv, torch.float64, seed=9)
     keep = _padding(B, T)
@@ -435,12 +486,15 @@ def _recurrence_args(name, T=6, D=4):
     return {
         "linear_attention": (q, k, v),
         "delta_rule": (q, k, v, beta),
+        "gated_delta_rule": (q, k, v, beta, F.logsigmoid(r(1, 2, T))),
         "recurrent_delta_rule": (q, k, v, beta, 0.5 * r(2, D, D), 0.5 * r(2, D, D), 0.5 * r(2, D, D), r(2, D)),
     }[name]
 
 
 def test_every_recurrence_is_registered():
-    assert set(RECURRENCES) == {"delta_rule", "linear_attention", "fast_rnn_scan", "recurrent_delta_rule"}
+    assert set(RECURRENCES) == {
+        "delta_rule", "linear_attention", "gated_delta_rule", "fast_rnn_scan", "recurrent_delta_rule"
+    }
 
 
 @pytest.mark.parametrize("name", sorted(RECURRENCES))
@@ -476,13 +530,15 @@ def _bad_inputs():
     q = torch.randn(1, 2, 5, 8)
     v = torch.randn(1, 2, 5, 4)
     beta = torch.rand(1, 2, 5)
-    ok = dict(q=q, k=q, v=v, beta=beta)
+    ok = dict(q=q, k=q, v=v, beta=beta, g=-beta)
     return [
         ("q", dict(ok, q=torch.randn(2, 5, 8))),
         ("q", dict(ok, q=[[1.0]])),
         ("k", dict(ok, k=torch.randn(1, 2, 5, 7))),
         ("v", dict(ok, v=torch.randn(1, 2, 6, 4))),
         ("beta", dict(ok, beta=torch.rand(1, 2, 6))),
+        ("g", dict(ok, g=torch.rand(1, 2, 5, 1))),
+        ("g", dict(ok, g=None)),
         ("initial_state", dict(ok, initial_state=torch.zeros(1, 2, 8, 4))),
         ("mode", dict(ok, mode="parallel")),
         ("chunk_size", dict(ok, chunk_size=0)),
@@ -493,15 +549,13 @@ def _bad_inputs():
 @pytest.mark.parametrize("name,kwargs", _bad_inputs())
 @pytest.mark.parametrize("rule", RULES)
 def test_bad_input_raises_value_error_naming_argument(rule, name, kwargs):
-    if rule == "sum" and name == "beta":
-        pytest.skip("the sum rule has no beta")
+    if name in ("beta", "g") and name not in GATES[rule]:
+        pytest.skip(f"the {rule} rule has no {name}")
     kwargs = dict(kwargs)
-    q, k, v, beta = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), kwargs.pop("beta")
+    args = [kwargs.pop(n) for n in ("q", "k", "v")] + [kwargs.get(n) for n in GATES[rule]]
+    kwargs = {n: x for n, x in kwargs.items() if n not in ("beta", "g")}
     with pytest.raises(ValueError, match=f"`{name}`"):
-        if rule == "delta":
-            delta_rule(q, k, v, beta, **kwargs)
-        else:
-            linear_attention(q, k, v, **kwargs)
+        RULE_FUNCTIONS[rule](*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -511,7 +565,7 @@ def test_bad_input_raises_value_error_naming_argument(rule, name, kwargs):
 
 TRITON_CASES = [
     (rule, T, chunk_size, Dk, Dv, dtype)
-    for rule in RULES
+    for rule in ("delta", "sum")
     for T, chunk_size, Dk, Dv, dtype in [(45, 16, 24, 48, "float32"), (40, 32, 32, 72, "bfloat16")]
 ]
 
