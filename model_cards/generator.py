@@ -98,6 +98,7 @@ _TRANSFO_XL = "transfo_xl_fwl.md.j2"
 CARD_STYLES: Dict[str, CardStyle] = {
     "LinearTransformer": CardStyle(_FAST_WEIGHT_TRANSFORMER, _FWP_TAGS + ("linear-transformer",)),
     "DeltaNet": CardStyle(_FAST_WEIGHT_TRANSFORMER, _FWP_TAGS + ("delta-net",)),
+    "GatedDeltaNet": CardStyle(_FAST_WEIGHT_TRANSFORMER, _FWP_TAGS + ("gated-delta-net", "delta-net")),
     "DeltaMLP": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-mlp", "recurrent-fwp")),
     "DeltaDeltaNet": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-delta-net", "recurrent-fwp")),
     "DeltaRNN": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-rnn", "recurrent-fwp")),

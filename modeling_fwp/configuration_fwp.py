@@ -104,6 +104,10 @@ class FastWeightConfig(PreTrainedConfig):
     norm_type: str = "layer_norm"
     feed_forward_type: str = "mlp"
 
+    # Where converted weights came from (modeling_fwp.convert_fla): repo_id, revision, path, library, model_type,
+    # license, license_source, conversion. None for models of this package.
+    pretrained_source: dict | None = None
+
     use_cache: bool = True
     tie_word_embeddings: bool = True
     pad_token_id: int | None = None
@@ -198,6 +202,47 @@ class DeltaNetConfig(FastWeightConfig):
 
     model_type = "fwp_delta_net"
     update_rule: str = "delta"
+
+
+class GatedDeltaNetConfig(FastWeightConfig):
+    r"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025, sec. 3): the delta rule with a decay ``a_t = exp(g_t)`` of the
+    fast weight before each update, ``g_t = -exp(A_log) * softplus(W_a x_t + dt_bias)`` per value head. The defaults
+    are flash-linear-attention's GatedDeltaNet layer and blocks: short convolution (4) on q, k, v, SiLU, L2-normalised
+    and scaled q and k, beta without bias, gated output RMSNorm, RMSNorm blocks, SwiGLU, untied embeddings.
+
+    Args:
+        num_v_heads: value heads (None: num_attention_heads), a multiple of num_attention_heads; value head j reads
+            query/key head ``j // (num_v_heads / num_attention_heads)``. fla's ``expand_v`` is
+            ``value_head_dim / head_dim``.
+    """
+
+    model_type = "fwp_gated_delta_net"
+    fast_weight_layer = "gated_delta"
+    update_rule: str = "delta"
+    num_v_heads: int | None = None
+    feature_map: str = "silu"
+    short_conv_size: int = 4
+    value_activation: str = "silu"
+    qk_l2_normalization: bool = True
+    query_scaling: bool = True
+    beta_bias: bool = False
+    output_norm: bool = True
+    output_gate: bool = True
+    norm_type: str = "rms_norm"
+    feed_forward_type: str = "swiglu"
+    hidden_act: str = "silu"
+    layer_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.num_v_heads is None:
+            self.num_v_heads = self.num_attention_heads
+        if not isinstance(self.num_v_heads, int) or self.num_v_heads % self.num_attention_heads:
+            raise ValueError(f"`num_v_heads` must be a multiple of num_attention_heads ({self.num_attention_heads}), "
+                             f"got {self.num_v_heads!r}")
+        if self.attention_normalization:
+            raise ValueError("`attention_normalization` is not supported by GatedDeltaNetConfig")
 
 
 class RecurrentFastWeightConfig(FastWeightConfig):

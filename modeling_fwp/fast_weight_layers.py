@@ -11,12 +11,14 @@ attribute selects.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fwp_kernels import delta_rule, linear_attention
+from fwp_kernels import delta_rule, gated_delta_rule, linear_attention
 from torch import nn
+from transformers import initialization as init
 
 
 from .feature_maps import FeatureMap
@@ -234,6 +236,46 @@ class FastWeightLinearAttention(nn.Module):
         out, new_state = self._recurrence(q, k, v, beta, hidden_states, state, token_mask)
         new_state.update(conv_states)
         return self._output(out, hidden_states), new_state
+
+
+@register_fast_weight_layer("gated_delta")
+class GatedDeltaNetLayer(FastWeightLinearAttention):
+    """Gated DeltaNet layer (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks", sec. 3): the Delta Net layer with a
+    decay of the fast weight before each update, ``W_t = a_t W_{t-1} + beta_t (v_t - a_t W_{t-1} k_t) k_t^T``,
+    ``a_t = exp(g_t)``, ``g_t = -exp(A_log) * softplus(W_a x_t + dt_bias)`` per value head (as in Mamba-2's
+    discretisation; ``a_proj``, ``A_log``, ``dt_bias`` as flash-linear-attention names them). Value heads may be
+    grouped: ``num_v_heads`` a multiple of the query/key heads. State as the Delta Net layer's (``fast_weight [B, Hv,
+    Dv, Dk]`` and the convolution's entries).
+    """
+
+    def __init__(self, config, layer_idx: int = 0) -> None:
+        super().__init__(config, layer_idx)
+        self.a_proj = nn.Linear(config.hidden_size, self.num_value_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """Deterministic initial decays spread over the heads: ``A`` from 1 to 16 and the step ``softplus(dt_bias)``
+        from 0.001 to 0.1, log-spaced (the ranges of Mamba-2 / fla's random draws); loaded tensors are kept."""
+        n = self.num_value_heads
+        A = torch.linspace(1.0, 16.0, n)
+        dt = torch.exp(torch.linspace(math.log(1e-3), math.log(0.1), n))
+        init.copy_(self.A_log, torch.log(A).to(self.A_log))
+        init.copy_(self.dt_bias, (dt + torch.log(-torch.expm1(-dt))).to(self.dt_bias))  # softplus^-1(dt)
+
+    def log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``g [B, Hv, T] = -exp(A_log) * softplus(W_a x + dt_bias)`` in float32 (``a_t = exp(g_t)`` in (0, 1])."""
+        pre = self.a_proj(hidden_states).float() + self.dt_bias.float()
+        return (-torch.exp(self.A_log.float()) * F.softplus(pre)).transpose(1, 2)
+
+    def _recurrence(self, q, k, v, beta, hidden_states, state, token_mask) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        out, fast_weight = gated_delta_rule(
+            q, k, v, beta, self.log_decay(hidden_states), initial_state=state.get("fast_weight"),
+            output_final_state=True, mode=self.kernel_mode, chunk_size=self.chunk_size, mask=token_mask,
+        )  # padded positions neither decay nor write the state (mask: g = 0, beta = 0)
+        return out, {"fast_weight": fast_weight}
 
 
 def split_fused_qkv_projection(state_dict, prefix, *args) -> None:

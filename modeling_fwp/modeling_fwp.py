@@ -25,10 +25,11 @@ from .configuration_fwp import (
     DeltaNetConfig,
     DeltaRNNConfig,
     FastWeightConfig,
+    GatedDeltaNetConfig,
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS, RMSNorm
+from .fast_weight_layers import FAST_WEIGHT_LAYERS, GatedDeltaNetLayer, RMSNorm
 from .feature_maps import FeatureMap
 from .pretrained import StatefulPreTrainedModel
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
@@ -132,6 +133,11 @@ class FastWeightPreTrainedModel(StatefulPreTrainedModel):
     config: FastWeightConfig
     base_model_prefix = "model"
     _no_split_modules = ["FastWeightBlock"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, GatedDeltaNetLayer):
+            module.reset_gate_parameters()
 
 
 class FastWeightModel(FastWeightPreTrainedModel):
@@ -356,6 +362,15 @@ class DeltaNetModel(FastWeightModel):
 class DeltaNetForCausalLM(FastWeightForCausalLM):
     config_class = DeltaNetConfig
     base_model_class = DeltaNetModel
+
+
+class GatedDeltaNetModel(FastWeightModel):
+    config_class = GatedDeltaNetConfig
+
+
+class GatedDeltaNetForCausalLM(FastWeightForCausalLM):
+    config_class = GatedDeltaNetConfig
+    base_model_class = GatedDeltaNetModel
 
 
 # Recurrent Fast Weight Programmers (Irie et al. 2021, Table 1): the same backbone, a recurrent FWP layer.
