@@ -68,9 +68,10 @@ class CausalConv1d(nn.Conv1d):
     """Short causal depthwise convolution over time, without bias: ``y_t = sum_{i<K} w_i * x_{t-K+1+i}`` per channel.
 
     ``forward(x [B, T, C], cache [B, C, K-1] | None, token_mask [B, T] | None) -> (y [B, T, C], cache [B, C, K-1])``.
-    ``cache`` holds the last ``K - 1`` inputs of earlier calls (zeros before the first token), so a decode step
-    continues a prefill exactly. Padded positions enter as zeros: under left padding a row's window starts at its
-    first real token, as if the padding were not there.
+    ``cache`` holds the last ``K - 1`` real inputs of earlier calls (zeros before the first token), so a decode step
+    continues a prefill exactly. Padded positions are skipped, not convolved: each row's real tokens are packed
+    together before the convolution (as if the padding were not there, wherever it is) and the outputs unpacked to
+    their positions; the outputs at padded positions are of no use.
     """
 
     def __init__(self, channels: int, kernel_size: int) -> None:
@@ -79,14 +80,23 @@ class CausalConv1d(nn.Conv1d):
     def forward(
         self, x: torch.Tensor, cache: Optional[torch.Tensor] = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        x = x.transpose(1, 2)  # [B, C, T]
-        x = x if token_mask is None else x * token_mask.to(x.dtype)[:, None, :]
+        B, T, C = x.shape
         width = self.kernel_size[0] - 1
-        if cache is None:
-            cache = x.new_zeros(x.shape[0], x.shape[1], width)
-        window = torch.cat([cache.to(x.dtype), x], dim=-1)  # [B, C, K - 1 + T]
-        y = F.conv1d(window, self.weight, groups=self.groups)
-        return y.transpose(1, 2), window[..., window.shape[-1] - width:]
+        x = x.transpose(1, 2)  # [B, C, T]
+        cache = x.new_zeros(B, C, width) if cache is None else cache.to(x.dtype)
+        if token_mask is None:
+            window = torch.cat([cache, x], dim=-1)  # [B, C, K - 1 + T]
+            return F.conv1d(window, self.weight, groups=self.groups).transpose(1, 2), window[..., T:]
+        real = token_mask > 0
+        # slot of each real token among its row's real tokens; padded positions go to a slot T that is dropped
+        slot = torch.where(real, real.long().cumsum(-1) - 1, torch.full_like(real, T, dtype=torch.long))
+        packed = x.new_zeros(B, C, T + 1).scatter_(2, slot[:, None, :].expand(B, C, T), x)[..., :T]
+        window = torch.cat([cache, packed], dim=-1)
+        y = F.conv1d(window, self.weight, groups=self.groups).gather(
+            2, slot.clamp_max(T - 1)[:, None, :].expand(B, C, T))
+        # the new cache: the last K - 1 entries of [cache, the row's real tokens]
+        last = real.sum(-1)[:, None] + torch.arange(width, device=x.device)
+        return y.transpose(1, 2), window.gather(2, last[:, None, :].expand(B, C, width))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
