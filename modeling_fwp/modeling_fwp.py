@@ -373,6 +373,36 @@ class GatedDeltaNetForCausalLM(FastWeightForCausalLM):
     base_model_class = GatedDeltaNetModel
 
 
+def _register_fused_qkv_conversion() -> None:
+    """``from_pretrained`` of folders saved before ``q_proj`` / ``k_proj`` / ``v_proj`` existed (one fused
+    ``qkv_proj``, rows W_q, W_k, W_v): transformers' loader splits it (``load_state_dict`` has the layer's own
+    hook). The split is never undone: the reverse of the conversion, which transformers applies on save, renames
+    nothing, so saved folders always have the current layout."""
+    try:
+        from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+        from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
+    except ImportError:  # a transformers without conversion mappings: old folders need load_state_dict
+        return
+
+    class SplitFusedQKV(WeightConverter):
+        def reverse_transform(self):
+            keep = WeightRenaming(source_patterns=r"fast_weight\.qkv_proj\.weight",
+                                  target_patterns="fast_weight.qkv_proj.weight")  # matches no saved key
+            keep.scope_prefix, keep.base_model_prefix = self.scope_prefix, self.base_model_prefix
+            return keep
+
+    for config_class in (LinearTransformerConfig, DeltaNetConfig):
+        split = SplitFusedQKV(
+            source_patterns=r"fast_weight.qkv_proj.weight",
+            target_patterns=[f"fast_weight.{name}.weight" for name in ("q_proj", "k_proj", "v_proj")],
+            operations=[Chunk(dim=0)],
+        )
+        register_checkpoint_conversion_mapping(config_class.model_type, [split], overwrite=True)
+
+
+_register_fused_qkv_conversion()
+
+
 # Recurrent Fast Weight Programmers (Irie et al. 2021, Table 1): the same backbone, a recurrent FWP layer.
 
 

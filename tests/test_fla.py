@@ -139,19 +139,32 @@ def test_unsupported_fla_configs_are_refused(field, value):
         config_from_fla(fla)
 
 
-def test_old_fused_qkv_state_dict_loads():
-    """A state dict of the layout before q_proj / k_proj / v_proj (one ``qkv_proj``) loads and gives the same
-    logits."""
-    model = tiny_model(seed=3)
+def fused_qkv_layout(state):
+    """A state dict in the layout before q_proj / k_proj / v_proj: one ``qkv_proj`` per layer (rows W_q, W_k, W_v)."""
     old = {}
-    for key, value in model.state_dict().items():
+    for key, value in state.items():
         if ".q_proj." in key:
-            fused = [model.state_dict()[key.replace("q_proj", name)] for name in ("q_proj", "k_proj", "v_proj")]
-            old[key.replace("q_proj", "qkv_proj")] = torch.cat(fused, dim=0)
+            old[key.replace("q_proj", "qkv_proj")] = torch.cat([state[key.replace("q_proj", n)] for n in ("q_proj", "k_proj",
+                                                                                                       "v_proj")])
         elif ".k_proj." not in key and ".v_proj." not in key:
             old[key] = value
-    reloaded = tiny_model(seed=4)
-    reloaded.load_state_dict(old)
+    return old
+
+
+def test_old_fused_qkv_checkpoints_load(tmp_path):
+    """A state dict (load_state_dict) and a saved folder (from_pretrained) of the fused-qkv layout load and give the
+    same logits; saving again writes the current layout."""
+    model = tiny_model(seed=3)
     ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    reloaded = tiny_model(seed=4)
+    reloaded.load_state_dict(fused_qkv_layout(model.state_dict()))
+    model.save_pretrained(tmp_path / "old")
+    save_file(fused_qkv_layout(load_file(tmp_path / "old" / "model.safetensors")), tmp_path / "old" / "model.safetensors",
+              metadata={"format": "pt"})
+    from_folder = AutoModelForCausalLM.from_pretrained(tmp_path / "old").eval()
+    from_folder.save_pretrained(tmp_path / "again")
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+        assert torch.equal(from_folder(ids).logits, model(ids).logits)
+    saved = load_file(tmp_path / "again" / "model.safetensors")
+    assert "model.layers.0.fast_weight.q_proj.weight" in saved and not any("qkv_proj" in key for key in saved)
