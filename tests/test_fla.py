@@ -168,3 +168,17 @@ def test_old_fused_qkv_checkpoints_load(tmp_path):
         assert torch.equal(from_folder(ids).logits, model(ids).logits)
     saved = load_file(tmp_path / "again" / "model.safetensors")
     assert "model.layers.0.fast_weight.q_proj.weight" in saved and not any("qkv_proj" in key for key in saved)
+
+
+@pytest.mark.parametrize("repo_id, license_name", [("fla-hub/delta_net-tiny", "mit"), ("someone/model", "other")])
+def test_card_of_a_converted_checkpoint_says_where_the_weights_came_from(tmp_path, repo_id, license_name):
+    from model_cards.generator import card_for_folder, validate_card
+
+    convert_fla_checkpoint(FLA / "delta_net", tmp_path, repo_id=repo_id)
+    card = validate_card(card_for_folder(tmp_path))
+    assert card.data.license == license_name and card.data.base_model == repo_id
+    text = str(card)
+    assert f"[`{repo_id}`](https://huggingface.co/{repo_id})" in text and "convert_fla_checkpoint" in text
+    assert ("as stated by the source" in text) == (license_name == "mit")
+    assert ("states no license" in text) == (license_name == "other")
+    assert "causal depthwise convolution of width 4" in text and "RMSNorm(x)" in text
