@@ -1,6 +1,7 @@
-"""Chunkwise-parallel machinery of the outer-product rules (sum rule, delta rule): plain PyTorch on any device, and a
-C++ kernel on CPU. The rule-specific half of the algorithm is a :class:`ChunkRule`, defined in the rule's own module
-(``linear_attention_kernels.py``, ``delta_rule_kernels.py``); this module runs it.
+"""Chunkwise-parallel machinery of the outer-product rules (sum rule, delta rule, gated delta rule): plain PyTorch on
+any device, and a C++ kernel on CPU. The rule-specific half of the algorithm is a :class:`ChunkRule`, defined in the
+rule's own module (``linear_attention_kernels.py``, ``delta_rule_kernels.py``, ``gated_delta_rule_kernels.py``, which
+overrides the forward and backward and has a C++ kernel of its own); this module runs it.
 
 Per (batch, head), the sequence is cut into chunks of C positions. Inside a chunk, with the state
 S ``[Dv, Dk]`` entering it (y = S q) and the chunk's rows Q, K ``[C, Dk]``, V ``[C, Dv]``, beta ``[C]``:

@@ -5,7 +5,10 @@
 that is the delta rule (Schlag et al. 2021, eq. 24) applied to the decayed state ``a_t W_{t-1}`` (Mamba2's scalar
 gate); ``g = 0`` is the delta rule.
 
-Modes (``dispatch.MODES``): "recurrent" (:func:`gated_delta_rule_recurrent`, the step loop), "auto".
+Modes (``dispatch.MODES``): "recurrent" (:func:`gated_delta_rule_recurrent`, the step loop), "chunk"
+(:func:`gated_delta_rule_chunk`, the decayed WY representation / UT transform of :class:`GatedDeltaRuleChunks`: the
+C++ kernel ``csrc/chunk_gated_delta.cpp`` on CPU, PyTorch elsewhere; ``triton_gated_chunk.gated_delta_rule_chunk`` on
+CUDA), "auto".
 
 Layout (DESIGN.md kernel contract): q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, beta and g ``[B, H, T]`` (g the log
 of the decay, normally <= 0), fast weight state ``[B, H, Dv, Dk]`` (the paper's W, read as ``y = W q``), accumulated
@@ -17,7 +20,9 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .chunk import ChunkFastWeightFunction, ChunkRule, auto_mode, bmm, chunk_kernel_finder, unit_lower_inverse
+from . import chunk
+from .chunk import ChunkFastWeightFunction, ChunkRule, _flat, bmm, chunk_kernel_finder, unit_lower_inverse
+from .cpp_build import register_cpu_kernel
 from .dispatch import (
     Recurrence,
     acc_dtype,
@@ -65,6 +70,19 @@ def gated_delta_rule_recurrent(
     return o.to(q.dtype), (W if output_final_state else None)
 
 
+try:  # inside a saved model folder the C++ source travels as a string (transformers copies only Python modules)
+    from .chunk_gated_delta_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
+except ImportError:  # the installed package: the source is csrc/chunk_gated_delta.cpp
+    _EMBEDDED_SOURCE = None
+_CPU_KERNEL = register_cpu_kernel(
+    "chunk_gated_delta", _EMBEDDED_SOURCE, "fwp_gated_chunk", "gated_forward", ["-O3"],
+    "the PyTorch chunked kernel (slower on CPU)",
+)
+# Whether the C++ kernel runs (built on first use); module attributes, so that tests can switch it off.
+cpu_kernel_status = _CPU_KERNEL.describe
+cpu_kernel_available = _CPU_KERNEL.available
+
+
 class GatedIntra(NamedTuple):
     """Per-chunk quantities of the gated rule that do not depend on the state, all ``[BH, N, ...]``."""
 
@@ -90,6 +108,37 @@ class GatedDeltaRuleChunks(ChunkRule):
 
     name = "gated delta rule"
     gates = ("beta", "g")
+
+    def compiled(self, x: torch.Tensor, acc: torch.dtype) -> bool:
+        """csrc/chunk_gated_delta.cpp on CPU for float32 / float64 accumulation, when it is built."""
+        return x.device.type == "cpu" and acc in (torch.float32, torch.float64) and cpu_kernel_available()
+
+    def compiled_forward(self, q, k, v, gates, initial_state, chunk_size: int):
+        acc = acc_dtype(q, k, v, initial_state, *gates)
+        B, H, T, Dk = q.shape
+        Dv = v.shape[-1]
+        state = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # written in place: never the caller's tensor
+        if initial_state is not None:
+            state.copy_(initial_state.reshape(B * H, Dv, Dk))
+        o = q.new_empty(B * H, T, Dv, dtype=acc)
+        torch.ops.fwp_gated_chunk.gated_forward(*[_flat(x, acc) for x in (q, k, v, *gates)], state, chunk_size, o)
+        return o.view(B, H, T, Dv).to(q.dtype), state.view(B, H, Dv, Dk)
+
+    def compiled_backward(self, do, d_final, q, k, v, gates, initial_state, chunk_size: int):
+        acc = acc_dtype(q, k, v, initial_state, *gates)
+        B, H, T, Dk = q.shape
+        Dv = v.shape[-1]
+        flat = [_flat(x, acc) for x in (q, k, v, *gates)]
+        s0 = q.new_zeros(B * H, Dv, Dk, dtype=acc) if initial_state is None else _flat(initial_state, acc)
+        do = torch.zeros_like(flat[2]) if do is None else _flat(do, acc)
+        dS = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # in: the final state's gradient, out: the initial state's
+        if d_final is not None:
+            dS.copy_(d_final.reshape(B * H, Dv, Dk))
+        grads = [torch.empty_like(x) for x in flat]  # dq, dk, dv, dbeta, dg
+        torch.ops.fwp_gated_chunk.gated_backward(*flat, s0, chunk_size, do, dS, *grads)
+        dq, dk, dv, dbeta, dg = (d.view(x.shape).to(x.dtype) for d, x in zip(grads, (q, k, v, *gates)))
+        ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)
+        return dq, dk, dv, (dbeta, dg), ds0
 
     def intra(self, q, k, v, beta, g) -> GatedIntra:
         gamma = g.cumsum(-1)
@@ -210,12 +259,22 @@ def gated_delta_rule_chunk(
     return o, (final if output_final_state else None)
 
 
+def gated_auto_mode(T: int, device: torch.device) -> str:
+    """mode="auto": the delta rule's crossovers (``chunk.auto_mode``), with this rule's own C++ kernel deciding the
+    CPU one. Measured (fp32, B*H = 8, D = 64, one thread, a busy machine): the C++ chunk kernel ties with the step loop
+    at T = 1 (46 vs 55 us) and is faster from T = 2 on (49 vs 303 us), as for the delta rule."""
+    if device.type == "cpu":
+        limit = chunk._RECURRENT_MAX_T["cpu"] if cpu_kernel_available() else chunk._RECURRENT_MAX_T_CPU_PYTORCH
+        return "recurrent" if T <= limit else "chunk"
+    return chunk.auto_mode(T, device)
+
+
 GATED_DELTA_RULE = register(
     Recurrence(
         "gated_delta_rule",
         reference=gated_delta_rule_recurrent,
-        kernels={"chunk": lambda device: gated_delta_rule_chunk},
-        auto=lambda T, device: "recurrent",
+        kernels={"chunk": chunk_kernel_finder(gated_delta_rule_chunk, "triton_gated_chunk.gated_delta_rule_chunk")},
+        auto=gated_auto_mode,
     )
 )
 
@@ -241,7 +300,8 @@ def gated_delta_rule(
         g: ``[B, H, T]``, the log of the decay (normally <= 0; Gated DeltaNet: ``-exp(A_log) softplus(.)``).
         initial_state: ``[B, H, Dv, Dk]`` or None (zeros).
         output_final_state: return the final ``[B, H, Dv, Dk]`` float32 state.
-        mode: "recurrent" (step loop) or "auto".
+        mode: "recurrent" (step loop), "chunk" (chunkwise-parallel) or "auto" (the step loop for a decode step,
+            else chunkwise).
         chunk_size: chunk length for the chunkwise modes (any T works).
         mask: ``[B, T]`` or None; 0 marks padding, where k, beta and g are zeroed, so that the state neither
             decays nor is written (the outputs there are of no use).
