@@ -45,6 +45,13 @@ def test_prefill_and_cached_decoding_match_fla(converted, name):
     model, expected, _ = converted[name]
     ids = expected["input_ids"]
     _close(model(ids).logits, expected["prefill_logits"])
+    for block in model.model.layers:  # the chunkwise kernels (chunks of 5: a partial last chunk)
+        block.fast_weight.kernel_mode, block.fast_weight.chunk_size = "chunk", 5
+    try:
+        _close(model(ids).logits, expected["prefill_logits"])
+    finally:
+        for block in model.model.layers:
+            block.fast_weight.kernel_mode, block.fast_weight.chunk_size = "auto", 64
     cache = output_cache(model(ids[:, :8], use_cache=True))
     steps = [model(ids[:, t:t + 1], cache=cache).logits for t in range(8, 12)]
     _close(torch.cat(steps, dim=1), expected["decode_logits"])
