@@ -266,7 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     "AutoModelForCausalLM loads (with modeling_fwp, or trust_remote_code=True).")
     parser.add_argument("src", help="fla's checkpoint folder (config.json + safetensors)")
     parser.add_argument("dst", help="output folder")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast the weights (default: keep)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast the weights to this dtype (None: keep the checkpoint's)")
     parser.add_argument("--repo-id", default=None, help="the Hub id the weights came from (recorded for the card)")
     args = parser.parse_args(argv)
     model = convert_fla_checkpoint(args.src, args.dst, dtype=args.dtype, repo_id=args.repo_id)
