@@ -98,6 +98,7 @@ _TRANSFO_XL = "transfo_xl_fwl.md.j2"
 CARD_STYLES: Dict[str, CardStyle] = {
     "LinearTransformer": CardStyle(_FAST_WEIGHT_TRANSFORMER, _FWP_TAGS + ("linear-transformer",)),
     "DeltaNet": CardStyle(_FAST_WEIGHT_TRANSFORMER, _FWP_TAGS + ("delta-net",)),
+    "GatedDeltaNet": CardStyle(_FAST_WEIGHT_TRANSFORMER, _FWP_TAGS + ("gated-delta-net", "delta-net")),
     "DeltaMLP": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-mlp", "recurrent-fwp")),
     "DeltaDeltaNet": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-delta-net", "recurrent-fwp")),
     "DeltaRNN": CardStyle(_RECURRENT_FWP, _FWP_TAGS + ("delta-rnn", "recurrent-fwp")),
@@ -138,6 +139,7 @@ FEATURE_MAPS = {
     "favor": "FAVOR+ with m = {favor_features} random features, dimension 2m (Schlag et al. 2021, eqs. 31-32)",
     "relu": "ReLU",
     "identity": "identity (phi(x) = x)",
+    "silu": "SiLU (as flash-linear-attention's Delta Nets)",
     "softmax": "softmax (applied inside the recurrence, as in Irie et al. 2021)",
 }
 
@@ -395,6 +397,33 @@ def _config_rows(values: Mapping[str, Any]) -> List[Tuple[str, str]]:
     ]
 
 
+def _layer_options(values: Mapping[str, Any]) -> List[str]:
+    """Sentences on the options beyond the papers' layer that a config sets (later Delta Nets, converted
+    flash-linear-attention checkpoints)."""
+    found = []
+    if values.get("short_conv_size"):
+        found.append(f"a causal depthwise convolution of width {values['short_conv_size']} (no bias) on each of q, k, v "
+                     "after its projection")
+    if values.get("value_activation") == "silu":
+        found.append("SiLU on the values")
+    if values.get("qk_l2_normalization"):
+        found.append("queries and keys L2-normalised per head after phi")
+    if values.get("query_scaling"):
+        found.append("queries scaled by d_k^-1/2")
+    if values.get("update_rule") == "delta" and values.get("beta_bias") is False:
+        found.append("beta without bias")
+    if values.get("allow_neg_eigval"):
+        found.append("beta doubled, in (0, 2)")
+    if values.get("output_norm"):
+        gate = f", gated by {values.get('output_gate_activation', 'silu')}(W_g x)" if values.get("output_gate") else ""
+        found.append(f"an RMSNorm over each head's output{gate}")
+    if (values.get("num_v_heads") or 0) > (values.get("num_attention_heads") or 0):
+        found.append(f"{values['num_v_heads']} value heads sharing {values['num_attention_heads']} query/key heads")
+    if values.get("feed_forward_type") == "swiglu":
+        found.append("a SwiGLU feed-forward without biases")
+    return found
+
+
 def _formatted_rows(section: Any) -> List[Tuple[str, str]]:
     """``(key, formatted value)`` of a results section's scalars."""
     return [(k, format_value(v)) for k, v in _scalars(section)]
@@ -406,7 +435,7 @@ def build_card(
     *,
     model_name: Optional[str] = None,
     repo_id: Optional[str] = None,
-    license: str = DEFAULT_LICENSE,
+    license: Optional[str] = None,
     datasets: Union[None, str, Sequence[str]] = None,
     base_model: Optional[str] = None,
     language: Union[None, str, Sequence[str]] = None,
@@ -425,8 +454,10 @@ def build_card(
             family's title).
         repo_id: the Hub id used in the loading instructions (default: a placeholder path).
         datasets: Hub dataset ids of the training data (default: ``data.dataset`` of the results, when a Hub id).
+        license: the card's license (default: for converted weights, the one their source states, else "other";
+            otherwise ``DEFAULT_LICENSE``).
         base_model: Hub id of the pretrained base (FWL fine-tunes; default: the results' ``base_model``, else the
-            config's ``text_config._name_or_path`` when it is a Hub id).
+            config's ``text_config._name_or_path`` when it is a Hub id; for converted weights their source repo).
         num_parameters: stored weight count (default: the results' ``model.parameters``).
         results_files: names of the results files shipped next to the card, cited as the numbers' source.
         results_model: for an eval_lm file covering several models, the evaluated model's folder.
@@ -441,6 +472,11 @@ def build_card(
     data = (results or {}).get("data") or {}
     if datasets is None:
         datasets = _dataset_ids(data.get("dataset"))
+    source = values.get("pretrained_source") or None
+    if source:  # converted weights (modeling_fwp.convert_fla): their source's license and repo
+        license = license or source.get("license") or "other"
+        base_model = base_model or _hub_id(source.get("repo_id"))
+    license = license or DEFAULT_LICENSE
     base_model, base_note = _base_model(key, base_model, results, text_config)
     if num_parameters is None and results:
         num_parameters = ((results.get("model") or {}).get("parameters"))
@@ -461,6 +497,8 @@ def build_card(
         feature_map=_format(FEATURE_MAPS.get(values.get("feature_map"), ""), values),
         config=values,
         config_rows=_config_rows(values),
+        layer_options=_layer_options(values),
+        source=source,
         num_parameters=format_value(num_parameters) if num_parameters else None,
         base_model=base_model,
         base_note=base_note,

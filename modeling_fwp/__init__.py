@@ -13,6 +13,7 @@ from .configuration_fwp import (
     DeltaNetConfig,
     DeltaRNNConfig,
     FastWeightConfig,
+    GatedDeltaNetConfig,
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
@@ -33,6 +34,8 @@ from .modeling_fwp import (
     FastWeightForCausalLM,
     FastWeightModel,
     FastWeightPreTrainedModel,
+    GatedDeltaNetForCausalLM,
+    GatedDeltaNetModel,
     LinearTransformerForCausalLM,
     LinearTransformerModel,
     RecurrentDeltaNetForCausalLM,
@@ -42,6 +45,7 @@ from .modeling_fwl import FWLForCausalLM, FWLPreTrainedModel
 from .configuration_transfo_xl import TransfoXLConfig
 from .modeling_transfo_xl import TransfoXLCache, TransfoXLForCausalLM, TransfoXLModel, TransfoXLPreTrainedModel
 from .convert_transfo_xl import convert_transfo_xl_checkpoint
+from .convert_fla import convert_fla_checkpoint
 from .recurrent_core import FastWeightRecurrentCore
 
 from .families import FAMILIES
@@ -64,6 +68,7 @@ __all__ = [cls.__name__ for spec in FAMILIES for cls in spec.classes()] + [
     "TransfoXLPreTrainedModel",
     "TransfoXLCache",
     "convert_transfo_xl_checkpoint",
+    "convert_fla_checkpoint",
     "FastWeightCache",
     "FastWeightConfig",
     "FastWeightModel",

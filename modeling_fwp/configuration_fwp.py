@@ -7,12 +7,23 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-FEATURE_MAPS = ("elu", "dpfp", "favor", "relu", "identity")
+FEATURE_MAPS = ("elu", "dpfp", "favor", "relu", "identity", "silu")
+NON_NEGATIVE_FEATURE_MAPS = ("elu", "dpfp", "favor", "relu")
 UPDATE_RULES = ("sum", "delta")
 POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 KERNEL_MODES = ("auto", "recurrent", "chunk")  # the modes of the outer-product rules (delta_rule, linear_attention)
 SCAN_KERNEL_MODES = ("auto", "recurrent", "fused")  # the modes of the recurrent FWPs' scans (fwp_kernels.dispatch)
 FAST_NET_ACTIVATIONS = ("softmax", "feature_map")  # the Delta MLP's f (Irie et al. 2021, eq. 13)
+VALUE_ACTIVATIONS = ("identity", "silu")
+OUTPUT_GATE_ACTIVATIONS = ("silu", "sigmoid")
+NORM_TYPES = ("layer_norm", "rms_norm")
+FEED_FORWARD_TYPES = ("mlp", "swiglu")
+# Fields of the "linear" fast-weight layer's modern options (their defaults: the papers' layer). The recurrent FWPs'
+# layers do not implement them.
+LINEAR_LAYER_OPTIONS = {
+    "short_conv_size": 0, "value_activation": "identity", "qk_l2_normalization": False, "query_scaling": False,
+    "beta_bias": True, "allow_neg_eigval": False, "output_norm": False, "output_gate": False, "value_head_dim": None,
+}
 
 
 class FastWeightConfig(PreTrainedConfig):
@@ -41,6 +52,25 @@ class FastWeightConfig(PreTrainedConfig):
     ``unused_fields`` with the values it still accepts (the defaults, which saved configs hold), and a field that
     only another family declares (``version``, ``fast_net_depth``, ...) raises. ``dpfp_nu`` and ``favor_features``
     are read only with their feature map; they stay accepted with the others, so a config can switch maps.
+
+    Options of later Delta Nets (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over
+    Sequence Length", as flash-linear-attention builds them; the defaults are the papers' layer above):
+        short_conv_size: kernel size of a causal depthwise convolution (no bias) on each of q, k, v after its
+            projection (0: none). Its last ``short_conv_size - 1`` inputs are kept in the cache.
+        feature_map "silu": phi = SiLU (not non-negative: no sum or attention normalisation).
+        value_activation: "identity" (the papers) or "silu", applied to v (after the convolution).
+        qk_l2_normalization: q and k divided by their L2 norm per head, ``x / sqrt(|x|^2 + 1e-6)``, after phi.
+        query_scaling: q multiplied by ``feature_dim ** -0.5``.
+        beta_bias: whether ``beta = sigmoid(W_beta x + b)`` has the bias b (eq. 21 has none; our default keeps it).
+        allow_neg_eigval: beta doubled (in (0, 2): Grazzi et al. 2025, negative eigenvalues of the transition).
+        output_norm: an RMSNorm (eps ``layer_norm_eps``) over each head's output ``W_t phi(q_t)``.
+        output_gate: with output_norm, ``rms(o) * w * act(W_g x)`` with ``output_gate_activation`` ("silu").
+        value_head_dim: the value (and output) dimension per head (None: head_dim).
+
+    Blocks:
+        norm_type: "layer_norm" (the papers) or "rms_norm" (weight only) for the blocks' and the final norm.
+        feed_forward_type: "mlp" (``W_2 act(W_1 x + b_1) + b_2``) or "swiglu" (``W_d (act(W_g x) * W_u x)``, no
+            biases, act = ``hidden_act``).
     """
 
     model_type = "fwp_fast_weight"
@@ -73,6 +103,23 @@ class FastWeightConfig(PreTrainedConfig):
     kernel_mode: str = "auto"
     chunk_size: int = 64
 
+    short_conv_size: int = 0
+    value_activation: str = "identity"
+    qk_l2_normalization: bool = False
+    query_scaling: bool = False
+    beta_bias: bool = True
+    allow_neg_eigval: bool = False
+    output_norm: bool = False
+    output_gate: bool = False
+    output_gate_activation: str = "silu"
+    value_head_dim: int | None = None
+    norm_type: str = "layer_norm"
+    feed_forward_type: str = "mlp"
+
+    # Where converted weights came from (modeling_fwp.convert_fla): repo_id, revision, path, library, model_type,
+    # license, license_source, conversion. None for models of this package.
+    pretrained_source: dict | None = None
+
     use_cache: bool = True
     tie_word_embeddings: bool = True
     pad_token_id: int | None = None
@@ -100,6 +147,10 @@ class FastWeightConfig(PreTrainedConfig):
             ("feature_map", self.feature_map, self.supported_feature_maps),
             ("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS),
             ("kernel_mode", self.kernel_mode, self.kernel_modes),
+            ("value_activation", self.value_activation, VALUE_ACTIVATIONS),
+            ("output_gate_activation", self.output_gate_activation, OUTPUT_GATE_ACTIVATIONS),
+            ("norm_type", self.norm_type, NORM_TYPES),
+            ("feed_forward_type", self.feed_forward_type, FEED_FORWARD_TYPES),
         ):
             if value not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}")
@@ -112,14 +163,17 @@ class FastWeightConfig(PreTrainedConfig):
             raise ValueError(f"`favor_features` must be >= 1, got {self.favor_features}")
         if self.chunk_size < 1:
             raise ValueError(f"`chunk_size` must be >= 1, got {self.chunk_size}")
-        non_negative = self.feature_map != "identity"
+        self._check_layer_options()
+        non_negative = self.feature_map in NON_NEGATIVE_FEATURE_MAPS
         if self.sum_normalization is None:
             self.sum_normalization = non_negative and self.update_rule == "delta"
         if self.attention_normalization is None:
             self.attention_normalization = non_negative and self.update_rule == "sum"
         for name in ("sum_normalization", "attention_normalization"):
             if getattr(self, name) and not non_negative:
-                raise ValueError(f"`{name}` needs a non-negative feature map, got feature_map='identity'")
+                raise ValueError(f"`{name}` needs a non-negative feature map, got feature_map={self.feature_map!r}")
+        if self.qk_l2_normalization and self.sum_normalization:
+            raise ValueError("`qk_l2_normalization` and `sum_normalization` exclude each other: set one of them")
         super().__post_init__(**kwargs)
 
     def _check_family_fields(self, extra: dict) -> None:
@@ -133,6 +187,23 @@ class FastWeightConfig(PreTrainedConfig):
         foreign = sorted(set(extra) & (_family_field_names() - _field_names(type(self))))
         if foreign:
             raise ValueError(f"`{foreign[0]}` is a field of another fast-weight family, not used by {family}")
+
+    def _check_layer_options(self) -> None:
+        """Types and ranges of the later Delta Nets' options (see the class docstring)."""
+        if not isinstance(self.short_conv_size, int) or isinstance(self.short_conv_size, bool) or self.short_conv_size < 0:
+            raise ValueError(f"`short_conv_size` must be an int >= 0 (0: no convolution), got {self.short_conv_size!r}")
+        for name in ("qk_l2_normalization", "query_scaling", "beta_bias", "allow_neg_eigval", "output_norm",
+                     "output_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
+        if self.allow_neg_eigval and self.update_rule != "delta":
+            raise ValueError("`allow_neg_eigval` doubles the delta rule's beta: it needs update_rule='delta'")
+        if self.output_gate and not self.output_norm:
+            raise ValueError("`output_gate` gates the output RMSNorm: it needs `output_norm=True`")
+        if self.value_head_dim is None:
+            self.value_head_dim = self.head_dim
+        if not isinstance(self.value_head_dim, int) or self.value_head_dim < 1:
+            raise ValueError(f"`value_head_dim` must be an int >= 1 (or None: head_dim), got {self.value_head_dim!r}")
 
     @property
     def feature_dim(self) -> int:
@@ -173,6 +244,47 @@ class DeltaNetConfig(FastWeightConfig):
     update_rule: str = "delta"
 
 
+class GatedDeltaNetConfig(FastWeightConfig):
+    r"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025, sec. 3): the delta rule with a decay ``a_t = exp(g_t)`` of the
+    fast weight before each update, ``g_t = -exp(A_log) * softplus(W_a x_t + dt_bias)`` per value head. The defaults
+    are flash-linear-attention's GatedDeltaNet layer and blocks: short convolution (4) on q, k, v, SiLU, L2-normalised
+    and scaled q and k, beta without bias, gated output RMSNorm, RMSNorm blocks, SwiGLU, untied embeddings.
+
+    Args:
+        num_v_heads: value heads (None: num_attention_heads), a multiple of num_attention_heads; value head j reads
+            query/key head ``j // (num_v_heads / num_attention_heads)``. fla's ``expand_v`` is
+            ``value_head_dim / head_dim``.
+    """
+
+    model_type = "fwp_gated_delta_net"
+    fast_weight_layer = "gated_delta"
+    update_rule: str = "delta"
+    num_v_heads: int | None = None
+    feature_map: str = "silu"
+    short_conv_size: int = 4
+    value_activation: str = "silu"
+    qk_l2_normalization: bool = True
+    query_scaling: bool = True
+    beta_bias: bool = False
+    output_norm: bool = True
+    output_gate: bool = True
+    norm_type: str = "rms_norm"
+    feed_forward_type: str = "swiglu"
+    hidden_act: str = "silu"
+    layer_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.num_v_heads is None:
+            self.num_v_heads = self.num_attention_heads
+        if not isinstance(self.num_v_heads, int) or self.num_v_heads % self.num_attention_heads:
+            raise ValueError(f"`num_v_heads` must be a multiple of num_attention_heads ({self.num_attention_heads}), "
+                             f"got {self.num_v_heads!r}")
+        if self.attention_normalization:
+            raise ValueError("`attention_normalization` is not supported by GatedDeltaNetConfig")
+
+
 class RecurrentFastWeightConfig(FastWeightConfig):
     r"""Shared base of the recurrent Fast Weight Programmers' configs (Irie, Schlag, Csordas, Schmidhuber 2021).
 
@@ -194,6 +306,11 @@ class RecurrentFastWeightConfig(FastWeightConfig):
                              f"got {self.update_rule!r}")
         if self.attention_normalization:
             raise ValueError(f"`attention_normalization` is not supported by {type(self).__name__}")
+        for name, default in LINEAR_LAYER_OPTIONS.items():
+            allowed = self.head_dim if name == "value_head_dim" else default
+            if getattr(self, name) != allowed:
+                raise ValueError(f"`{name}` is an option of the Linear Transformer / Delta Net layer, not supported by "
+                                 f"{type(self).__name__}: leave it at {allowed!r}, got {getattr(self, name)!r}")
         if self.head_dim < 2:
             raise ValueError(
                 f"`head_dim` must be >= 2 for {type(self).__name__}: its recurrent keys are softmaxes over head_dim "

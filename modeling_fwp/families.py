@@ -24,6 +24,7 @@ from .configuration_fwp import (
     DeltaNetConfig,
     DeltaRNNConfig,
     FastWeightConfig,
+    GatedDeltaNetConfig,
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
@@ -40,6 +41,8 @@ from .modeling_fwp import (
     DeltaNetModel,
     DeltaRNNForCausalLM,
     DeltaRNNModel,
+    GatedDeltaNetForCausalLM,
+    GatedDeltaNetModel,
     LinearTransformerForCausalLM,
     LinearTransformerModel,
     RecurrentDeltaNetForCausalLM,
@@ -127,6 +130,11 @@ FAMILIES: Tuple[FamilySpec, ...] = (
     FamilySpec(
         DeltaNetConfig, DeltaNetModel, DeltaNetForCausalLM,
         ModelFacts("Delta Net", "feedforward", _DELTA, "linear", ("schlag2021linear",)),
+    ),
+    FamilySpec(
+        GatedDeltaNetConfig, GatedDeltaNetModel, GatedDeltaNetForCausalLM,
+        ModelFacts("Gated DeltaNet", "feedforward", "gated delta rule (W = a W + beta (v - a W k) k^T, a = exp(g))",
+                   "linear", ("yang2025gated", "schlag2021linear")),
     ),
     FamilySpec(DeltaMLPConfig, DeltaMLPModel, DeltaMLPForCausalLM, _rfwp("Delta MLP", "MLP ({fast_net_depth} layers)")),
     FamilySpec(

@@ -11,12 +11,14 @@ attribute selects.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fwp_kernels import delta_rule, linear_attention
+from fwp_kernels import delta_rule, gated_delta_rule, linear_attention
 from torch import nn
+from transformers import initialization as init
 
 
 from .feature_maps import FeatureMap
@@ -47,6 +49,65 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, T, H * d)
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, ``x / sqrt(mean(x^2) + eps) * w``, computed in float32 (weight
+    only, no bias; Zhang and Sennrich 2019)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class CausalConv1d(nn.Conv1d):
+    """Short causal depthwise convolution over time, without bias: ``y_t = sum_{i<K} w_i * x_{t-K+1+i}`` per channel.
+
+    ``forward(x [B, T, C], cache [B, C, K-1] | None, token_mask [B, T] | None) -> (y [B, T, C], cache [B, C, K-1])``.
+    ``cache`` holds the last ``K - 1`` real inputs of earlier calls (zeros before the first token), so a decode step
+    continues a prefill exactly. Padded positions are skipped, not convolved: each row's real tokens are packed
+    together before the convolution (as if the padding were not there, wherever it is) and the outputs unpacked to
+    their positions; the outputs at padded positions are of no use.
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cache: Optional[torch.Tensor] = None, token_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        B, T, C = x.shape
+        width = self.kernel_size[0] - 1
+        x = x.transpose(1, 2)  # [B, C, T]
+        cache = x.new_zeros(B, C, width) if cache is None else cache.to(x.dtype)
+        if token_mask is None:
+            window = torch.cat([cache, x], dim=-1)  # [B, C, K - 1 + T]
+            return F.conv1d(window, self.weight, groups=self.groups).transpose(1, 2), window[..., T:]
+        real = token_mask > 0
+        # slot of each real token among its row's real tokens; padded positions go to a slot T that is dropped
+        slot = torch.where(real, real.long().cumsum(-1) - 1, torch.full_like(real, T, dtype=torch.long))
+        packed = x.new_zeros(B, C, T + 1).scatter_(2, slot[:, None, :].expand(B, C, T), x)[..., :T]
+        window = torch.cat([cache, packed], dim=-1)
+        y = F.conv1d(window, self.weight, groups=self.groups).gather(
+            2, slot.clamp_max(T - 1)[:, None, :].expand(B, C, T))
+        # the new cache: the last K - 1 entries of [cache, the row's real tokens]
+        last = real.sum(-1)[:, None] + torch.arange(width, device=x.device)
+        return y.transpose(1, 2), window.gather(2, last[:, None, :].expand(B, C, width))
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + eps)`` over the last dimension, computed in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+OUTPUT_GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
 @register_fast_weight_layer("linear")
 class FastWeightLinearAttention(nn.Module):
     """Linear Transformer / Delta Net layer: slow net feedforward, fast net linear (Schlag et al. 2021).
@@ -62,38 +123,87 @@ class FastWeightLinearAttention(nn.Module):
     with ``v_bar_1 = 0`` (eq. 27). A zero denominator gives 0 (``v_bar_t``, ``y_t``): its numerator is 0 too, since
     the feature map is non-negative and every column of W that ``phi(k_t)`` (or ``phi(q_t)``) reads is then zero.
 
-    State: ``fast_weight [B, H, Dv, Dk]`` and, with attention normalisation, ``normalizer [B, H, 1, Dk]`` (z).
+    Later Delta Nets' options (``FastWeightConfig``): a short causal convolution on q, k, v (``q_conv1d``, ...), a
+    value activation, L2-normalised and scaled queries and keys, beta without bias or doubled, an output RMSNorm per
+    head (``o_norm``), gated by ``act(W_g x)`` (``g_proj``).
+
+    State: ``fast_weight [B, H, Dv, Dk]``, with attention normalisation ``normalizer [B, H, 1, Dk]`` (z), with the
+    convolution ``conv_q``, ``conv_k`` ``[B, H * head_dim, K - 1]`` and ``conv_v`` ``[B, H * Dv, K - 1]``.
     """
 
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
+        self.num_value_heads = getattr(config, "num_v_heads", None) or self.num_heads
         self.head_dim = config.head_dim
+        self.value_head_dim = config.value_head_dim
         self.update_rule = config.update_rule
         self.attention_normalization = config.attention_normalization
         self.kernel_mode = config.kernel_mode
         self.chunk_size = config.chunk_size
-        inner = self.num_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, 3 * inner, bias=False)
-        self.beta_proj = nn.Linear(config.hidden_size, self.num_heads, bias=True) if self.update_rule == "delta" else None
-        self.o_proj = nn.Linear(inner, config.hidden_size, bias=False)
+        self.value_activation = config.value_activation
+        self.qk_l2_normalization = config.qk_l2_normalization
+        self.query_scale = config.feature_dim ** -0.5 if config.query_scaling else None
+        self.allow_neg_eigval = config.allow_neg_eigval
+        key_dim, value_dim = self.num_heads * self.head_dim, self.num_value_heads * self.value_head_dim
+        self.q_proj = nn.Linear(config.hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, key_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, value_dim, bias=False)
+        self.beta_proj = (
+            nn.Linear(config.hidden_size, self.num_value_heads, bias=config.beta_bias)
+            if self.update_rule == "delta" else None
+        )
+        self.short_conv_size = config.short_conv_size
+        if self.short_conv_size:
+            self.q_conv1d = CausalConv1d(key_dim, self.short_conv_size)
+            self.k_conv1d = CausalConv1d(key_dim, self.short_conv_size)
+            self.v_conv1d = CausalConv1d(value_dim, self.short_conv_size)
+        self.o_norm = RMSNorm(self.value_head_dim, eps=config.layer_norm_eps) if config.output_norm else None
+        self.g_proj = nn.Linear(config.hidden_size, value_dim, bias=False) if config.output_gate else None
+        self.output_gate_activation = OUTPUT_GATES[config.output_gate_activation]
+        self.o_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
         self.feature_map = FeatureMap(config)
+        self._register_load_state_dict_pre_hook(split_fused_qkv_projection)
 
-    def forward(
-        self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        q, k, v = (split_heads(x, self.num_heads) for x in self.qkv_proj(hidden_states).chunk(3, dim=-1))
+    def _project(
+        self, hidden_states: torch.Tensor, state: Dict[str, torch.Tensor], token_mask: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+        """q, k ``[B, H, T, head_dim]`` and v ``[B, Hv, T, Dv]`` (eq. 4), through the short convolution when there
+        is one; returns the convolution's new cache entries as well."""
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        conv_states = {}
+        if self.short_conv_size:
+            q, conv_states["conv_q"] = self.q_conv1d(q, state.get("conv_q"), token_mask)
+            k, conv_states["conv_k"] = self.k_conv1d(k, state.get("conv_k"), token_mask)
+            v, conv_states["conv_v"] = self.v_conv1d(v, state.get("conv_v"), token_mask)
+        if self.value_activation == "silu":
+            v = F.silu(v)
+        return split_heads(q, self.num_heads), split_heads(k, self.num_heads), split_heads(v, self.num_value_heads), conv_states
+
+    def _query_key_features(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """phi(q), phi(k), then the optional L2 normalisation and query scaling; q and k repeated for grouped value
+        heads (value head j reads query/key head ``j // (Hv / H)``)."""
         # eqs. 19 / 28 divide by z . phi(q): a positive factor of phi(q) cancels (FAVOR+ computes it without underflow)
         q, k = self.feature_map(q, rescale_dims=-1 if self.attention_normalization else None), self.feature_map(k)
-        beta = torch.sigmoid(self.beta_proj(hidden_states)).transpose(1, 2) if self.beta_proj is not None else None
-        if token_mask is not None:
-            # Padded positions write nothing: phi(k) = 0 (and beta = 0) makes the update vanish.
-            mask = token_mask.to(k.dtype)[:, None, :]
-            k = k * mask[..., None]
-            if beta is not None:
-                beta = beta * mask
-        state = state or {}
+        if self.qk_l2_normalization:
+            q, k = l2_normalize(q), l2_normalize(k)
+        if self.query_scale is not None:
+            q = q * self.query_scale
+        if self.num_value_heads != self.num_heads:
+            group = self.num_value_heads // self.num_heads
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        return q, k
+
+    def _beta(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """``beta [B, Hv, T] = sigmoid(W_beta x)`` (eq. 21), doubled with ``allow_neg_eigval``; None for the sum rule."""
+        if self.beta_proj is None:
+            return None
+        beta = torch.sigmoid(self.beta_proj(hidden_states)).transpose(1, 2)
+        return beta * 2.0 if self.allow_neg_eigval else beta
+
+    def _recurrence(self, q, k, v, beta, hidden_states, state, token_mask) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The fast weight update and read-out: ``(out [B, Hv, T, Dv], new state)``."""
         kernel_kwargs = dict(output_final_state=True, mode=self.kernel_mode, chunk_size=self.chunk_size)
         if self.update_rule == "delta":
             if self.attention_normalization:
@@ -108,7 +218,83 @@ class FastWeightLinearAttention(nn.Module):
             denominator, normalizer = linear_attention(q, k, ones, initial_state=state.get("normalizer"), **kernel_kwargs)
             out = out / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
             new_state["normalizer"] = normalizer
-        return self.o_proj(merge_heads(out)), new_state
+        return out, new_state
+
+    def _output(self, out: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of the heads' outputs ``[B, Hv, T, Dv]``, after the optional (gated) output RMSNorm."""
+        out = out.transpose(1, 2)  # [B, T, Hv, Dv]
+        if self.o_norm is not None:
+            out = self.o_norm(out)
+        if self.g_proj is not None:
+            gate = self.g_proj(hidden_states).view(out.shape)
+            out = out * self.output_gate_activation(gate)
+        return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
+
+    def forward(
+        self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        state = state or {}
+        q, k, v, conv_states = self._project(hidden_states, state, token_mask)
+        q, k = self._query_key_features(q, k)
+        beta = self._beta(hidden_states)
+        if token_mask is not None:
+            # Padded positions write nothing: phi(k) = 0 (and beta = 0) makes the update vanish.
+            mask = token_mask.to(k.dtype)[:, None, :]
+            k = k * mask[..., None]
+            if beta is not None:
+                beta = beta * mask
+        out, new_state = self._recurrence(q, k, v, beta, hidden_states, state, token_mask)
+        new_state.update(conv_states)
+        return self._output(out, hidden_states), new_state
+
+
+@register_fast_weight_layer("gated_delta")
+class GatedDeltaNetLayer(FastWeightLinearAttention):
+    """Gated DeltaNet layer (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks", sec. 3): the Delta Net layer with a
+    decay of the fast weight before each update, ``W_t = a_t W_{t-1} + beta_t (v_t - a_t W_{t-1} k_t) k_t^T``,
+    ``a_t = exp(g_t)``, ``g_t = -exp(A_log) * softplus(W_a x_t + dt_bias)`` per value head (as in Mamba-2's
+    discretisation; ``a_proj``, ``A_log``, ``dt_bias`` as flash-linear-attention names them). Value heads may be
+    grouped: ``num_v_heads`` a multiple of the query/key heads. State as the Delta Net layer's (``fast_weight [B, Hv,
+    Dv, Dk]`` and the convolution's entries).
+    """
+
+    def __init__(self, config, layer_idx: int = 0) -> None:
+        super().__init__(config, layer_idx)
+        self.a_proj = nn.Linear(config.hidden_size, self.num_value_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """Deterministic initial decays spread over the heads: ``A`` from 1 to 16 and the step ``softplus(dt_bias)``
+        from 0.001 to 0.1, log-spaced (the ranges of Mamba-2 / fla's random draws); loaded tensors are kept."""
+        n = self.num_value_heads
+        A = torch.linspace(1.0, 16.0, n)
+        dt = torch.exp(torch.linspace(math.log(1e-3), math.log(0.1), n))
+        init.copy_(self.A_log, torch.log(A).to(self.A_log))
+        init.copy_(self.dt_bias, (dt + torch.log(-torch.expm1(-dt))).to(self.dt_bias))  # softplus^-1(dt)
+
+    def log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``g [B, Hv, T] = -exp(A_log) * softplus(W_a x + dt_bias)`` in float32 (``a_t = exp(g_t)`` in (0, 1])."""
+        pre = self.a_proj(hidden_states).float() + self.dt_bias.float()
+        return (-torch.exp(self.A_log.float()) * F.softplus(pre)).transpose(1, 2)
+
+    def _recurrence(self, q, k, v, beta, hidden_states, state, token_mask) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        out, fast_weight = gated_delta_rule(
+            q, k, v, beta, self.log_decay(hidden_states), initial_state=state.get("fast_weight"),
+            output_final_state=True, mode=self.kernel_mode, chunk_size=self.chunk_size, mask=token_mask,
+        )  # padded positions neither decay nor write the state (mask: g = 0, beta = 0)
+        return out, {"fast_weight": fast_weight}
+
+
+def split_fused_qkv_projection(state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook: a state dict of the older layout, one fused ``qkv_proj.weight [3 H d, D]`` (rows:
+    W_q, W_k, W_v), is split into ``q_proj``, ``k_proj`` and ``v_proj`` in place."""
+    fused = state_dict.pop(prefix + "qkv_proj.weight", None)
+    if fused is not None:
+        for name, weight in zip(("q_proj", "k_proj", "v_proj"), fused.chunk(3, dim=0)):
+            state_dict[f"{prefix}{name}.weight"] = weight
 
 
 def attention_normalized_delta_inputs(

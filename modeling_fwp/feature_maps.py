@@ -117,6 +117,8 @@ class FeatureMap(nn.Module):
             return favor_feature_map(x, self.projection, self.sum_normalization, rescale_dims)  # eq. 29 included
         elif self.kind == "identity":
             phi = x
+        elif self.kind == "silu":
+            phi = F.silu(x)  # flash-linear-attention's Delta Nets (qk_activation "silu"); not non-negative
         else:
             raise ValueError(f"`feature_map` must be one of {FEATURE_MAPS}, got {self.kind!r}")
         if self.sum_normalization:

@@ -208,8 +208,20 @@ class FWLSlowHead(nn.Module):
             grads["z2"] = inter["rstd"] * (dn - dn.mean(-1, keepdim=True) - n * (dn * n).mean(-1, keepdim=True))
         if depth >= 3:
             # s = ReLU(z1)^2: dz1 = (dz2 W) * 2 ReLU(z1)
-            grads["z1"] = (grads["z2"] @ self.down_proj.weight) * (2 * inter["r"])
+            grads["z1"] = (grads["z2"] @ linear_weight(self.down_proj)) * (2 * inter["r"])
         return grads
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """The weight ``[out, in]`` a linear module applies: ``weight`` of an ``nn.Linear``; for a wrapper whose
+    ``weight`` is not all it applies (a PEFT LoRA layer: the frozen base weight, its adapter beside it) the map it
+    computes, read off its outputs on the unit vectors. The analytic gradients use it, so they stay those of the
+    function the forward pass computes."""
+    if type(module) is nn.Linear:
+        return module.weight
+    weight = module.weight
+    eye = torch.eye(weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return (module(eye) - module(eye[:1] * 0)).t()
 
 
 class DenseFWLSlowHead(FWLSlowHead):
@@ -264,7 +276,7 @@ class DenseFWLSlowHead(FWLSlowHead):
 
     def _output_layer(self, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(E [V, D], the total output bias [V] or None), cast to `dtype` when given."""
-        weight, bias = self.output_embedding.weight, self.output_embedding.bias
+        weight, bias = linear_weight(self.output_embedding), self.output_embedding.bias
         if self.output_bias is not None:
             bias = self.output_bias if bias is None else bias + self.output_bias
         if dtype is not None and dtype != weight.dtype:
@@ -309,7 +321,7 @@ class DenseFWLSlowHead(FWLSlowHead):
             grads["logits"] = grad = self._logits_gradient(inter, labels, weights, overwrite_logits, dtype)
             if input_gradient:
                 # dCE/do = dz E
-                df = dense_linear(grad, self.output_embedding.weight.to(dtype).t())
+                df = dense_linear(grad, linear_weight(self.output_embedding).to(dtype).t())
         if input_gradient:
             grads["f"] = df.to(inter["o"].dtype)
         return grads

@@ -26,27 +26,42 @@ from .configuration_fwp import (
     DeltaNetConfig,
     DeltaRNNConfig,
     FastWeightConfig,
+    GatedDeltaNetConfig,
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS
+from .fast_weight_layers import FAST_WEIGHT_LAYERS, GatedDeltaNetLayer, RMSNorm
 from .feature_maps import FeatureMap
 from .pretrained import StatefulPreTrainedModel
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
 
 
 class FeedForward(nn.Module):
-    """Position-wise feed-forward: ``W_2 act(W_1 x + b_1) + b_2``."""
+    """Position-wise feed-forward: ``W_2 act(W_1 x + b_1) + b_2`` (``feed_forward_type="mlp"``), or SwiGLU without
+    biases, ``W_d (act(W_g x) * W_u x)`` (``"swiglu"``; Shazeer 2020)."""
 
     def __init__(self, config: FastWeightConfig) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
+        swiglu = getattr(config, "feed_forward_type", "mlp") == "swiglu"
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False) if swiglu else None
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=not swiglu)
         self.act = ACT2FN[config.hidden_act]
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=not swiglu)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.dropout(self.act(self.up_proj(hidden_states))))
+        if self.gate_proj is not None:
+            inner = self.act(self.gate_proj(hidden_states)) * self.up_proj(hidden_states)
+        else:
+            inner = self.act(self.up_proj(hidden_states))
+        return self.down_proj(self.dropout(inner))
+
+
+def block_norm(config: FastWeightConfig) -> nn.Module:
+    """The norm of the blocks and the final norm: LayerNorm, or RMSNorm (``norm_type="rms_norm"``)."""
+    if getattr(config, "norm_type", "layer_norm") == "rms_norm":
+        return RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
 class FastWeightBlock(GradientCheckpointingLayer):
@@ -58,12 +73,12 @@ class FastWeightBlock(GradientCheckpointingLayer):
 
     def __init__(self, config: FastWeightConfig, layer_idx: int) -> None:
         super().__init__()
-        self.fast_weight_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.fast_weight_norm = block_norm(config)
         layer_name = getattr(config, "fast_weight_layer", "linear")
         if layer_name not in FAST_WEIGHT_LAYERS:
             raise ValueError(f"`fast_weight_layer` must be one of {sorted(FAST_WEIGHT_LAYERS)}, got {layer_name!r}")
         self.fast_weight = FAST_WEIGHT_LAYERS[layer_name](config, layer_idx)
-        self.ff_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ff_norm = block_norm(config)
         self.feed_forward = FeedForward(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -132,6 +147,11 @@ class FastWeightPreTrainedModel(StatefulPreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["FastWeightBlock"]
 
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, GatedDeltaNetLayer):
+            module.reset_gate_parameters()
+
 
 class FastWeightModel(FastWeightPreTrainedModel):
     """Embeddings, a stack of ``FastWeightBlock``s and a final LayerNorm; returns hidden states and the cache."""
@@ -142,7 +162,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
         if config.position_embedding_type == "learned":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList(FastWeightBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm = block_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.gradient_checkpointing = False
         self.post_init()
@@ -370,6 +390,45 @@ class DeltaNetModel(FastWeightModel):
 class DeltaNetForCausalLM(FastWeightForCausalLM):
     config_class = DeltaNetConfig
     base_model_class = DeltaNetModel
+
+
+class GatedDeltaNetModel(FastWeightModel):
+    config_class = GatedDeltaNetConfig
+
+
+class GatedDeltaNetForCausalLM(FastWeightForCausalLM):
+    config_class = GatedDeltaNetConfig
+    base_model_class = GatedDeltaNetModel
+
+
+def _register_fused_qkv_conversion() -> None:
+    """``from_pretrained`` of folders saved before ``q_proj`` / ``k_proj`` / ``v_proj`` existed (one fused
+    ``qkv_proj``, rows W_q, W_k, W_v): transformers' loader splits it (``load_state_dict`` has the layer's own
+    hook). The split is never undone: the reverse of the conversion, which transformers applies on save, renames
+    nothing, so saved folders always have the current layout."""
+    try:
+        from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+        from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
+    except ImportError:  # a transformers without conversion mappings: old folders need load_state_dict
+        return
+
+    class SplitFusedQKV(WeightConverter):
+        def reverse_transform(self):
+            keep = WeightRenaming(source_patterns=r"fast_weight\.qkv_proj\.weight",
+                                  target_patterns="fast_weight.qkv_proj.weight")  # matches no saved key
+            keep.scope_prefix, keep.base_model_prefix = self.scope_prefix, self.base_model_prefix
+            return keep
+
+    for config_class in (LinearTransformerConfig, DeltaNetConfig):
+        split = SplitFusedQKV(
+            source_patterns=r"fast_weight.qkv_proj.weight",
+            target_patterns=[f"fast_weight.{name}.weight" for name in ("q_proj", "k_proj", "v_proj")],
+            operations=[Chunk(dim=0)],
+        )
+        register_checkpoint_conversion_mapping(config_class.model_type, [split], overwrite=True)
+
+
+_register_fused_qkv_conversion()
 
 
 # Recurrent Fast Weight Programmers (Irie et al. 2021, Table 1): the same backbone, a recurrent FWP layer.

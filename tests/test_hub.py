@@ -53,6 +53,11 @@ VARIANTS.update({
        for v in "ABC"},
     "fwp_transfo_xl-fwl": _variant("fwp_transfo_xl", lambda: tiny_config(modeling_fwp.TransfoXLConfig, use_fwl=True)),
     "fwp_fwl-delta_net": _variant("fwp_fwl", _fwl_on(modeling_fwp.DeltaNetConfig), uses_scan=False),
+    # flash-linear-attention's Delta Net options (what convert_fla writes for fla-hub/delta_net-1.3B-100B)
+    "fwp_delta_net-fla": _variant("fwp_delta_net", lambda: tiny_config(
+        modeling_fwp.DeltaNetConfig, feature_map="silu", short_conv_size=4, value_activation="silu",
+        qk_l2_normalization=True, sum_normalization=False, query_scaling=True, beta_bias=False, output_norm=True,
+        norm_type="rms_norm", feed_forward_type="swiglu", hidden_act="silu", tie_word_embeddings=False)),
     # the exported loader's fallbacks: the build disabled (documented switch) and no C++ compiler on the machine
     "fwp_delta_rnn-no_build": _variant("fwp_delta_rnn", env={"FWP_KERNELS_NO_BUILD": "1"}),
     "fwp_recurrent_delta_net-no_build": _variant("fwp_recurrent_delta_net", env={"FWP_KERNELS_NO_BUILD": "1"}),

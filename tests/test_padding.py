@@ -8,7 +8,13 @@ strings: ``x`` a real token, ``.`` a padded position.
 import pytest
 import torch
 
-from modeling_fwp import DeltaLSTMConfig, DeltaNetConfig, LinearTransformerConfig, RecurrentDeltaNetConfig
+from modeling_fwp import (
+    DeltaLSTMConfig,
+    DeltaNetConfig,
+    GatedDeltaNetConfig,
+    LinearTransformerConfig,
+    RecurrentDeltaNetConfig,
+)
 from modeling_fwp.cache_fwp import output_cache
 
 from conftest import tiny_model
@@ -25,6 +31,12 @@ FAST_WEIGHT_VARIANTS = [
     (DeltaNetConfig, {"attention_normalization": True}),
     (DeltaNetConfig, {"feature_map": "dpfp", "dpfp_nu": 2}),
     (DeltaNetConfig, {"feature_map": "identity"}),
+    # flash-linear-attention's Delta Net options (short convolution, L2 norm, ...) and the Gated DeltaNet
+    (DeltaNetConfig, {"feature_map": "silu", "short_conv_size": 3, "value_activation": "silu", "query_scaling": True,
+                      "qk_l2_normalization": True, "sum_normalization": False, "beta_bias": False, "output_norm": True,
+                      "output_gate": True, "allow_neg_eigval": True, "norm_type": "rms_norm",
+                      "feed_forward_type": "swiglu"}),
+    (GatedDeltaNetConfig, {"num_v_heads": 8, "value_head_dim": 12}),
 ] + VARIANTS
 
 # One batch: rows of different real lengths, padded at the start, in the middle, at the end, and all three.

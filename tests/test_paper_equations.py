@@ -45,7 +45,7 @@ def attention_normalized_delta_reference(layer, x, kind, sum_normalization, norm
     H, d = layer.num_heads, layer.head_dim
     B, T, _ = x.shape
     x = x.double()
-    W_q, W_k, W_v = layer.qkv_proj.weight.double().view(3, H, d, -1)
+    W_q, W_k, W_v = (proj.weight.double().view(H, d, -1) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
     W_beta, b_beta = layer.beta_proj.weight.double(), layer.beta_proj.bias.double()
     outputs, W, z = [], None, None
     for t in range(T):
@@ -79,7 +79,7 @@ def disjoint_keys_layer(layer):
     i >= D/2 only the second half, so a key of the second kind meets z_{t-1} != 0 with z_{t-1} . phi(k_t) = 0."""
     H, d = layer.num_heads, layer.head_dim
     with torch.no_grad():
-        W_k = layer.qkv_proj.weight.view(3, H, d, -1)[1]
+        W_k = layer.k_proj.weight.view(H, d, -1)
         D = W_k.shape[-1]
         W_k.abs_()
         W_k[:, : d // 2, D // 2 :] *= -1
@@ -213,12 +213,14 @@ def test_favor_linear_transformer_in_float32_where_the_literal_features_underflo
     torch.manual_seed(0)
     layer = FastWeightLinearAttention(config).eval()
     with torch.no_grad():
-        layer.qkv_proj.weight[:32] *= 5  # W_q, W_k
+        layer.q_proj.weight *= 5
+        layer.k_proj.weight *= 5
     x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out, _ = layer(x)
     H, d = layer.num_heads, layer.head_dim
-    q, k, v = (torch.einsum("hdi,bti->bhtd", w, x.double()) for w in layer.qkv_proj.weight.double().view(3, H, d, -1))
+    q, k, v = (torch.einsum("hdi,bti->bhtd", w, x.double()) for w in (
+        proj.weight.double().view(H, d, -1) for proj in (layer.q_proj, layer.k_proj, layer.v_proj)))
     phi_q, phi_k = favor_reference(q, layer.feature_map.projection), favor_reference(k, layer.feature_map.projection)
     scores = torch.einsum("bhtf,bhsf->bhts", phi_q, phi_k).tril()  # phi(q_t) . phi(k_s), s <= t
     y = torch.einsum("bhts,bhsv->bhtv", scores, v) / scores.sum(-1, keepdim=True)  # eqs. 17-19
