@@ -380,9 +380,15 @@ _RECURRENT_MAX_T = {"cuda": 1}
 _RECURRENT_MAX_T_DEFAULT = 3
 
 
+@torch.compiler.assume_constant_result
+def _torch_threads() -> int:
+    """torch's intra-op thread count; a constant of the graph under ``torch.compile`` (read while tracing)."""
+    return torch.get_num_threads()
+
+
 def cpu_auto_choice(threads: Optional[int] = None) -> CpuAutoChoice:
     """The row of the measured table for `threads` (default: torch's current intra-op thread count)."""
-    threads = torch.get_num_threads() if threads is None else threads
+    threads = _torch_threads() if threads is None else threads
     return _CPU_AUTO.get(threads, _CPU_AUTO[max(_CPU_AUTO)] if threads > max(_CPU_AUTO) else _CPU_AUTO[1])
 
 
