@@ -456,7 +456,7 @@ class FastWeightSeq2SeqForConditionalGeneration(FastWeightSeq2SeqPreTrainedModel
         loss = None
         if labels is not None:
             reduction = "mean" if num_items_in_batch is None else "sum"
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device),
+            loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), labels.flatten().to(logits.device),
                                    ignore_index=-100, reduction=reduction)
             if num_items_in_batch is not None:
                 loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
