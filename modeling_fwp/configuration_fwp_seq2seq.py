@@ -48,7 +48,8 @@ class FastWeightSeq2SeqConfig(FastWeightConfig):
     cross_attention: str = "linear"
     scale_embedding: bool = True
     is_encoder_decoder: bool = True
-    decoder_start_token_id: int | None = None
+    # decoder_start_token_id: transformers' generic keyword (kept as an attribute, not declared here: a declared
+    # field would count as this family's and be refused by the causal families' configs)
 
     def __post_init__(self, **kwargs):
         if self.cross_attention not in CROSS_ATTENTIONS:
@@ -59,6 +60,6 @@ class FastWeightSeq2SeqConfig(FastWeightConfig):
                 setattr(self, name, self.num_hidden_layers)
             elif not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an int >= 1 (or None), got {value!r}")
-        if self.decoder_start_token_id is None:
-            self.decoder_start_token_id = self.pad_token_id
         super().__post_init__(**kwargs)
+        if getattr(self, "decoder_start_token_id", None) is None:
+            self.decoder_start_token_id = self.pad_token_id

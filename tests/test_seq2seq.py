@@ -106,6 +106,23 @@ def test_beam_search_reorders_the_cache(variant):
     assert torch.equal(greedy, one_beam)
 
 
+def test_gradient_checkpointing_keeps_every_gradient():
+    """Checkpointed blocks (the cross-attention state passed in as a dict) give every parameter the same gradient."""
+    model = tiny_model(("delta", "elu", "linear")).train()
+    src, labels = random_ids(2, 6), random_ids(2, 5, seed=2)
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids=src, labels=labels).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.gradient_checkpointing_enable()
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys() == {name for name, _ in model.named_parameters()}
+    assert all(relative_error(checkpointed[name], plain[name]) < TOL for name in plain)
+
+
 def _pad(rows, side):
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), PAD)
