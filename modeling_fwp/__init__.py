@@ -2,7 +2,7 @@
 
 Importing the package registers every config and model with AutoConfig / AutoModel / AutoModelForCausalLM.
 """
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from .cache_fwp import FastWeightCache
 from .configuration_fwl import FWLConfig
@@ -47,6 +47,13 @@ from .modeling_transfo_xl import TransfoXLCache, TransfoXLForCausalLM, TransfoXL
 from .convert_transfo_xl import convert_transfo_xl_checkpoint
 from .convert_fla import convert_fla_checkpoint
 from .recurrent_core import FastWeightRecurrentCore
+from .configuration_fwp_seq2seq import FastWeightSeq2SeqConfig
+from .modeling_fwp_seq2seq import (
+    FastWeightSeq2SeqCache,
+    FastWeightSeq2SeqForConditionalGeneration,
+    FastWeightSeq2SeqModel,
+    FastWeightSeq2SeqPreTrainedModel,
+)
 
 from .families import FAMILIES
 
@@ -62,6 +69,10 @@ def _register_auto_classes() -> None:
 
 
 _register_auto_classes()
+# The encoder-decoder (Schlag et al. 2021 sec. 6.2) is not a causal-LM family of families.FAMILIES.
+AutoConfig.register(FastWeightSeq2SeqConfig.model_type, FastWeightSeq2SeqConfig, exist_ok=True)
+AutoModel.register(FastWeightSeq2SeqConfig, FastWeightSeq2SeqModel, exist_ok=True)
+AutoModelForSeq2SeqLM.register(FastWeightSeq2SeqConfig, FastWeightSeq2SeqForConditionalGeneration, exist_ok=True)
 
 # Each family's classes (families.FAMILIES), then the shared classes and helpers.
 __all__ = [cls.__name__ for spec in FAMILIES for cls in spec.classes()] + [
@@ -75,6 +86,11 @@ __all__ = [cls.__name__ for spec in FAMILIES for cls in spec.classes()] + [
     "FastWeightForCausalLM",
     "FastWeightPreTrainedModel",
     "FastWeightRecurrentCore",
+    "FastWeightSeq2SeqConfig",
+    "FastWeightSeq2SeqModel",
+    "FastWeightSeq2SeqForConditionalGeneration",
+    "FastWeightSeq2SeqPreTrainedModel",
+    "FastWeightSeq2SeqCache",
     "FWLPreTrainedModel",
     "FWLHead",
     "FWLSlowHead",

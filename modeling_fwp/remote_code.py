@@ -48,7 +48,7 @@ KERNELS_MODULE = "fwp_kernels"
 # Top-level packages that exported modules may import outside a ``try`` block: what loading with
 # ``trust_remote_code`` can count on (transformers checks every module's imports when it downloads them).
 REMOTE_CODE_DEPENDENCIES = frozenset({"torch", "transformers", "huggingface_hub", "safetensors", "tokenizers", "numpy"})
-AUTO_MODEL_CLASSES = ("AutoModel", "AutoModelForCausalLM")
+AUTO_MODEL_CLASSES = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM")
 WEIGHTS_PATTERN = "*.safetensors"
 # `from .<stem>_csrc import CPP_SOURCE`: the C++ source csrc/<stem>.cpp of a kernel module, generated on export.
 EMBEDDED_SOURCE_SUFFIX = "_csrc"
