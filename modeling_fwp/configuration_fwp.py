@@ -8,7 +8,7 @@ from __future__ import annotations
 from transformers import PreTrainedConfig
 
 FEATURE_MAPS = ("elu", "dpfp", "favor", "relu", "identity", "silu")
-NON_NEGATIVE_FEATURE_MAPS = ("elu", "dpfp", "favor", "relu")
+NON_NEGATIVE_FEATURE_MAPS = ("elu", "dpfp", "favor", "relu", "softmax")  # "silu" and "identity" can be negative
 UPDATE_RULES = ("sum", "delta")
 POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 KERNEL_MODES = ("auto", "recurrent", "chunk")  # the modes of the outer-product rules (delta_rule, linear_attention)
