@@ -676,13 +676,14 @@ def test_eval_lm_scores_saved_models_with_carried_state(tmp_path, word_tokenizer
     ):
         model.save_pretrained(tmp_path / name)
         word_tokenizer.save_pretrained(tmp_path / name)
-        folders += ["--model", str(tmp_path / name)]
+        folders.append(str(tmp_path / name))
     text = "the cat sat on the mat\nfast weights are programmed by slow nets\n\nthe dog sat on a mat and read\n"
     (tmp_path / "data").mkdir()
     for split in ("valid", "test"):
         (tmp_path / "data" / f"{split}.txt").write_text(text)
-    rows = eval_lm.main(folders + ["--data_dir", str(tmp_path / "data"), "--segment_length", "4", "--dynamic_eval", "--max_tokens", "12",
-                                   "--dynamic_lr", "0.01", "0.1", "--output", str(tmp_path / "out.json")])
+    rows = eval_lm.main(["--model_name_or_path", *folders, "--data_dir", str(tmp_path / "data"), "--block_size", "4",
+                         "--dynamic_eval", "--max_eval_tokens", "12", "--dynamic_lr", "0.01", "0.1",
+                         "--results_file", str(tmp_path / "out.json")])
     assert [r["mode"].split()[0] for r in rows] == ["static", "dynamic"] * 3
     assert all(r["tokens"] == 11 and math.isfinite(r["perplexity"]) for r in rows)  # the first 12 tokens, minus the first
     assert json.loads((tmp_path / "out.json").read_text())["results"] == rows

@@ -98,11 +98,11 @@ class WallClockBudget(TrainerCallback):
         elif step > 1 and self.fixed_steps is None:
             per_step = (now - self.first_step_end) / (step - 1)
             self.total_steps = step + max(0, int((self.budget_s - self.elapsed) / per_step))
-        if self.elapsed >= self.budget_s and step < self.total_steps:
-            self.stopped_by_budget = True
+        if self.elapsed >= self.budget_s or step >= self.total_steps:
             control.should_training_stop = True
-        elif step >= self.total_steps:
-            control.should_training_stop = True
+            # a time-limited run always ends by its budget (total_steps is the estimate of the steps that fit, which
+            # reaches the current step as the deadline comes); a fixed-step run only when the deadline comes first
+            self.stopped_by_budget = self.fixed_steps is None or step < self.total_steps
         return control
 
 
