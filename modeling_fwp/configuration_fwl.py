@@ -11,6 +11,8 @@ from typing import Optional
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
+from .configuration_fwp import check_sizes
+
 KERNEL_MODES = ("auto", "recurrent", "chunk")
 GRADIENT_DTYPES = (None, "bfloat16", "float16", "float32", "float64")
 
@@ -142,6 +144,7 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         text = self.text_config
+        check_sizes(text, ("vocab_size", "hidden_size"), owner="text_config.")
         self.resolve_fwl_fields(text.hidden_size)
         # Generation reads the special tokens from the top-level config: take the base model's.
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):

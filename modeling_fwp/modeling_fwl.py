@@ -18,6 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .configuration_fwl import FWLConfig
 from .fwl import DenseFWLSlowHead, FWLCache, FWLHead, init_fwl_weights
 from .cache_fwp import CACHE_ARGUMENT, output_cache, resolve_cache_argument
+from .modeling_fwp import check_token_ids, padding_mask
 from .pretrained import StatefulPreTrainedModel
 
 # Keyword arguments that belong to the loss (Trainer passes them), not to the base model.
@@ -185,6 +186,8 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         cache = resolve_cache_argument(cache, past_key_values)
         if cache is not None and not isinstance(cache, FWLCache):
             raise ValueError(f"`cache` (`past_key_values`) must be an FWLCache (or None), got {type(cache).__name__}")
+        check_token_ids(input_ids, self.config.vocab_size, "input_ids")  # before the base model sees them
+        padding_mask(attention_mask, *input_ids.shape, cache.get_seq_length() if cache is not None else 0)
         loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
         base_kwargs = dict(kwargs)
         if output_hidden_states:

@@ -81,10 +81,15 @@ def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Te
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index: Optional[int] = None) -> None:
-    """Raises a ValueError naming `name` unless ``ids`` is ``[B, T]`` with values in ``[0, vocab_size)`` (or
-    ``ignore_index``)."""
+    """Raises a ValueError naming `name` unless ``ids`` is an integer ``[B, T]`` tensor with ``B, T >= 1`` and values
+    in ``[0, vocab_size)`` (or ``ignore_index``)."""
+    if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        kind = ids.dtype if torch.is_tensor(ids) else type(ids).__name__
+        raise ValueError(f"`{name}` must be an integer tensor of token ids (torch.long), got {kind}")
     if ids.dim() != 2:
         raise ValueError(f"`{name}` must be [batch, seq_len], got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"`{name}` must hold at least one token per row, got shape {tuple(ids.shape)}")
     values = ids if ignore_index is None else ids[ids != ignore_index]
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= vocab_size):
         raise ValueError(
@@ -108,6 +113,10 @@ def padding_mask(
             f"`attention_mask` must be a 2-D padding mask of shape [batch, {seq_len}] or "
             f"[batch, past + new tokens = {past_len + seq_len}] with batch = {batch_size}, "
             f"got {tuple(attention_mask.shape)}"
+        )
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError(
+            f"`attention_mask` must hold only 0 (padding) and 1 (token), got values {attention_mask.unique().tolist()[:8]}"
         )
     mask = attention_mask[:, -seq_len:]
     return None if bool(mask.all()) else mask.to(torch.float32)
