@@ -42,6 +42,7 @@ from .modeling_fwl import FWLForCausalLM, FWLPreTrainedModel
 from .configuration_transfo_xl import TransfoXLConfig
 from .modeling_transfo_xl import TransfoXLCache, TransfoXLForCausalLM, TransfoXLModel, TransfoXLPreTrainedModel
 from .convert_transfo_xl import convert_transfo_xl_checkpoint
+from .tokenization import gpt2_tokenizer
 
 from .families import FAMILIES
 
@@ -77,4 +78,5 @@ __all__ = [cls.__name__ for spec in FAMILIES for cls in spec.classes()] + [
     "dpfp_feature_map",
     "elu_feature_map",
     "favor_feature_map",
+    "gpt2_tokenizer",
 ]
