@@ -130,6 +130,7 @@ def export_for_hub(
     model.save_pretrained(out, **(save_kwargs or {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    card_options.setdefault("model", model)  # the card measures this model's cache instead of loading the folder
     attach_results(out, results, **card_options)
     return out
 

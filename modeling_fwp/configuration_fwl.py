@@ -125,6 +125,7 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
             ``model_type`` or a config instance).
         fwl_*: the FWL head's fields (``FWLHeadConfigMixin``).
         initializer_range: std of the normal initialisation of U and W.
+        base_model_id: the base model's Hub id, recorded by ``from_base_pretrained`` (see :func:`base_model_hub_id`).
     """
 
     model_type = "fwp_fwl"
@@ -133,6 +134,9 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
 
     text_config: dict | PreTrainedConfig | None = None
     initializer_range: float = 0.02
+    # The base model's Hub id as recorded when it was loaded (``FWLForCausalLM.from_base_pretrained``): model cards
+    # name it; None for a base read from a local folder that records no Hub id.
+    base_model_id: str | None = None
 
     use_cache: bool = True
     # The FWL head always reuses the base model's output embedding: declared tied so that save_pretrained stores it once.

@@ -8,6 +8,7 @@ FWL head.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -48,6 +49,19 @@ def logit_softcapping(text_config) -> Optional[float]:
                 "output embedding itself and does not support this transform"
             )
     return getattr(config, SOFTCAPPING_FIELD, None)
+
+
+def base_model_hub_id(base_config: Any, loaded_from: Any) -> Optional[str]:
+    """The Hub id of a base model, decided when it is loaded (later, a relative folder name means nothing): the id
+    its config records (``source_model_id``, e.g. written by a conversion), else the name it was loaded from when
+    that is not a local folder (then it came from the Hub), else None."""
+    recorded = getattr(base_config, "source_model_id", None)
+    if recorded:
+        return str(recorded)
+    name = loaded_from if isinstance(loaded_from, (str, os.PathLike)) else getattr(base_config, "_name_or_path", None)
+    if name and not os.path.isdir(name):
+        return str(name)
+    return None
 
 
 class FWLPreTrainedModel(StatefulPreTrainedModel):
@@ -131,6 +145,7 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
             base = pretrained_model_name_or_path
         else:
             base = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, **(base_model_kwargs or {}))
+        fwl_config.setdefault("base_model_id", base_model_hub_id(base.config, pretrained_model_name_or_path))
         # A copy: building the composite config re-dispatches settings (the attention implementation) to its sub-config.
         config = FWLConfig(text_config=copy.deepcopy(base.config), **fwl_config)
         model = cls(config, language_model=base)
