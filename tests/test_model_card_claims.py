@@ -39,6 +39,8 @@ def test_card_cache_claim_is_measured(spec, tmp_path):
     model = _tiny_model(spec)
     model.save_pretrained(tmp_path)
     make_word_tokenizer().save_pretrained(tmp_path)
+    # the card save_pretrained writes (model_cards is imported) neither reloads nor runs the model: no cache claim
+    assert "Generation cache" not in (tmp_path / "README.md").read_text()
     card = model_cards.validate_card(model_cards.card_for_folder(tmp_path, cache_prompt_lengths=LENGTHS))
     text = " ".join(card.text.split())
     short, long = LENGTHS
