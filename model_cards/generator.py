@@ -517,17 +517,14 @@ def build_card(
     Args:
         results: a results JSON path or dict (module docstring; other scripts' files through
             ``model_cards.readers``), or a list of them, or None: the card then says it has no numbers.
-        model_name: the card's title and model-index name (default: the name part of ``repo_id``, else the
-            family's title).
+        model_name: title and model-index name (default: the name part of ``repo_id``, else the family's title).
         repo_id: the Hub id used in the loading instructions (default: a placeholder path).
         datasets: Hub dataset ids of the training data (default: ``data.dataset`` of the results, when a Hub id).
-        base_model: Hub id of the pretrained base (FWL fine-tunes; default: the results' ``base_model``, else the
-            config's ``text_config._name_or_path`` when it is a Hub id).
+        base_model: Hub id of the base (FWL; default: ``base_model_id`` recorded in the config, else the results').
         num_parameters: stored weight count (default: the results' ``model.parameters``).
         results_files: names of the results files shipped next to the card, cited as the numbers' source.
         results_model: for an eval_lm file covering several models, the evaluated model's folder.
-        cache_sizes: ``{prompt tokens: bytes}`` of the model's generation cache (:func:`measure_cache`); without
-            them the card makes no claim about the cache.
+        cache_sizes: ``{prompt tokens: bytes}`` of the generation cache (:func:`measure_cache`; None: no claim).
     """
     results = read_results(results, results_model)
     check_results_match(config, results)
@@ -540,9 +537,6 @@ def build_card(
     if datasets is None:
         datasets = _dataset_ids(data.get("dataset"))
     base_model, base_note = _base_model(key, base_model, results, config)
-    tuned_name = instruction_tuned_name(
-        base_model, config.get("base_model_id"), text_config.get("source_model_id"), text_config.get("_name_or_path")
-    )
     if num_parameters is None and results:
         num_parameters = ((results.get("model") or {}).get("parameters"))
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else family.title)
@@ -573,7 +567,9 @@ def build_card(
         results_files=list(results_files),
         repo=repo_id or "path/to/this/folder",
         has_tokenizer=has_tokenizer,
-        instruction_tuned_base=tuned_name,
+        instruction_tuned_base=instruction_tuned_name(
+            base_model, config.get("base_model_id"), text_config.get("source_model_id"), text_config.get("_name_or_path")
+        ),
         cache_note=cache_sentence(cache_sizes, values, key == "FWL"),
         citations=_citations(family.citations),
     )
