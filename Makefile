@@ -15,6 +15,8 @@ $(STAMP): setup.cfg pyproject.toml
 	# torch==2.13.0 is the CPU wheel on this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test]'
+	# the C++ CPU kernels, compiled now (where a compiler exists) instead of on first use; cached per torch version
+	$(PY) -m fwp_kernels.build || echo "fwp_kernels: a C++ kernel did not build; its PyTorch path runs instead"
 	touch $(STAMP)
 
 install: $(STAMP)

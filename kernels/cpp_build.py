@@ -1,12 +1,17 @@
-"""The one loader of the optional C++ CPU kernels of fwp_kernels: built on first use, registered in ``KERNELS``.
+"""The one loader of the optional C++ CPU kernels of fwp_kernels: built once, cached, registered in ``KERNELS``.
 
 A kernel module (``chunk.py`` for ``csrc/chunk_delta.cpp``, ``rfwp_scan.py`` for ``csrc/rfwp_scan.cpp``) registers
 its source with :func:`register_cpu_kernel` and asks ``kernel.available()`` before taking the compiled path;
 :func:`cpu_kernel_statuses` reports every registered kernel. The build:
 
-- runs once per source version and is cached in ``$FWP_KERNELS_BUILD_DIR`` (default ``~/.cache/fwp_kernels``)
-  under ``<python>_<torch>/<stem>_<source hash>``; every caller with the same source text (the installed package,
-  saved model folders) compiles the same file there and reuses one build;
+- runs at install time where a compiler exists (``python -m fwp_kernels.build``, which ``make install`` runs), else
+  on first use (a saved model folder loaded with ``trust_remote_code`` builds its own copy of the source); every
+  build logs a one-line notice on the ``fwp_kernels`` logger (a warning: shown on stderr by default);
+- is cached in ``$FWP_KERNELS_BUILD_DIR`` (default ``~/.cache/fwp_kernels``) under ``torch<version>/<stem>_<key>``,
+  the key hashing what the binary depends on (:meth:`CompiledCpuKernel.build_key`: the source text, torch's version
+  and C++ ABI, the compiler and its flags) and nothing about where Python or torch lie, so that a second virtual
+  environment with the same torch, or a saved folder with the same source, loads the finished library (marked by
+  ``built.json``) without running the compiler or ninja (ninja would rebuild: its command line holds torch's paths);
 - takes the source from the package's ``csrc/``, from a copy next to the module (a saved model folder imported
   from where it lies), or from the string the module was given (``<stem>_csrc.py``, written by
   ``modeling_fwp.remote_code``: transformers copies only Python files into its module cache);
@@ -16,6 +21,8 @@ its source with :func:`register_cpu_kernel` and asks ``kernel.available()`` befo
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import shutil
 import sys
@@ -27,19 +34,26 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+logger = logging.getLogger("fwp_kernels")
+
 NO_BUILD_ENV = "FWP_KERNELS_NO_BUILD"  # "1": never build, always run the PyTorch path on CPU
 BUILD_DIR_ENV = "FWP_KERNELS_BUILD_DIR"  # where builds are cached (default ~/.cache/fwp_kernels)
 STALE_LOCK_SECONDS = 600  # a build lock older than this was left by a killed build (torch would wait on it forever)
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"  # the package's C++ sources (a saved folder: next to the code)
+BUILT_MARKER = "built.json"  # written next to the library once it loaded and registered its op: the cache entry
+
+
+def compiler() -> str:
+    """The C++ compiler torch's extension builder runs: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX", "c++")
 
 
 def missing_toolchain() -> Optional[str]:
     """What of the C++ toolchain (compiler ``$CXX`` or ``c++``, ninja) is missing, or None when both are there."""
     from torch.utils.cpp_extension import is_ninja_available
 
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    if shutil.which(compiler()) is None:
+        return f"no C++ compiler ({compiler()!r} is not on PATH)"
     if not is_ninja_available():
         return "no ninja"
     return None
@@ -84,12 +98,23 @@ class CompiledCpuKernel:
             return self.embedded_source, f"{self.source_path.stem}_csrc.py"
         return None, ""
 
+    def build_key(self, source: str) -> Dict[str, str]:
+        """What the built library depends on, and nothing else (no paths: environments with the same torch share a
+        build): the source's hash, torch's version and C++ ABI, the compiler's name and the flags."""
+        return {
+            "source_sha1": hashlib.sha1(source.encode("utf-8")).hexdigest(),
+            "torch": torch.__version__,
+            "cxx11_abi": str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
+            "compiler": compiler(),  # $CXX as given (c++ by default)
+            "cflags": " ".join(self.extra_cflags),
+        }
+
     def build_directory(self, source: str) -> Path:
-        """``$FWP_KERNELS_BUILD_DIR/<python>_<torch>/<stem>_<source hash>``."""
-        source_hash = hashlib.sha1(source.encode("utf-8")).hexdigest()[:12]
-        tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+        """``$FWP_KERNELS_BUILD_DIR/torch<version>/<stem>_<hash of build_key>``."""
+        key = json.dumps(self.build_key(source), sort_keys=True)
+        key_hash = hashlib.sha1(key.encode("utf-8")).hexdigest()[:12]
         root = os.environ.get(BUILD_DIR_ENV) or Path.home() / ".cache" / "fwp_kernels"
-        return Path(root) / tag / f"{self.source_path.stem}_{source_hash}"
+        return Path(root) / f"torch{torch.__version__.replace('+', '_')}" / f"{self.source_path.stem}_{key_hash}"
 
     def describe(self) -> str:
         """Which CPU path runs, for reports: ``"built"`` (the C++ kernel), ``"disabled (...)"``, ``"unavailable (...)"``
@@ -114,37 +139,52 @@ class CompiledCpuKernel:
                 self._available, self.status = self._build()
         return self._available
 
+    def _compile(self, source: str, build_dir: Path) -> None:
+        """Compiles and loads ``source`` in ``build_dir`` (torch's JIT extension builder, ninja), with a notice."""
+        from torch.utils.cpp_extension import load
+
+        logger.warning(
+            "fwp_kernels: compiling the C++ kernel %s into %s (once per source, torch version and flags; "
+            "`python -m fwp_kernels.build` does it at install time)", self.source_path.name, build_dir,
+        )
+        build_dir.mkdir(parents=True, exist_ok=True)
+        lock = build_dir / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)  # left by a killed build
+        build_source = build_dir / self.source_path.name
+        if not build_source.is_file() or build_source.read_text(encoding="utf-8") != source:
+            build_source.write_text(source, encoding="utf-8")
+        load(
+            name=f"fwp_{build_dir.name}",
+            sources=[str(build_source)],
+            build_directory=str(build_dir),
+            extra_cflags=self.extra_cflags,
+            is_python_module=False,
+            verbose=False,
+        )
+
     def _build(self) -> Tuple[bool, str]:
         if os.environ.get(NO_BUILD_ENV) == "1":
             return False, f"disabled ({NO_BUILD_ENV}=1)"
         source, origin = self.source()
         if source is None:
             return False, f"unavailable (no {self.source_path.name} next to this copy of fwp_kernels)"
-        missing = missing_toolchain()
+        build_dir = self.build_directory(source)
+        library = build_dir / f"fwp_{build_dir.name}.so"
+        cached = (build_dir / BUILT_MARKER).is_file() and library.is_file()
+        missing = None if cached else missing_toolchain()  # a cached build needs no compiler
         if missing is not None:
             return False, f"unavailable ({missing})"
         try:
-            from torch.utils.cpp_extension import load
-
-            build_dir = self.build_directory(source)
-            build_dir.mkdir(parents=True, exist_ok=True)
-            lock = build_dir / "lock"
-            if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-                lock.unlink(missing_ok=True)  # left by a killed build
-            build_source = build_dir / self.source_path.name
-            if not build_source.is_file() or build_source.read_text(encoding="utf-8") != source:
-                build_source.write_text(source, encoding="utf-8")
-            load(
-                name=f"fwp_{build_dir.name}",
-                sources=[str(build_source)],
-                build_directory=str(build_dir),
-                extra_cflags=self.extra_cflags,
-                is_python_module=False,
-                verbose=False,
-            )
-            if hasattr(getattr(torch.ops, self.namespace), self.op):
-                return True, "built"
-            return False, f"failed (the built library registers no {self.namespace}.{self.op})"
+            if cached:  # built before, by this or another environment with the same torch
+                torch.ops.load_library(str(library))
+            else:
+                self._compile(source, build_dir)
+            if not hasattr(getattr(torch.ops, self.namespace), self.op):
+                return False, f"failed (the built library registers no {self.namespace}.{self.op})"
+            if not cached:
+                (build_dir / BUILT_MARKER).write_text(json.dumps(self.build_key(source), indent=1), encoding="utf-8")
+            return True, "built"
         except Exception as error:  # a failed build or link: the PyTorch path still works
             detail = " ".join(str(error).split())[:300]
             warnings.warn(

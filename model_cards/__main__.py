@@ -36,12 +36,14 @@ def _add_card_options(parser: argparse.ArgumentParser, repo_id_required: bool = 
     parser.add_argument("--base-model", help="Hub id of the pretrained base (FWL fine-tunes)")
     parser.add_argument("--language", action="append", help="language code of the training data, e.g. en")
     parser.add_argument("--tag", action="append", dest="tags", default=[], help="an extra tag")
+    parser.add_argument("--no-measure", dest="measure", action="store_false",
+                        help="do not load the model to measure its generation cache (the card then makes no claim)")
 
 
 def _card_options(args: argparse.Namespace) -> Dict[str, Any]:
     return dict(
         repo_id=args.repo_id, model_name=args.model_name, license=args.license, datasets=args.datasets,
-        base_model=args.base_model, language=args.language, tags=tuple(args.tags),
+        base_model=args.base_model, language=args.language, tags=tuple(args.tags), measure=args.measure,
         **({"results_model": args.results_model} if args.results_model else {}),
     )
 

@@ -8,18 +8,24 @@ the safetensors headers, and the results JSON. A card generated without results 
 Results JSON (the keys ``training/demo.py`` writes; other scripts use the same names):
 
 - ``model``: ``parameters`` (count), ``class``.
-- ``data``: ``source`` (the corpus file), ``dataset`` (optional: a Hub dataset id, or ``{"type", "name",
+- ``data``: the training data as the run used it: ``source`` (the corpus file) or ``train_file`` /
+  ``validation_file``, ``dataset`` (optional: a Hub dataset id, or ``{"type", "name",
   "config"}``), ``splits``, ``tokenizer``, ``train_tokens``.
 - ``training``: scalar hyperparameters and measurements (``steps``, ``batch_size``, ``block_size``, ``peak_lr``,
   ``seconds``, ...). ``args``: the script's command line. ``environment``: library versions and machine.
 - ``evaluation``: one entry or a list of entries, each with the metrics of this model (``perplexity``, ``loss``,
   ``bits_per_character``, ``bits_per_byte``, ``accuracy``), ``split``, ``scored_tokens``, ``segment_tokens``,
-  optionally ``name``, ``dataset`` (as in ``data``) and ``method`` (a sentence on how the numbers were measured).
+  optionally ``name``, ``source`` (the evaluated file), ``dataset`` (as in ``data``) and ``method`` (a sentence on how the numbers were measured).
   Reference values of other models (``references``: ``{label: value}``, or keys ending in ``_perplexity`` /
   ``_loss`` such as ``unigram_perplexity``) are shown in the card, never reported as this model's results; this
   model's numbers on subsets or under other protocols (``breakdown``: ``{label: value}``) are shown but kept out of
   the model-index.
-- ``base_model``: (optional) Hub id of the pretrained model an FWL was fine-tuned from.
+- ``base_model``: (optional) Hub id of the pretrained model an FWL was fine-tuned from (the model's own record,
+  ``config.json``'s ``base_model_id``, written when the base was loaded, is read first).
+
+Claims about the model itself are measured, not assumed: :func:`card_for_folder` loads the model and measures its
+generation cache after a short and a long prompt (:func:`measure_cache`), and an instruction-tuned base is detected
+from its recorded names (:func:`instruction_tuned_name`).
 
 The other scripts' files (``finetune_fwl.py``, ``eval_lm.py``, ``train_transfo_xl.py``) are read through
 ``model_cards.readers``, which maps them onto this layout.
@@ -226,13 +232,13 @@ def _dataset(entry: Mapping[str, Any], data: Mapping[str, Any]) -> Tuple[str, st
         return str(dataset["type"]), str(dataset.get("name", dataset["type"])), dataset.get("config")
     if isinstance(dataset, str):
         return dataset, dataset, None
-    source = data.get("source")
+    source = entry.get("source") or data.get("source")  # the evaluated file, else the corpus
     if source:
         base = Path(str(source)).name
         return base, f"{base} (local corpus)", None
     raise ValueError(
-        "the results do not say which data the evaluation used: add `data.source`, `data.dataset` or a `dataset` "
-        "to the evaluation entry"
+        "the results do not say which data the evaluation used: add `data.source`, `data.dataset`, or a `source` "
+        "or `dataset` to the evaluation entry"
     )
 
 
@@ -342,6 +348,80 @@ def check_results_match(config: Mapping[str, Any], results: Optional[Mapping[str
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Measured claims
+# ---------------------------------------------------------------------------------------------------------------
+
+CACHE_PROMPT_LENGTHS = (16, 256)  # prompt lengths at which the generation cache is measured
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of every distinct tensor a cache object holds, however it nests them (layers, lists, dicts, a base
+    model's cache inside an FWL cache)."""
+    import torch
+
+    seen, total, pending = set(), 0, [cache]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            pending.extend(vars(item).values())
+    return total
+
+
+def measure_cache(model: Any, lengths: Sequence[int] = CACHE_PROMPT_LENGTHS) -> Dict[int, int]:
+    """``{prompt tokens: bytes of the generation cache}`` after a forward pass over one prompt of each length (fixed
+    random token ids; the cache generation continues from)."""
+    import torch
+
+    vocab_size = model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    sizes = {}
+    was_training = model.training
+    model.eval()
+    try:
+        for length in lengths:
+            ids = torch.randint(vocab_size, (1, length), generator=generator).to(model.device)
+            with torch.no_grad():
+                out = model(input_ids=ids, use_cache=True)
+            cache = out.get("cache", None) or out.get("past_key_values", None)
+            if cache is None:
+                raise ValueError(f"{type(model).__name__} returned no cache with use_cache=True")
+            sizes[int(length)] = cache_nbytes(cache)
+    finally:
+        model.train(was_training)
+    return sizes
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def cache_sentence(sizes: Optional[Mapping[int, int]], values: Mapping[str, Any], holds_base_cache: bool) -> Optional[str]:
+    """The card's claim about the generation cache, from measured ``sizes`` (None: no claim)."""
+    if not sizes:
+        return None
+    lengths = sorted(sizes)
+    measured = ", ".join(f"{_bytes(sizes[n])} after {n} prompt tokens" for n in lengths)
+    if len({sizes[n] for n in lengths}) == 1:
+        verdict = "it is a recurrent state of constant size, not a key/value cache that grows with the context"
+    else:
+        verdict = "it grows with the context"
+        if holds_base_cache:
+            verdict += ": besides the FWL's state it holds the base model's key/value cache"
+        elif values.get("mem_len"):
+            verdict += f" until it holds `mem_len` = {values['mem_len']} positions per layer, then stays that size"
+    return f"Generation cache, measured when this card was generated (batch 1): {measured}; {verdict}."
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The card
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -379,14 +459,29 @@ def _hub_id(value: Any) -> Optional[str]:
     return None
 
 
-def _base_model(key: str, base_model: Optional[str], results: Any, text_config: Mapping[str, Any]):
-    """``(base_model Hub id or None, the card's sentence naming it)``: the argument, else the results' ``base_model``,
-    else the nested config's ``_name_or_path``, each when it is a Hub id."""
-    base_model = base_model or _hub_id((results or {}).get("base_model")) or _hub_id(text_config.get("_name_or_path"))
+def _base_model(key: str, base_model: Optional[str], results: Any, config: Mapping[str, Any]):
+    """``(base_model Hub id or None, the card's sentence naming it)``: the argument, else the Hub id the model recorded
+    when its base was loaded (``base_model_id``), else the results' ``base_model``, each when it is a Hub id. Never
+    a local path: ``text_config._name_or_path`` is the folder the base was read from, on the machine it was read on."""
+    base_model = _hub_id(base_model) or _hub_id(config.get("base_model_id")) or _hub_id((results or {}).get("base_model"))
     if key == "FWL" and base_model is None:
-        text_type = text_config.get("model_type", "unknown")
+        text_type = (config.get("text_config") or {}).get("model_type", "unknown")
         return None, f"a pretrained `{text_type}` model (its Hub id was not recorded)"
     return base_model, (f"[`{base_model}`](https://huggingface.co/{base_model})" if base_model else None)
+
+
+# A Hub name that says the model was tuned to follow instructions or chat (SmolLM2-135M-Instruct, Llama-2-7b-chat,
+# gemma-2b-it, zephyr-7b-sft / -dpo).
+_INSTRUCTION_TUNED = re.compile(r"instruct|chat|(?:^|[-_])(?:it|sft|dpo|rlhf)(?:$|[-_])", re.IGNORECASE)
+
+
+def instruction_tuned_name(*names: Optional[str]) -> Optional[str]:
+    """The first of ``names`` (the base's Hub id, the names its config records) that marks an instruction-tuned or
+    chat model, else None."""
+    for name in names:
+        if isinstance(name, str) and _INSTRUCTION_TUNED.search(name.rsplit("/", 1)[-1]):
+            return name
+    return None
 
 
 def _config_rows(values: Mapping[str, Any]) -> List[Tuple[str, str]]:
@@ -444,23 +539,24 @@ def build_card(
     has_tokenizer: bool = True,
     results_files: Sequence[str] = (),
     results_model: Optional[Union[str, os.PathLike]] = None,
+    cache_sizes: Optional[Mapping[int, int]] = None,
 ) -> ModelCard:
     """A model card for a model with this ``config`` (a ``config.json`` dict) and measured ``results``.
 
     Args:
         results: a results JSON path or dict (module docstring; other scripts' files through
             ``model_cards.readers``), or a list of them, or None: the card then says it has no numbers.
-        model_name: the card's title and model-index name (default: the name part of ``repo_id``, else the
-            family's title).
+        model_name: title and model-index name (default: the name part of ``repo_id``, else the family's title).
         repo_id: the Hub id used in the loading instructions (default: a placeholder path).
         datasets: Hub dataset ids of the training data (default: ``data.dataset`` of the results, when a Hub id).
         license: the card's license (default: for converted weights, the one their source states, else "other";
             otherwise ``DEFAULT_LICENSE``).
-        base_model: Hub id of the pretrained base (FWL fine-tunes; default: the results' ``base_model``, else the
-            config's ``text_config._name_or_path`` when it is a Hub id; for converted weights their source repo).
+        base_model: Hub id of the base (FWL: default ``base_model_id`` recorded in the config, else the results';
+            for converted weights their source repo).
         num_parameters: stored weight count (default: the results' ``model.parameters``).
         results_files: names of the results files shipped next to the card, cited as the numbers' source.
         results_model: for an eval_lm file covering several models, the evaluated model's folder.
+        cache_sizes: ``{prompt tokens: bytes}`` of the generation cache (:func:`measure_cache`; None: no claim).
     """
     results = read_results(results, results_model)
     check_results_match(config, results)
@@ -477,7 +573,7 @@ def build_card(
         license = license or source.get("license") or "other"
         base_model = base_model or _hub_id(source.get("repo_id"))
     license = license or DEFAULT_LICENSE
-    base_model, base_note = _base_model(key, base_model, results, text_config)
+    base_model, base_note = _base_model(key, base_model, results, config)
     if num_parameters is None and results:
         num_parameters = ((results.get("model") or {}).get("parameters"))
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else family.title)
@@ -510,15 +606,32 @@ def build_card(
         results_files=list(results_files),
         repo=repo_id or "path/to/this/folder",
         has_tokenizer=has_tokenizer,
+        instruction_tuned_base=instruction_tuned_name(
+            base_model, config.get("base_model_id"), text_config.get("source_model_id"), text_config.get("_name_or_path")
+        ),
+        cache_note=cache_sentence(cache_sizes, values, key == "FWL"),
         citations=_citations(family.citations),
     )
     body = _environment().get_template(family.template).render(**context)
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
 
 
-def card_for_folder(folder: Union[str, os.PathLike], results: ResultsArg = None, **options: Any) -> ModelCard:
+def _load(folder: Path) -> Any:
+    """The model of a saved folder, with this package's classes (no remote code runs)."""
+    import modeling_fwp  # noqa: F401  (registers the fwp_* model types)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
+def card_for_folder(
+    folder: Union[str, os.PathLike], results: ResultsArg = None, *, model: Any = None, measure: bool = True,
+    cache_prompt_lengths: Sequence[int] = CACHE_PROMPT_LENGTHS, **options: Any,
+) -> ModelCard:
     """:func:`build_card` for a saved model folder: reads ``config.json``, counts the stored weights, notes whether
-    a tokenizer is there, and cites the results files that lie in the folder."""
+    a tokenizer is there, cites the results files that lie in the folder, and measures the generation cache of the
+    model (`model`, else the folder's model loaded) at ``cache_prompt_lengths``; ``measure=False`` skips it and the card
+    makes no cache claim."""
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -529,6 +642,9 @@ def card_for_folder(folder: Union[str, os.PathLike], results: ResultsArg = None,
     if options.get("num_parameters") is None and not ((read or {}).get("model") or {}).get("parameters"):
         options["num_parameters"] = count_parameters(folder)
     options.setdefault("has_tokenizer", any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")))
+    if measure:
+        model = model if model is not None else _load(folder)
+        options.setdefault("cache_sizes", measure_cache(model, cache_prompt_lengths))
     sources = [] if results is None else [results] if isinstance(results, (str, os.PathLike, Mapping)) else list(results)
     options.setdefault(
         "results_files",

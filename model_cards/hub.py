@@ -69,8 +69,12 @@ def write_model_card(
     """Writes ``README.md`` into a saved model folder: :func:`model_cards.card_for_folder` (validated) from its
     ``config.json``, weights and ``results``. Returns the card's path (unchanged if it exists and not ``overwrite``).
 
-    ``card_options``: ``repo_id``, ``model_name``, ``license``, ``datasets``, ``base_model``, ``language``, ``tags``.
+    ``card_options``: ``repo_id``, ``model_name``, ``license``, ``datasets``, ``base_model``, ``language``, ``tags``,
+    ``model`` and ``measure``: the cache is measured only when asked (``measure=True``; :func:`export_for_hub` and
+    the CLI ask): the card ``save_pretrained`` writes must not load the model again nor run it (under FSDP only the
+    main process saves), so it makes no cache claim.
     """
+    card_options.setdefault("measure", False)
     path = Path(folder) / CARD_NAME
     if path.exists() and not overwrite:
         return path
@@ -130,6 +134,8 @@ def export_for_hub(
     model.save_pretrained(out, **(save_kwargs or {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    card_options.setdefault("model", model)  # the card measures this model's cache instead of loading the folder
+    card_options.setdefault("measure", True)
     attach_results(out, results, **card_options)
     return out
 

@@ -49,16 +49,17 @@ def from_finetune_fwl(raw: Mapping[str, Any]) -> Dict[str, Any]:
     ``_repeated`` subsets) of the base model, the base fine-tuned without FWL, and base + FWL (this model)."""
     settings = raw.get("settings") or {}
     fwl, base, finetuned = raw["base_fwl"], raw["base"], raw["base_finetuned"]
-    # dataset_name, dataset_config_name, model_name_or_path; dataset, dataset_config, model in files written before
-    dataset = settings.get("dataset_name", settings.get("dataset"))
-    data: Dict[str, Any] = {"source": settings.get("validation_file")}
+    dataset = settings.get("dataset_name") or settings.get("dataset")  # transformers' option name, or ours before
+    # The files as the run used them: training data in the card's data table, the validation file as the evaluation's.
+    data: Dict[str, Any] = {k: settings[k] for k in ("train_file", "validation_file") if settings.get(k)}
     if dataset:
-        data = {"dataset": {"type": dataset, "name": dataset,
-                            "config": settings.get("dataset_config_name", settings.get("dataset_config"))}}
+        config = settings.get("dataset_config_name") or settings.get("dataset_config")
+        data = {"dataset": {"type": dataset, "name": dataset, "config": config}}
     subsets = {"_first": "first-occurrence tokens", "_repeated": "repeated tokens"}
     entry = {
         "name": "base + FWL, fine-tuned",
         "split": "validation",
+        "source": None if dataset else settings.get("validation_file"),
         "loss": fwl["nll"],
         "perplexity": fwl["ppl"],
         "scored_tokens": fwl.get("tokens"),
@@ -80,9 +81,11 @@ def from_finetune_fwl(raw: Mapping[str, Any]) -> Dict[str, Any]:
         "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
         "fwl_learning_rate", "warmup_steps", "weight_decay", "block_size", "freeze_base", "seed",
     ) if k in settings}
+    # No base_model from the settings: the base's path there names a folder of the machine the run was on. The Hub id
+    # is recorded in the model's config when the base is loaded (FWLConfig.base_model_id), or a run records it here.
     return {
         "evaluation": [entry], "data": data, "training": training, "args": _scalars(settings),
-        "base_model": settings.get("model_name_or_path", settings.get("model")),
+        "base_model": raw.get("base_model"),
     }
 
 
@@ -124,13 +127,12 @@ def from_eval_lm(
         "perplexity": row["perplexity"],
         "scored_tokens": row.get("tokens"),
         "segment_tokens": args.get("block_size", args.get("segment_length")),  # segment_length: before the rename
+        "source": f"{args['data_dir']}/{args['split']}.txt" if args.get("data_dir") and args.get("split") else None,
         "breakdown": {f"{r['mode']}: perplexity": r["perplexity"] for r in rows if r is not row},
         "method": f"Protocol of Dai et al. (2019) and Clark et al. (2022): batch 1, {protocol}; every token but the "
                   "first is scored once. Written by training/eval_lm.py.",
     }
-    data_dir, split = args.get("data_dir"), args.get("split")
-    data = {"source": f"{data_dir}/{split}.txt"} if data_dir and split else {}
-    return {"evaluation": [entry], "data": data, "args": _scalars(args)}
+    return {"evaluation": [entry], "args": _scalars(args)}  # the evaluated file is the entry's: no training data here
 
 
 def from_train_log(raw: Mapping[str, Any]) -> Dict[str, Any]:

@@ -54,6 +54,7 @@ from .modeling_fwp_seq2seq import (
     FastWeightSeq2SeqModel,
     FastWeightSeq2SeqPreTrainedModel,
 )
+from .tokenization import gpt2_tokenizer
 
 from .families import FAMILIES
 
@@ -100,4 +101,5 @@ __all__ = [cls.__name__ for spec in FAMILIES for cls in spec.classes()] + [
     "dpfp_feature_map",
     "elu_feature_map",
     "favor_feature_map",
+    "gpt2_tokenizer",
 ]

@@ -11,6 +11,8 @@ from typing import Optional
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
+from .configuration_fwp import check_sizes
+
 KERNEL_MODES = ("auto", "recurrent", "chunk")
 GRADIENT_DTYPES = (None, "bfloat16", "float16", "float32", "float64")
 
@@ -123,6 +125,7 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
             ``model_type`` or a config instance).
         fwl_*: the FWL head's fields (``FWLHeadConfigMixin``).
         initializer_range: std of the normal initialisation of U and W.
+        base_model_id: the base model's Hub id, recorded by ``from_base_pretrained`` (see :func:`base_model_hub_id`).
     """
 
     model_type = "fwp_fwl"
@@ -131,6 +134,9 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
 
     text_config: dict | PreTrainedConfig | None = None
     initializer_range: float = 0.02
+    # The base model's Hub id as recorded when it was loaded (``FWLForCausalLM.from_base_pretrained``): model cards
+    # name it; None for a base read from a local folder that records no Hub id.
+    base_model_id: str | None = None
 
     use_cache: bool = True
     # The FWL head always reuses the base model's output embedding: declared tied so that save_pretrained stores it once.
@@ -142,6 +148,7 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         text = self.text_config
+        check_sizes(text, ("vocab_size", "hidden_size"), owner="text_config.")
         self.resolve_fwl_fields(text.hidden_size)
         # Generation reads the special tokens from the top-level config: take the base model's.
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):

@@ -24,6 +24,16 @@ LINEAR_LAYER_OPTIONS = {
     "short_conv_size": 0, "value_activation": "identity", "qk_l2_normalization": False, "query_scaling": False,
     "beta_bias": True, "allow_neg_eigval": False, "output_norm": False, "output_gate": False, "value_head_dim": None,
 }
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_sizes(config, names, owner: str = "") -> None:
+    """Raises a ValueError naming the field unless each of ``config.<name>`` (``names``) is an int >= 1 (a size of 0
+    builds empty tensors that fail much later, or not at all). ``owner`` prefixes the name (``"text_config."``)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{owner}{name}` must be an int >= 1, got {value!r}")
 
 
 class FastWeightConfig(PreTrainedConfig):
@@ -128,8 +138,7 @@ class FastWeightConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         self._check_family_fields(kwargs)
-        if self.num_attention_heads < 1:
-            raise ValueError(f"`num_attention_heads` must be >= 1, got {self.num_attention_heads}")
+        check_sizes(self, SIZE_FIELDS + ("max_position_embeddings",))
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
@@ -137,6 +146,7 @@ class FastWeightConfig(PreTrainedConfig):
                     f"({self.num_attention_heads}), or set `head_dim` explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
+        check_sizes(self, ("head_dim",))
         fixed = type(self).__dict__.get("update_rule")  # the family's own rule, where its class declares one
         if type(self) is not FastWeightConfig and isinstance(fixed, str) and self.update_rule != fixed:
             raise ValueError(

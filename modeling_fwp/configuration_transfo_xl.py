@@ -10,6 +10,7 @@ from __future__ import annotations
 from transformers import PreTrainedConfig
 
 from .configuration_fwl import HIDDEN_PARAMETERS, FWLHeadConfigMixin
+from .configuration_fwp import SIZE_FIELDS, check_sizes
 
 
 class TransfoXLConfig(FWLHeadConfigMixin, PreTrainedConfig):
@@ -100,6 +101,7 @@ class TransfoXLConfig(FWLHeadConfigMixin, PreTrainedConfig):
     def __post_init__(self, **kwargs):
         for old_name in [k for k in kwargs if k in self.attribute_map]:  # old spellings, before validation
             setattr(self, old_name, kwargs.pop(old_name))
+        check_sizes(self, SIZE_FIELDS)
         if self.cutoffs is None:
             self.cutoffs = [20000, 40000, 200000] if self.vocab_size > 200000 else []
         if "proj_share_all_but_first" in kwargs:  # transformers-4 spelling of tie_projs
@@ -128,9 +130,7 @@ class TransfoXLConfig(FWLHeadConfigMixin, PreTrainedConfig):
                 f"`embedding_size` ({self.embedding_size}) // div_val ** len(cutoffs) ({self.div_val}**"
                 f"{len(self.cutoffs)}) must be >= 1: the last cluster would have no embedding dimensions"
             )
-        for name in ("hidden_size", "num_attention_heads", "head_dim", "intermediate_size", "num_hidden_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        check_sizes(self, ("head_dim", "embedding_size"))
         if self.mem_len < 0:
             raise ValueError(f"`mem_len` must be >= 0, got {self.mem_len}")
         if self.same_length and self.mem_len < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from functools import partial
+import os
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -20,6 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .configuration_fwl import FWLConfig
 from .fwl import DenseFWLSlowHead, FWLCache, FWLHead, init_fwl_weights
 from .cache_fwp import CACHE_ARGUMENT, output_cache, resolve_cache_argument
+from .modeling_fwp import check_token_ids, padding_mask
 from .pretrained import StatefulPreTrainedModel, take_loss_kwargs
 
 # Config fields with which a causal LM transforms its logits after the output embedding. Soft-capping
@@ -46,6 +48,19 @@ def logit_softcapping(text_config) -> Optional[float]:
                 "output embedding itself and does not support this transform"
             )
     return getattr(config, SOFTCAPPING_FIELD, None)
+
+
+def base_model_hub_id(base_config: Any, loaded_from: Any) -> Optional[str]:
+    """The Hub id of a base model, decided when it is loaded (later, a relative folder name means nothing): the id
+    its config records (``source_model_id``, e.g. written by a conversion), else the name it was loaded from when
+    that is not a local folder (then it came from the Hub), else None."""
+    recorded = getattr(base_config, "source_model_id", None)
+    if recorded:
+        return str(recorded)
+    name = loaded_from if isinstance(loaded_from, (str, os.PathLike)) else getattr(base_config, "_name_or_path", None)
+    if name and not os.path.isdir(name):
+        return str(name)
+    return None
 
 
 class FWLPreTrainedModel(StatefulPreTrainedModel):
@@ -129,6 +144,7 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
             base = pretrained_model_name_or_path
         else:
             base = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, **(base_model_kwargs or {}))
+        fwl_config.setdefault("base_model_id", base_model_hub_id(base.config, pretrained_model_name_or_path))
         # A copy: building the composite config re-dispatches settings (the attention implementation) to its sub-config.
         config = FWLConfig(text_config=copy.deepcopy(base.config), **fwl_config)
         model = cls(config, language_model=base)
@@ -214,6 +230,8 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         cache = resolve_cache_argument(cache, past_key_values)
         if cache is not None and not isinstance(cache, FWLCache):
             raise ValueError(f"`cache` (`past_key_values`) must be an FWLCache (or None), got {type(cache).__name__}")
+        check_token_ids(input_ids, self.config.vocab_size, "input_ids")  # before the base model sees them
+        padding_mask(attention_mask, *input_ids.shape, cache.get_seq_length() if cache is not None else 0)
         loss_kwargs = take_loss_kwargs(kwargs)
         base_kwargs = dict(kwargs)
         if output_hidden_states:

