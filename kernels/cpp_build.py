@@ -130,6 +130,9 @@ class CompiledCpuKernel:
             build_source = build_dir / self.source_path.name
             if not build_source.is_file() or build_source.read_text(encoding="utf-8") != source:
                 build_source.write_text(source, encoding="utf-8")
+            if not any(build_dir.glob("*.so")):  # a first build: say why the program pauses
+                print(f"fwp_kernels: compiling the C++ kernel {self.source_path.name} (once, about a minute; cached in "
+                      f"{build_dir})", file=sys.stderr, flush=True)
             load(
                 name=f"fwp_{build_dir.name}",
                 sources=[str(build_source)],

