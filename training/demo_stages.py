@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 # Chosen on data/wiki's valid split for SmolLM2-135M (docs/results/document_eval_wiki.json; never on test).
-DEMO_STEP_SIZES = {"test_time_fwl": 1e-4, "dynamic": 1e-2}
+DEMO_STEP_SIZES = {"test_time_fwl": 1e-5, "dynamic": 3e-3}
 
 
 class Banners:
