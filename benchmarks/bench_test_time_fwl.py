@@ -38,6 +38,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", nargs="+", default=["base", "test_time_fwl_off", "test_time_fwl", "dynamic"])
     p.add_argument("--fwl_step_size", type=float, default=1e-5)
+    p.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="default: norm, output embedding, bias")
     p.add_argument("--dynamic_lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="64 tokens, 1 round: checks that it runs")
@@ -60,7 +61,7 @@ def main(argv=None):
     else:
         ids = torch.randint(0, len(tokenizer), (args.tokens,), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(args.model).eval()
-    fwl = build_test_time_fwl(args.model, args.fwl_step_size)
+    fwl = build_test_time_fwl(args.model, args.fwl_step_size, args.fwl_fast_parameters)
     runs = {"base": (base, None), "test_time_fwl_off": (fwl, None), "test_time_fwl": (fwl, None),
             "dynamic": (base, DynamicEvaluation(args.dynamic_lr))}
     runs = {m: runs[m] for m in args.methods}

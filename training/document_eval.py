@@ -264,7 +264,7 @@ def build_method(method: str, args: argparse.Namespace) -> Tuple[nn.Module, Call
     from .test_time_fwl import build_test_time_fwl, set_global_step_size
 
     if method == "test_time_fwl":
-        model = build_test_time_fwl(args.model)
+        model = build_test_time_fwl(args.model, fast_parameters=args.fwl_fast_parameters)
         return model, lambda alpha: set_global_step_size(model.fwl_head, alpha), list(args.fwl_step_sizes or FWL_STEP_SIZES)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     if method == "base":
@@ -307,6 +307,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--max_length", type=int, default=4096, help="tokens per document (longer ones are cut)")
     p.add_argument("--segment_length", type=int, default=128)
     p.add_argument("--fwl_step_sizes", type=float, nargs="+", default=None, help="test-time FWL: global alphas to try")
+    p.add_argument("--fwl_fast_parameters", nargs="+", default=None,
+                   help="test-time FWL: fast output-side parameters (default: norm.weight output_embedding.weight "
+                        "output_bias; without output_embedding.weight no vocabulary-sized linear attention runs)")
     p.add_argument("--dynamic_lr", type=float, nargs="+", default=None, help="dynamic evaluation: step sizes to try")
     p.add_argument("--dynamic_method", default="sgd", choices=["sgd", "rms"])
     p.add_argument("--dynamic_params", nargs="+", default=None, metavar="NAME_OR_GLOB",
