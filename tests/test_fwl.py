@@ -396,7 +396,9 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     whole = saved["whole_documents"]
     assert {m: whole[m]["tokens"] for m in ("base", "test_time_fwl", "dynamic", "finetuned_fwl")} == dict.fromkeys(
         ("base", "test_time_fwl", "dynamic", "finetuned_fwl"), 2 * 40)
-    assert whole["test_time_fwl"]["perplexity"] != whole["base"]["perplexity"]
+    from training.demo_stages import DEMO_STEP_SIZES
+
+    assert whole["step_sizes"] == DEMO_STEP_SIZES and whole["documents"] == 2
     assert not list((tmp_path / "out").glob("*/checkpoint-*"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "base_fwl" / "final")
     assert isinstance(loaded, FWLForCausalLM)
