@@ -100,3 +100,22 @@ def document_report(results: Dict[str, Any]) -> str:
             f"{base['tokens_per_second'] / summary['tokens_per_second']:>10.2f}x"
         )
     return "\n".join(lines)
+
+
+def label_progress_bars(trainer: Any, label: str) -> None:
+    """Replaces a Trainer's unlabelled progress bars by bars named after the stage ("(2) fine-tuning: 12/30")."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class LabelledProgressCallback(ProgressCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            super().on_train_begin(args, state, control, **kwargs)
+            if self.training_bar is not None:
+                self.training_bar.set_description(f"{label}: training steps")
+
+        def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+            super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
+            if self.prediction_bar is not None:
+                self.prediction_bar.set_description(f"{label}: evaluation batches", refresh=False)
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(LabelledProgressCallback())

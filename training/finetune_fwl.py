@@ -297,6 +297,9 @@ def run_stage(
         preprocess_logits_for_metrics=per_token_nll,
         optimizers=(optimizer, None),
     )
+    from .demo_stages import label_progress_bars
+
+    label_progress_bars(trainer, stage.name)
     if train and not stage.finished():
         trainer.train(resume_from_checkpoint=stage.last_checkpoint())
         trainer.save_model(str(stage.final))
