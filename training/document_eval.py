@@ -288,6 +288,7 @@ def evaluate_method(method: str, args: argparse.Namespace, valid: List[torch.Ten
     def score(step: Optional[float], documents: List[torch.Tensor], label: str) -> TokenScores:
         return score_documents(model, documents, args.segment_length, configure(step), counts, label)
 
+    score(candidates[0], [test[0][: args.segment_length + 1]], f"{method} warm-up")  # untimed first-call set-up
     step, tried = None, {}
     if candidates != [None]:
         step, tried = choose_on_valid(lambda s: score(s, valid, f"{method} valid, step {s:g}"), candidates, method)
