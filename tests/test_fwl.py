@@ -394,8 +394,8 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     assert "fast updates off" in finetune_fwl.report(saved)
     # whole documents: every method scores the same tokens; the checkpoints are gone, the final models are kept
     whole = saved["whole_documents"]
-    assert {m: whole[m]["tokens"] for m in ("base", "test_time_fwl", "dynamic", "finetuned_fwl")} == dict.fromkeys(
-        ("base", "test_time_fwl", "dynamic", "finetuned_fwl"), 2 * 40)
+    methods = ("base", "test_time_fwl", "dynamic", "finetuned", "finetuned_fwl")
+    assert {m: whole[m]["tokens"] for m in methods} == dict.fromkeys(methods, 2 * 40)
     from training.demo_stages import DEMO_STEP_SIZES
 
     assert whole["step_sizes"] == DEMO_STEP_SIZES and whole["documents"] == 2

@@ -52,10 +52,12 @@ def document_stage(
     num_documents: int,
     max_length: int,
     segment_length: int = 128,
+    finetuned_path: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Scores the first `num_documents` documents of ``<data_dir>/test.txt`` (each up to `max_length` tokens) with
-    the base model, the test-time-only FWL on it, dynamic evaluation of every parameter and, if given, the
-    fine-tuned FWL model; returns ``{method: summary}`` (perplexities by kind of token, tokens/s)."""
+    the base model, the test-time-only FWL on it, dynamic evaluation of every parameter and, if given, the model
+    fine-tuned without FWL (`finetuned_path`, the fair baseline) and the fine-tuned FWL model (`fwl_model`); returns
+    ``{method: summary}`` (perplexities by kind of token, tokens/s)."""
     from transformers import AutoModelForCausalLM
 
     from .document_eval import encode_documents, score_documents
@@ -70,6 +72,8 @@ def document_stage(
         "test_time_fwl": (build_test_time_fwl(base_path, DEMO_STEP_SIZES["test_time_fwl"]), None),
         "dynamic": (base, DynamicEvaluation(DEMO_STEP_SIZES["dynamic"])),
     }
+    if finetuned_path is not None:
+        runs["finetuned"] = (AutoModelForCausalLM.from_pretrained(finetuned_path).eval(), None)
     if fwl_model is not None:
         runs["finetuned_fwl"] = (fwl_model, None)
     results = {}

@@ -373,10 +373,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     elif args.document_eval_documents > 0 and rank0:
         banner("Whole documents", f"{args.document_eval_documents} held-out documents of up to "
                f"{args.document_eval_max_length} tokens: base, test-time-only FWL on it (no training), dynamic "
-               "evaluation, and (3)", 2.5)
+               "evaluation, (2) and (3)", 2.5)
         results["whole_documents"] = document_stage(
             args.model, model, tokenizer, args.document_eval_data, args.document_eval_documents,
             args.document_eval_max_length,
+            finetuned_path=str(stages["base_finetuned"].final) if stages["base_finetuned"].finished() else None,
         )
 
     def ratios(a: Dict[str, float], b: Dict[str, float]) -> Dict[str, float]:
