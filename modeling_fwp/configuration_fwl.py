@@ -31,6 +31,10 @@ FAST_PARAMETER_NAMES = HIDDEN_PARAMETERS + ("output_embedding.weight", "output_e
 # (shared with the base model) and the output bias c stay slow. ``["output_bias"]`` is the paper's "bias only"
 # ablation.
 DEFAULT_FAST_PARAMETERS = HIDDEN_PARAMETERS
+# ``fwl_head_type="output"``: the FWL is the base model's own output side, made fast: its final norm's gain, an
+# untied copy of its output embedding E and a fresh output bias c (test-time-only FWL, Clark et al. 2022 Table 2).
+OUTPUT_SIDE_FAST_PARAMETERS = ("norm.weight", "output_embedding.weight", "output_bias")
+HEAD_TYPES = ("mlp", "output")
 
 
 @dataclass(kw_only=True)
@@ -126,6 +130,12 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
         fwl_*: the FWL head's fields (``FWLHeadConfigMixin``).
         initializer_range: std of the normal initialisation of U and W.
         base_model_id: the base model's Hub id, recorded by ``from_base_pretrained`` (see :func:`base_model_hub_id`).
+        fwl_head_type: "mlp" (the paper's FWL: a fresh MLP and LayerNorm before the base's output embedding) or
+            "output" (no new layer: the base model's final norm moves into the head and the head gets an untied copy
+            of the output embedding, so that the wrapped model starts exactly at its base; the fast parameters
+            default to ``OUTPUT_SIDE_FAST_PARAMETERS``; ``fwl_intermediate_size`` and ``fwl_residual`` are unused).
+            With "output" and the step sizes set (``training.test_time_fwl``), an untrained pretrained model gets the
+            FWL's fast update at inference: the test-time-only FWL.
     """
 
     model_type = "fwp_fwl"
@@ -137,6 +147,7 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
     # The base model's Hub id as recorded when it was loaded (``FWLForCausalLM.from_base_pretrained``): model cards
     # name it; None for a base read from a local folder that records no Hub id.
     base_model_id: str | None = None
+    fwl_head_type: str = "mlp"
 
     use_cache: bool = True
     # The FWL head always reuses the base model's output embedding: declared tied so that save_pretrained stores it once.
@@ -149,6 +160,13 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
         super().__post_init__(**kwargs)
         text = self.text_config
         check_sizes(text, ("vocab_size", "hidden_size"), owner="text_config.")
+        if self.fwl_head_type not in HEAD_TYPES:
+            raise ValueError(f"`fwl_head_type` must be one of {HEAD_TYPES}, got {self.fwl_head_type!r}")
+        if self.fwl_head_type == "output":
+            if self.fwl_fast_parameters is None:
+                self.fwl_fast_parameters = list(OUTPUT_SIDE_FAST_PARAMETERS)
+            if self.fwl_residual:
+                raise ValueError("`fwl_residual` adds h to the FWL's MLP output; `fwl_head_type='output'` has no MLP")
         self.resolve_fwl_fields(text.hidden_size)
         # Generation reads the special tokens from the top-level config: take the base model's.
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):

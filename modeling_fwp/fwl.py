@@ -75,11 +75,22 @@ def _inverse_sigmoid(x: float) -> float:
     return math.log(x / (1 - x))
 
 
-def layer_normalize(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(x - mean) / sqrt(var + eps)`` over the last dim (biased variance, as ``nn.LayerNorm``); returns (n, rstd)."""
-    centered = x - x.mean(-1, keepdim=True)
+def layer_normalize(x: torch.Tensor, eps: float, rms: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(x - mean) / sqrt(var + eps)`` over the last dim (biased variance, as ``nn.LayerNorm``), or with `rms`
+    ``x / sqrt(mean(x^2) + eps)`` (RMSNorm: Llama's final norm); returns (n, rstd)."""
+    centered = x if rms else x - x.mean(-1, keepdim=True)
     rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
     return centered * rstd, rstd
+
+
+class RMSNormParameters(nn.Module):
+    """The gain of an RMSNorm (``norm.weight``) and its epsilon: the normalisation of an output-side FWL whose slow
+    net is a base model's final RMSNorm (``layer_normalize(rms=True)`` computes it)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
 
 
 class FWLSlowHead(nn.Module):
@@ -101,20 +112,41 @@ class FWLSlowHead(nn.Module):
 
     Subclasses build their output layer after ``super().__init__`` and end their ``__init__`` with
     ``self.reset_parameters()``.
+
+    ``intermediate_size=None`` drops the MLP: ``f(h) = Norm(h)``, the normalisation alone (with ``rms_norm`` an
+    RMSNorm without bias): the slow net of an FWL made of a pretrained model's own output side
+    (``OutputSideFWLSlowHead``).
     """
 
     merge_previous_position: bool = False
     output_parameter_names: Tuple[str, ...] = ()
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, residual: bool = False, layer_norm_eps: float = 1e-5
+        self,
+        hidden_size: int,
+        intermediate_size: Optional[int],
+        residual: bool = False,
+        layer_norm_eps: float = 1e-5,
+        rms_norm: bool = False,
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        self.up_proj = nn.Linear(hidden_size, intermediate_size)  # h U + a
-        self.down_proj = nn.Linear(intermediate_size, hidden_size)  # s W + b
-        self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.has_mlp = intermediate_size is not None
+        if self.has_mlp:
+            self.up_proj = nn.Linear(hidden_size, intermediate_size)  # h U + a
+            self.down_proj = nn.Linear(intermediate_size, hidden_size)  # s W + b
+        self.rms_norm = rms_norm
+        self.norm = RMSNormParameters(hidden_size, layer_norm_eps) if rms_norm else nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.residual = residual
+
+    @property
+    def fast_parameter_candidates(self) -> Tuple[str, ...]:
+        """The names of this head's parameters that may get fast weights (``GRADIENT_TERMS`` keys it has)."""
+        own = {name for name, _ in self.named_parameters()}
+        return tuple(name for name in HIDDEN_PARAMETERS if name in own) + tuple(self.output_parameter_names)
+
+    def _norm_bias(self) -> Optional[torch.Tensor]:
+        return getattr(self.norm, "bias", None)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -122,10 +154,12 @@ class FWLSlowHead(nn.Module):
         ``h + f(h) = h`` and the wrapped model starts exactly at its base model. U and W keep the initialisation of
         their ``nn.Linear`` (in a model: transformers' N(0, initializer_range)); the output layer's own values come
         from ``reset_output_parameters``. Honours transformers' "already initialised" flags (loaded weights)."""
-        init.zeros_(self.up_proj.bias)
-        init.zeros_(self.down_proj.bias)
+        if self.has_mlp:
+            init.zeros_(self.up_proj.bias)
+            init.zeros_(self.down_proj.bias)
         init.constant_(self.norm.weight, 0.0 if self.residual else 1.0)
-        init.zeros_(self.norm.bias)
+        if self._norm_bias() is not None:
+            init.zeros_(self.norm.bias)
         self.reset_output_parameters()
 
     def reset_output_parameters(self) -> None:
@@ -139,13 +173,20 @@ class FWLSlowHead(nn.Module):
         ``[B, T, *]``: h (input), r = ReLU(z1), s = r^2, n (normalised z2), rstd (1 / std of z2, ``[B, T, 1]``),
         o (input of the output layer)."""
         h = hidden_states
-        r = F.relu(self.up_proj(h))  # z1 = h U + a
-        s = r * r
-        n, rstd = layer_normalize(self.down_proj(s), self.norm.eps)  # z2 = s W + b
-        o = n * self.norm.weight + self.norm.bias  # f(h)
+        inter = {"h": h}
+        z2 = h
+        if self.has_mlp:
+            inter["r"] = r = F.relu(self.up_proj(h))  # z1 = h U + a
+            inter["s"] = s = r * r
+            z2 = self.down_proj(s)  # z2 = s W + b
+        n, rstd = layer_normalize(z2, self.norm.eps, self.rms_norm)
+        o = n * self.norm.weight  # f(h)
+        if self._norm_bias() is not None:
+            o = o + self.norm.bias
         if self.residual:
             o = o + h
-        return {"h": h, "r": r, "s": s, "n": n, "rstd": rstd, "o": o}
+        inter.update(n=n, rstd=rstd, o=o)
+        return inter
 
     def output_logits(self, o: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The slow output layer: ``o [..., D] -> logits [..., V]``, computed in `dtype` when given."""
@@ -202,10 +243,11 @@ class FWLSlowHead(nn.Module):
             # o = f (+ h): dCE/df = dCE/do
             grads["gain"] = grads["f"] * inter["n"]
         if depth >= 2:
-            # LayerNorm backward: dz2 = rstd (dn - mean(dn) - n mean(dn n)), dn = df * gain
+            # LayerNorm backward: dz2 = rstd (dn - mean(dn) - n mean(dn n)), dn = df * gain (RMSNorm: no mean(dn))
             dn = grads["f"] * self.norm.weight
             n = inter["n"]
-            grads["z2"] = inter["rstd"] * (dn - dn.mean(-1, keepdim=True) - n * (dn * n).mean(-1, keepdim=True))
+            centred = dn if self.rms_norm else dn - dn.mean(-1, keepdim=True)
+            grads["z2"] = inter["rstd"] * (centred - n * (dn * n).mean(-1, keepdim=True))
         if depth >= 3:
             # s = ReLU(z1)^2: dz1 = (dz2 W) * 2 ReLU(z1)
             grads["z1"] = (grads["z2"] @ linear_weight(self.down_proj)) * (2 * inter["r"])
@@ -231,7 +273,7 @@ class DenseFWLSlowHead(FWLSlowHead):
     ``final_logit_softcapping``). The fast weights of E and c act on z, before T.
 
     Args:
-        hidden_size, intermediate_size, residual, layer_norm_eps: as in ``FWLSlowHead``.
+        hidden_size, intermediate_size, residual, layer_norm_eps, rms_norm: as in ``FWLSlowHead``.
         output_embedding: E, ``nn.Linear [V, hidden_size]``.
         output_bias: give the head its own output bias c.
         logit_softcapping: None, or the cap of the soft-capping transform.
@@ -240,15 +282,16 @@ class DenseFWLSlowHead(FWLSlowHead):
     def __init__(
         self,
         hidden_size: int,
-        intermediate_size: int,
+        intermediate_size: Optional[int],
         output_embedding: nn.Linear,
         *,
         output_bias: bool = True,
         residual: bool = False,
         layer_norm_eps: float = 1e-5,
         logit_softcapping: Optional[float] = None,
+        rms_norm: bool = False,
     ) -> None:
-        super().__init__(hidden_size, intermediate_size, residual, layer_norm_eps)
+        super().__init__(hidden_size, intermediate_size, residual, layer_norm_eps, rms_norm)
         if not isinstance(output_embedding, nn.Linear):
             raise ValueError(
                 "The FWL head needs the base model's output embedding as an `nn.Linear` [vocab_size, hidden_size] "
@@ -482,7 +525,7 @@ class FWLHead(nn.Module):
         if not isinstance(slow, FWLSlowHead):
             raise TypeError(f"`slow` must be an FWLSlowHead, got {type(slow).__name__}")
         self.slow = slow
-        available = list(HIDDEN_PARAMETERS) + list(slow.output_parameter_names)
+        available = list(slow.fast_parameter_candidates)
         fast_parameters = list(fast_parameters)
         for name in fast_parameters:
             if name not in available:
@@ -525,6 +568,11 @@ class FWLHead(nn.Module):
             layer_norm_eps=config.fwl_layer_norm_eps,
             **output_options,
         )
+        return cls.on_slow_head(config, slow)
+
+    @classmethod
+    def on_slow_head(cls, config: FWLHeadConfigMixin, slow: FWLSlowHead) -> "FWLHead":
+        """The head around an already built slow head, with the config's fast-weight fields."""
         return cls(
             slow,
             fast_parameters=config.fwl_fast_parameters,
@@ -710,13 +758,16 @@ class FWLHead(nn.Module):
     def _fast_hidden_layer(self, hidden_states: torch.Tensor, updates: _FastUpdates) -> torch.Tensor:
         """The hidden layer with fast U, a, W, b and LayerNorm: ``o_t [B, T, D]``."""
         slow = self.slow
-        h = hidden_states
-        z1 = updates.subtract(updates.subtract(slow.up_proj(h), "up_proj.weight", h), "up_proj.bias")
-        r = F.relu(z1)
-        s = r * r
-        z2 = updates.subtract(updates.subtract(slow.down_proj(s), "down_proj.weight", s), "down_proj.bias")
-        n, _ = layer_normalize(z2, slow.norm.eps)
-        o = n * updates.subtract(slow.norm.weight, "norm.weight") + updates.subtract(slow.norm.bias, "norm.bias")
+        h = z2 = hidden_states
+        if slow.has_mlp:
+            z1 = updates.subtract(updates.subtract(slow.up_proj(h), "up_proj.weight", h), "up_proj.bias")
+            r = F.relu(z1)
+            s = r * r
+            z2 = updates.subtract(updates.subtract(slow.down_proj(s), "down_proj.weight", s), "down_proj.bias")
+        n, _ = layer_normalize(z2, slow.norm.eps, slow.rms_norm)
+        o = n * updates.subtract(slow.norm.weight, "norm.weight")
+        if slow._norm_bias() is not None:
+            o = o + updates.subtract(slow.norm.bias, "norm.bias")
         if slow.residual:
             o = o + h
         return o

@@ -63,6 +63,62 @@ def base_model_hub_id(base_config: Any, loaded_from: Any) -> Optional[str]:
     return None
 
 
+# Where a decoder (``language_model.base_model``) keeps its final normalisation (Llama, Mistral, Qwen: norm; GPT-2: ln_f).
+FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
+
+
+def output_side_slow_head(language_model: PreTrainedModel, output_bias: bool) -> Tuple[DenseFWLSlowHead, Tuple[nn.Module, nn.Linear]]:
+    """The slow head of ``fwl_head_type="output"``: the base's final norm (an ``nn.LayerNorm``, or an RMSNorm
+    ``w * x / rms(x)`` with ``variance_epsilon`` or ``eps``) followed by a copy of its output embedding and an output
+    bias. The decoder's final norm is replaced by ``nn.Identity`` (the head applies it now, so that its gain can be
+    fast). Returns (the slow head, (the removed norm, the base's output embedding)) for ``copy_output_side``."""
+    decoder = language_model.base_model
+    name = next((n for n in FINAL_NORM_NAMES if isinstance(getattr(decoder, n, None), nn.Module)), None)
+    if name is None:
+        raise ValueError(
+            f"fwl_head_type='output' needs the base decoder's final norm (one of {FINAL_NORM_NAMES} on "
+            f"{type(decoder).__name__}); none found"
+        )
+    norm = getattr(decoder, name)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if getattr(norm, "weight", None) is None or eps is None:
+        raise ValueError(f"the final norm {type(norm).__name__} has no `weight` or epsilon; fwl_head_type='output' "
+                         "supports LayerNorm and RMSNorm")
+    embedding = language_model.get_output_embeddings()
+    weight = embedding.weight
+    copy = nn.Linear(embedding.in_features, embedding.out_features, bias=embedding.bias is not None,
+                     device=weight.device, dtype=weight.dtype)
+    slow = DenseFWLSlowHead(
+        embedding.in_features, None, copy, output_bias=output_bias, layer_norm_eps=float(eps),
+        rms_norm=not isinstance(norm, nn.LayerNorm), logit_softcapping=logit_softcapping(language_model.config),
+    )
+    slow.to(device=weight.device, dtype=weight.dtype)
+    setattr(decoder, name, nn.Identity())
+    return slow, (norm, embedding)
+
+
+@torch.no_grad()
+def copy_output_side(slow: DenseFWLSlowHead, norm: nn.Module, embedding: nn.Linear) -> None:
+    """Copies the base's final norm and output embedding into the output-side slow head (its output bias stays 0),
+    and checks on a random input that the head's norm reproduces the base's (a ValueError for another form, e.g.
+    Gemma's ``(1 + w)`` gain). Nothing to do on the meta device (``from_pretrained`` loads the saved values)."""
+    if embedding.weight.is_meta or slow.output_embedding.weight.is_meta:
+        return
+    slow.output_embedding.weight.copy_(embedding.weight)
+    if embedding.bias is not None:
+        slow.output_embedding.bias.copy_(embedding.bias)
+    slow.norm.weight.copy_(norm.weight)
+    if getattr(norm, "bias", None) is not None:
+        slow.norm.bias.copy_(norm.bias)
+    x = torch.randn(2, slow.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(device=norm.weight.device, dtype=norm.weight.dtype)
+    if not torch.allclose(slow.hidden_intermediates(x)["o"], norm(x), rtol=1e-4, atol=1e-5):
+        raise ValueError(
+            f"the base's final norm {type(norm).__name__} is not w * x / rms(x) (RMSNorm) nor a LayerNorm; "
+            "fwl_head_type='output' cannot reproduce it"
+        )
+
+
 class FWLPreTrainedModel(StatefulPreTrainedModel):
     # FWLForCausalLM wraps the base model's cache (KV or recurrent) in an FWLCache itself.
     config_class = FWLConfig
@@ -100,6 +156,13 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
                 f"{type(language_model).__name__} exposes no inner decoder (`base_model_prefix`): the FWL head needs its "
                 "last hidden states"
             )
+        if config.fwl_head_type == "output":
+            slow, base_output_side = output_side_slow_head(language_model, config.fwl_output_bias)
+            self.fwl_head = FWLHead.on_slow_head(config, slow)
+            self._tied_weights_keys = {}  # the head's E is its own (untied) copy
+            self.post_init()
+            copy_output_side(slow, *base_output_side)  # after post_init, which would draw the copy at random
+            return
         self.fwl_head = FWLHead.from_config(
             config,
             DenseFWLSlowHead,

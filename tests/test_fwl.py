@@ -354,11 +354,13 @@ def tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=2):
     docs = [" ".join(words[i] for i in torch.randint(0, len(words), (40,), generator=gen).tolist()) for _ in range(24)]
     (tmp_path / "train.txt").write_text("\n\n".join(docs[:20]) + "\n")
     (tmp_path / "valid.txt").write_text("\n\n".join(docs[20:]) + "\n")
+    (tmp_path / "test.txt").write_text("\n\n".join(docs[20:]) + "\n")  # whole-document stage
     return [
         "--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"),
         "--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"),
         "--block_size", "16", "--max_steps", "3", "--save_steps", "2", "--per_device_train_batch_size", str(batch_size),
         "--fwl_intermediate_size", "16", "--logging_steps", "1", "--prompt_tokens", "6", "--max_new_tokens", "5",
+        "--document_eval_data", str(tmp_path), "--document_eval_documents", "2",
     ]
 
 
@@ -392,6 +394,14 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     assert saved["fwl_fast_weight_gain"]["ppl_ratio"] == pytest.approx(
         saved["base_fwl"]["ppl"] / saved["base_fwl_slow_only"]["ppl"])
     assert "fast updates off" in finetune_fwl.report(saved)
+    # whole documents: every method scores the same tokens; the checkpoints are gone, the final models are kept
+    whole = saved["whole_documents"]
+    methods = ("base", "test_time_fwl", "dynamic", "finetuned", "finetuned_fwl")
+    assert {m: whole[m]["tokens"] for m in methods} == dict.fromkeys(methods, 2 * 40)
+    from training.demo_stages import DEMO_STEP_SIZES
+
+    assert whole["step_sizes"] == DEMO_STEP_SIZES and whole["documents"] == 2
+    assert not list((tmp_path / "out").glob("*/checkpoint-*"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "base_fwl" / "final")
     assert isinstance(loaded, FWLForCausalLM)
     # rerunning resumes: the finished stages are loaded, not retrained, and give the same numbers

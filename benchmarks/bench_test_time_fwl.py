@@ -1,0 +1,90 @@
+"""Scoring cost of the test-time-only FWL (``training.test_time_fwl``) and of dynamic evaluation against the untouched
+base model, measured side by side: the same document (the first of ``data/wiki/valid.txt``, cut to ``--tokens``;
+random ids where that file is missing) is scored in segments of 128 with the cache carried (``training.document_eval``)
+by each method in turn, ``--repeats`` rounds, so that load from elsewhere on a shared machine hits all alike. Reports
+every method's seconds (best / median / all) and its ratio to the base model (of medians: the headline).
+
+``test_time_fwl_off`` is the same wrapped model with its fast update off (``FWLHead.slow_only``): the base model's
+computation with the FWL's output-layer matmul (``fwp_kernels.dense_linear``, oneDNN), which on this AMD CPU is faster
+than the MKL sgemm transformers' LM head runs; ``test_time_fwl`` over it is the fast update's own cost.
+
+    python benchmarks/bench_test_time_fwl.py [--tokens 1024] [--repeats 3] [--methods base test_time_fwl dynamic]
+    python benchmarks/bench_test_time_fwl.py --quick      # a tiny check that it runs
+
+Writes benchmarks/results/bench_test_time_fwl.json (``--output``) with the run record (``training.result_file``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from training.document_eval import score_document  # noqa: E402
+from training.dynamic_eval import DynamicEvaluation  # noqa: E402
+from training.result_file import RunRecord, ratio, summarize  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="checkpoints/smollm2-135m")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", nargs="+", default=["base", "test_time_fwl_off", "test_time_fwl", "dynamic"])
+    p.add_argument("--fwl_step_size", type=float, default=1e-5)
+    p.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="default: norm, output embedding, bias")
+    p.add_argument("--dynamic_lr", type=float, default=3e-3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="64 tokens, 1 round: checks that it runs")
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "bench_test_time_fwl.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.repeats = 64, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record = RunRecord.start("python benchmarks/bench_test_time_fwl.py", argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.test_time_fwl import build_test_time_fwl
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    valid = ROOT / "data" / "wiki" / "valid.txt"
+    if valid.is_file():
+        text = valid.read_text(encoding="utf-8").split("\n\n")[0]
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[: args.tokens])
+    else:
+        ids = torch.randint(0, len(tokenizer), (args.tokens,), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    fwl = build_test_time_fwl(args.model, args.fwl_step_size, args.fwl_fast_parameters)
+    runs = {"base": (base, None), "test_time_fwl_off": (fwl, None), "test_time_fwl": (fwl, None),
+            "dynamic": (base, DynamicEvaluation(args.dynamic_lr))}
+    runs = {m: runs[m] for m in args.methods}
+    seconds = {m: [] for m in runs}
+    for _ in range(args.repeats):
+        for method, (model, dynamic) in runs.items():
+            context = fwl.fwl_head.slow_only() if method == "test_time_fwl_off" else contextlib.nullcontext()
+            started = time.perf_counter()
+            with context:
+                score_document(model, ids, 128, dynamic)
+            seconds[method].append(time.perf_counter() - started)
+    timings = {m: summarize(s) for m, s in seconds.items()}
+    ratios = {m: ratio(timings[m], timings["base"]) for m in timings if "base" in timings and m != "base"}
+    if "test_time_fwl" in timings and "test_time_fwl_off" in timings:
+        ratios["test_time_fwl_vs_off"] = ratio(timings["test_time_fwl"], timings["test_time_fwl_off"])
+    for method, summary in timings.items():
+        extra = f"  {ratios[method]['of_medians']:.2f}x base (of medians)" if method in ratios else ""
+        print(f"{method:<16} median {summary['median']:.2f} s for {ids.numel() - 1} tokens{extra}")
+    if not args.quick:
+        record.write(args.output, {"settings": vars(args), "tokens": ids.numel() - 1, "seconds": timings,
+                                   "time_vs_base": ratios})
+        print(f"results: {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Test-time-only FWL (training.test_time_fwl, FWLConfig(fwl_head_type="output")) against a step-by-step reference
+written from Clark et al. 2022's equations, generation with and without the cache, and whole-document scoring
+(training.document_eval) on a tiny random Llama (SmolLM2's architecture)."""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Gemma2Config, LlamaConfig, LlamaForCausalLM
+
+from modeling_fwp import FWLConfig, FWLForCausalLM
+from training.document_eval import TokenScores, prior_occurrences, score_document
+from training.dynamic_eval import DynamicEvaluation, untie_output_embedding
+from training.test_time_fwl import build_test_time_fwl, set_global_step_size
+
+VOCAB = 40
+
+
+def tiny_llama(seed=0, **overrides):
+    kwargs = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    with torch.no_grad():  # a final norm gain other than 1, so that its fast update is visible
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def ids_of(length, seed=1, batch=1):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logits(base, ids, alpha):
+    """Clark et al. 2022 sec. 2 (eq. 1) one position at a time: theta_t = theta - alpha sum_{j<t} grad CE_j(theta)
+    for theta = (final RMSNorm gain g, output embedding E (untied), output bias c = 0), gradients at the slow theta,
+    logits_t = RMSNorm_{g_t}(h_t) E_t^T + c_t on the base's pre-norm hidden states h_t."""
+    captured = {}
+    hook = base.model.norm.register_forward_hook(lambda m, inputs, out: captured.setdefault("h", inputs[0]))
+    with torch.no_grad():
+        base(ids)
+    hook.remove()
+    h = captured["h"][0].double()
+    eps = base.model.norm.variance_epsilon
+    slow = {"g": base.model.norm.weight.double(), "E": base.lm_head.weight.double(), "c": torch.zeros(VOCAB, dtype=torch.float64)}
+
+    def logits(theta, h_t):
+        n = h_t * torch.rsqrt(h_t.pow(2).mean() + eps)
+        return (n * theta["g"]) @ theta["E"].T + theta["c"]
+
+    total = {k: torch.zeros_like(v) for k, v in slow.items()}
+    out = []
+    for t in range(ids.shape[1]):
+        out.append(logits({k: slow[k] - alpha * total[k] for k in slow}, h[t]))
+        if t + 1 < ids.shape[1]:
+            theta = {k: v.clone().requires_grad_(True) for k, v in slow.items()}
+            loss = F.cross_entropy(logits(theta, h[t])[None], ids[0, t + 1 : t + 2])
+            for k, g in zip(theta, torch.autograd.grad(loss, list(theta.values()))):
+                total[k] += g
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.5])
+def test_test_time_fwl_equals_the_step_by_step_reference(alpha):
+    base = tiny_llama()
+    ids = ids_of(14)
+    expected = reference_logits(base, ids, alpha)
+    model = build_test_time_fwl(copy.deepcopy(base), step_size=alpha)
+    assert [float(model.fwl_head.step_size(n)) for n in model.fwl_head.fast_parameter_names] == pytest.approx([alpha] * 3)
+    with torch.no_grad():
+        fast = model(ids).logits[0].double()
+        with model.fwl_head.slow_only():
+            slow = model(ids).logits
+        plain = base(ids).logits
+    assert (fast - expected).abs().max() < 1e-5 * max(1.0, expected.abs().max())
+    assert (fast - plain[0]).abs().max() > 1e-2  # the fast update does something
+    torch.testing.assert_close(slow, plain, rtol=1e-5, atol=1e-5)  # fast update off: exactly the base model
+
+
+def test_segments_with_cache_and_generation_cached_vs_uncached():
+    model = build_test_time_fwl(tiny_llama(), step_size=0.3)
+    ids = ids_of(17, seed=3)
+    with torch.no_grad():
+        full = model(ids).logits
+        out, parts = None, []
+        for start in range(0, 17, 5):
+            out = model(ids[:, start : start + 5], use_cache=True, past_key_values=out.past_key_values if out else None)
+            parts.append(out.logits)
+        cached = model.generate(ids[:, :6], max_new_tokens=8, do_sample=False, use_cache=True)
+        uncached = model.generate(ids[:, :6], max_new_tokens=8, do_sample=False, use_cache=False)
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cached, uncached)
+
+
+def test_output_side_head_save_load_keeps_the_untied_copy(tmp_path):
+    base = tiny_llama()
+    model = build_test_time_fwl(copy.deepcopy(base), step_size=0.2)
+    E = model.fwl_head.slow.output_embedding.weight
+    assert E.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    torch.testing.assert_close(E, base.lm_head.weight)
+    model.save_pretrained(tmp_path)
+    loaded = FWLForCausalLM.from_pretrained(tmp_path).eval()
+    ids = ids_of(9)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_output_side_head_bad_input():
+    with pytest.raises(ValueError, match="fwl_residual"):
+        FWLConfig(text_config=LlamaConfig(vocab_size=VOCAB, hidden_size=32), fwl_head_type="output", fwl_residual=True)
+    with pytest.raises(ValueError, match="fwl_head_type"):
+        FWLConfig(text_config=LlamaConfig(vocab_size=VOCAB, hidden_size=32), fwl_head_type="attention")
+    with pytest.raises(ValueError, match="up_proj.weight"):  # no MLP in an output-side head
+        build_test_time_fwl(tiny_llama(), fast_parameters=["up_proj.weight"])
+    gemma = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    from transformers import Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    gemma_model = Gemma2ForCausalLM(gemma)
+    with torch.no_grad():
+        gemma_model.model.norm.weight.uniform_(0.5, 1.5)
+    with pytest.raises(ValueError, match="RMSNorm"):  # Gemma's (1 + w) gain
+        build_test_time_fwl(gemma_model)
+    with pytest.raises(ValueError, match="step_size"):
+        set_global_step_size(build_test_time_fwl(tiny_llama()).fwl_head, 0.0)
+
+
+def test_document_scoring_in_segments_equals_one_forward_and_dynamic_adapts_a_copy():
+    base = tiny_llama()
+    ids = ids_of(23, seed=5)[0]
+    with torch.no_grad():
+        logits = base(ids[None]).logits[0]
+    expected = F.cross_entropy(logits[:-1], ids[1:], reduction="none").double().numpy()
+    np.testing.assert_allclose(score_document(base, ids, segment_length=5), expected, rtol=1e-5)
+    np.testing.assert_allclose(score_document(base, ids, 5, DynamicEvaluation(lr=0.0)), expected, rtol=1e-5)
+    before = {n: p.clone() for n, p in base.named_parameters()}
+    adapted = score_document(base, ids, 5, DynamicEvaluation(lr=1.0, parameters=["lm_head.weight"]))
+    np.testing.assert_allclose(adapted[:5], expected[:5], rtol=1e-5)  # the first segment is scored before any step
+    assert np.abs(adapted[5:] - expected[5:]).max() > 1e-3
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
+
+
+def test_untie_output_embedding():
+    model = tiny_llama()
+    assert untie_output_embedding(model) and not untie_output_embedding(model)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    torch.testing.assert_close(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_prior_occurrences_and_summary_buckets():
+    ids = torch.tensor([5, 6, 5, 5, 7, 6])
+    assert prior_occurrences(ids).tolist() == [0, 1, 2, 0, 1]  # targets 6, 5, 5, 7, 6
+    nll = np.log(np.array([2.0, 4.0, 4.0, 8.0, 2.0]))
+    scores = TokenScores(nll, np.arange(1, 6), prior_occurrences(ids), np.array([5, 50, 50, 500, 5]), 1.0)
+    s = scores.summary()
+    assert s["tokens"] == 5 and s["perplexity"] == pytest.approx(math.exp(nll.mean()), rel=1e-4)
+    assert s["first"] == {"perplexity": pytest.approx(math.sqrt(2 * 8), rel=1e-4), "tokens": 2}
+    assert s["repeated"]["tokens"] == 3 and s["rare"]["tokens"] == 4
+    assert s["by_prior_occurrences"]["2-4"]["tokens"] == 1 and s["by_train_frequency"]["100-999"]["tokens"] == 1

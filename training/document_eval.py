@@ -1,0 +1,379 @@
+"""Whole-document evaluation, where fast weights matter (Clark et al. 2022 sec. 3, Fig. 2): every held-out document
+is scored from its first token to its end (up to ``--max_length`` tokens), in segments of ``--segment_length`` with
+the model's cache carried from one segment to the next (keys and values, fast weights, the FWL's running update) and
+detached, batch 1, every token but the first scored once. Reported: perplexity overall, by position in the document,
+by how often the target occurred earlier in the document (first vs repeated), and by its frequency in the training
+split (rare tokens), and scoring tokens/s; with a plot of the per-token NLL change against the base model.
+
+Methods, each with its step size chosen on the valid split only (lowest perplexity on ``--valid_documents``
+documents of it), then used on ``--split``:
+
+- ``base``: the model as it is;
+- ``test_time_fwl``: the test-time-only FWL (Clark et al. Table 2; ``training.test_time_fwl``): the untouched model's
+  output side (final norm, an untied copy of the output embedding, an output bias) made fast, one global step size;
+- ``dynamic``: dynamic evaluation (Krause et al. 2019; ``training.dynamic_eval``) of every parameter (or those of
+  ``--dynamic_params``), SGD or RMS steps after every segment;
+- ``dynamic_output``: dynamic evaluation of the same parameters as ``test_time_fwl`` (final norm and an untied copy
+  of the output embedding), the FWL's slower, sequential counterpart.
+
+    python -m training.document_eval --model checkpoints/smollm2-135m --data_dir data/wiki --split test \\
+        --methods base test_time_fwl dynamic --output docs/results/document_eval_wiki.json
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
+
+from .dynamic_eval import DynamicEvaluation, detach_cache, eval_mode, swapped_parameters  # noqa: E402
+
+logger = logging.getLogger("training.document_eval")
+
+# Bucket edges (lower bounds): the target's position in its document, how often it occurred earlier in the
+# document, and how often it occurs in the training split (Clark et al. Fig. 2's three panels).
+POSITION_BUCKETS = (0, 128, 256, 512, 1024, 2048)
+PRIOR_BUCKETS = (0, 1, 2, 5)
+FREQUENCY_BUCKETS = (0, 10, 100, 1000, 10000)
+RARE_BELOW = 100  # "rare": fewer training-split occurrences than this
+METHODS = ("base", "test_time_fwl", "dynamic", "dynamic_output")
+
+
+@dataclass
+class TokenScores:
+    """Per-token results of scoring documents (flat over documents, ``[N]`` arrays): ``nll`` (nats), ``position``
+    (index of the target in its document, >= 1), ``prior`` (occurrences of the target earlier in its document),
+    ``frequency`` (occurrences in the training split, -1 if unknown); ``seconds`` of scoring."""
+
+    nll: np.ndarray
+    position: np.ndarray
+    prior: np.ndarray
+    frequency: np.ndarray
+    seconds: float
+
+    @classmethod
+    def concat(cls, parts: Sequence["TokenScores"]) -> "TokenScores":
+        fields = ("nll", "position", "prior", "frequency")
+        arrays = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
+        return cls(**arrays, seconds=sum(p.seconds for p in parts))
+
+    def summary(self) -> Dict[str, Any]:
+        """Perplexity and token count overall, of first / repeated targets, of rare ones, and per bucket."""
+
+        def ppl(mask: np.ndarray) -> Dict[str, Any]:
+            n = int(mask.sum())
+            return {"perplexity": round(math.exp(float(self.nll[mask].mean())), 4) if n else None, "tokens": n}
+
+        def buckets(values: np.ndarray, edges: Sequence[int]) -> Dict[str, Any]:
+            bounds = list(edges) + [None]
+            return {
+                f"{lo}-{'' if hi is None else hi - 1}": ppl((values >= lo) & (values < hi if hi is not None else True))
+                for lo, hi in zip(bounds[:-1], bounds[1:])
+            }
+
+        everything = np.ones_like(self.nll, dtype=bool)
+        n = int(everything.sum())
+        known = self.frequency >= 0
+        return {
+            **ppl(everything),
+            "loss": round(float(self.nll.mean()), 6),
+            "seconds": round(self.seconds, 2),
+            "tokens_per_second": round(n / self.seconds, 1) if self.seconds > 0 else None,
+            "first": ppl(self.prior == 0),
+            "repeated": ppl(self.prior > 0),
+            "rare": ppl(known & (self.frequency < RARE_BELOW)),
+            "by_position": buckets(self.position, POSITION_BUCKETS),
+            "by_prior_occurrences": buckets(self.prior, PRIOR_BUCKETS),
+            "by_train_frequency": buckets(np.where(known, self.frequency, -1), FREQUENCY_BUCKETS),
+        }
+
+
+def encode_documents(tokenizer, documents: Sequence[str], max_length: Optional[int]) -> List[torch.Tensor]:
+    """Each document's ids followed by the tokenizer's eos (``[n]`` long tensors), cut to `max_length` tokens."""
+    out = []
+    for doc in documents:
+        ids = tokenizer(doc, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        out.append(torch.tensor(ids[:max_length] if max_length else ids, dtype=torch.long))
+    return out
+
+
+def train_token_counts(tokenizer, documents: Sequence[str]) -> np.ndarray:
+    """``[vocab]`` occurrences of every token id in `documents` (the training split): rare-token buckets."""
+    counts = np.zeros(len(tokenizer), dtype=np.int64)
+    for ids in tokenizer(list(documents), add_special_tokens=False).input_ids:
+        np.add.at(counts, np.asarray(ids, dtype=np.int64), 1)
+    return counts
+
+
+def prior_occurrences(ids: torch.Tensor) -> np.ndarray:
+    """``[n]`` ids -> ``[n - 1]``: how often target ``ids[t + 1]`` occurred in ``ids[: t + 1]``."""
+    seen: Dict[int, int] = {}
+    values = ids.tolist()
+    seen[values[0]] = 1
+    out = np.zeros(len(values) - 1, dtype=np.int64)
+    for t, token in enumerate(values[1:]):
+        out[t] = seen.get(token, 0)
+        seen[token] = out[t] + 1
+    return out
+
+
+def segment_nll(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cache, params: Optional[Dict[str, torch.Tensor]]
+) -> Tuple[torch.Tensor, Any]:
+    """``[T]`` NLL of ``targets [1, T]`` given ``inputs [1, T]`` and the carried cache (``params`` swapped in);
+    returns (nll, the cache after the segment). The model gets ``input_ids`` (the FWL learns from them)."""
+    with swapped_parameters(model, params):
+        out = model(input_ids=inputs, use_cache=True, **{CACHE_ARGUMENT: cache})
+    logits = out.logits[0].float()
+    return F.cross_entropy(logits, targets[0], reduction="none"), output_cache(out)
+
+
+def score_document(
+    model: nn.Module, ids: torch.Tensor, segment_length: int, dynamic: Optional[DynamicEvaluation] = None
+) -> np.ndarray:
+    """``[n - 1]`` NLL of every token of one document ``ids [n]`` but the first, in segments with the cache carried
+    and detached; with `dynamic`, a gradient step on the segment's mean loss after scoring it (a private weight copy,
+    fresh for every document; the model is never modified)."""
+    if ids.dim() != 1 or ids.numel() < 2:
+        raise ValueError(f"`ids` must be one document of >= 2 tokens, got shape {tuple(ids.shape)}")
+    if segment_length < 1:
+        raise ValueError(f"`segment_length` must be >= 1, got {segment_length}")
+    ids = ids.to(next(model.parameters()).device)[None]
+    params = dynamic.initial_params(model) if dynamic is not None else None
+    theta0 = {n: p.detach().clone() for n, p in params.items()} if dynamic is not None and dynamic.decay else {}
+    ms: Dict[str, torch.Tensor] = {}
+    cache, parts = None, []
+    for start in range(0, ids.shape[1] - 1, segment_length):
+        end = min(start + segment_length, ids.shape[1] - 1)
+        inputs, targets = ids[:, start:end], ids[:, start + 1 : end + 1]
+        with torch.set_grad_enabled(dynamic is not None):
+            nll, cache = segment_nll(model, inputs, targets, cache, params)
+        if dynamic is not None:
+            if dynamic.lr > 0:
+                names = list(params)
+                grads = torch.autograd.grad(nll.mean(), [params[n] for n in names], allow_unused=True)
+                dynamic.step(params, dict(zip(names, grads)), theta0, ms)
+            cache = detach_cache(cache)  # the next segment's gradient stops here (Krause et al.)
+        parts.append(nll.detach().cpu().double().numpy())
+    return np.concatenate(parts)
+
+
+def score_documents(
+    model: nn.Module,
+    documents: Sequence[torch.Tensor],
+    segment_length: int,
+    dynamic: Optional[DynamicEvaluation] = None,
+    train_counts: Optional[np.ndarray] = None,
+    label: str = "scoring",
+) -> TokenScores:
+    """Scores every document (``score_document``) with a labelled progress bar over tokens; returns the per-token
+    results with their position, prior occurrences and training-split frequency."""
+    from tqdm.auto import tqdm
+
+    parts = []
+    with eval_mode(model), tqdm(total=sum(d.numel() - 1 for d in documents), desc=label, unit="tok", leave=False) as bar:
+        for ids in documents:
+            started = time.perf_counter()
+            nll = score_document(model, ids, segment_length, dynamic)
+            seconds = time.perf_counter() - started
+            targets = ids[1:].numpy()
+            frequency = train_counts[targets] if train_counts is not None else np.full(len(targets), -1)
+            parts.append(TokenScores(nll, np.arange(1, len(ids)), prior_occurrences(ids), frequency, seconds))
+            bar.update(len(targets))
+    return TokenScores.concat(parts)
+
+
+def choose_on_valid(
+    score: Callable[[float], TokenScores], candidates: Sequence[float], name: str
+) -> Tuple[float, Dict[str, float]]:
+    """The candidate step size with the lowest perplexity under `score` (scoring valid documents), and
+    ``{step size: valid perplexity}``; a best value at an edge of the grid is logged (widen the grid)."""
+    candidates = [float(c) for c in candidates]
+    if not candidates:
+        raise ValueError(f"{name}: give at least one step size")
+    if len(candidates) == 1:
+        return candidates[0], {}
+    tried = {c: math.exp(float(score(c).nll.mean())) for c in candidates}
+    best = min(tried, key=tried.get)
+    if best in (min(candidates), max(candidates)):
+        logger.warning("%s: the best step size %g on valid is at the edge of the grid %s", name, best, candidates)
+    logger.info("%s: valid perplexity by step size %s -> %g", name, {f"{k:g}": round(v, 3) for k, v in tried.items()}, best)
+    return best, {f"{k:g}": round(v, 4) for k, v in tried.items()}
+
+
+def nll_change_by_bucket(results: Dict[str, Dict[str, Any]], reference: str = "base") -> Dict[str, Dict[str, Dict[str, float]]]:
+    """``{method: {panel: {bucket: change of mean NLL against `reference`}}}`` (negative = better), the data of Clark
+    et al. Fig. 2, from the summaries' perplexities (log of their ratio)."""
+    panels = ("by_position", "by_prior_occurrences", "by_train_frequency")
+    out: Dict[str, Dict[str, Dict[str, float]]] = {}
+    ref = results[reference]["summary"]
+    for method, result in results.items():
+        if method == reference:
+            continue
+        summary = result["summary"]
+        out[method] = {
+            panel: {
+                bucket: round(math.log(summary[panel][bucket]["perplexity"] / ref[panel][bucket]["perplexity"]), 5)
+                for bucket in ref[panel]
+                if ref[panel][bucket]["perplexity"] and summary[panel][bucket]["perplexity"]
+            }
+            for panel in panels
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The methods and the command line
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def output_side_parameter_names(model: nn.Module) -> List[str]:
+    """Names of the final norm's and the output embedding's parameters of a causal LM (what ``test_time_fwl``
+    makes fast): dynamic evaluation of the same parameters."""
+    from modeling_fwp.modeling_fwl import FINAL_NORM_NAMES
+
+    decoder = model.base_model
+    norm = next((getattr(decoder, n) for n in FINAL_NORM_NAMES if isinstance(getattr(decoder, n, None), nn.Module)), None)
+    if norm is None:
+        raise ValueError(f"{type(decoder).__name__} has no final norm among {FINAL_NORM_NAMES}")
+    wanted = {id(p) for p in list(norm.parameters()) + list(model.get_output_embeddings().parameters())}
+    return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+def build_method(method: str, args: argparse.Namespace) -> Tuple[nn.Module, Callable[[Optional[float]], Optional[DynamicEvaluation]], List[Optional[float]]]:
+    """(model, configure(step size) -> the dynamic evaluation to run or None, step sizes to try on valid)."""
+    from transformers import AutoModelForCausalLM
+
+    from .dynamic_eval import DEFAULT_STEP_SIZES, untie_output_embedding
+    from .test_time_fwl import DEFAULT_STEP_SIZES as FWL_STEP_SIZES
+    from .test_time_fwl import build_test_time_fwl, set_global_step_size
+
+    if method == "test_time_fwl":
+        model = build_test_time_fwl(args.model, fast_parameters=args.fwl_fast_parameters)
+        return model, lambda alpha: set_global_step_size(model.fwl_head, alpha), list(args.fwl_step_sizes or FWL_STEP_SIZES)
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    if method == "base":
+        return model, lambda _: None, [None]
+    if method not in ("dynamic", "dynamic_output"):
+        raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+    parameters = args.dynamic_params
+    if method == "dynamic_output":
+        untie_output_embedding(model)
+        parameters = output_side_parameter_names(model)
+    options = dict(method=args.dynamic_method, parameters=parameters)
+    candidates = list(args.dynamic_lr or DEFAULT_STEP_SIZES[args.dynamic_method])
+    return model, lambda lr: DynamicEvaluation(lr, **options), candidates
+
+
+def evaluate_method(method: str, args: argparse.Namespace, valid: List[torch.Tensor], test: List[torch.Tensor],
+                    counts: Optional[np.ndarray]) -> Dict[str, Any]:
+    """One method: its step size chosen on the valid documents, then its scores on the test documents."""
+    model, configure, candidates = build_method(method, args)
+
+    def score(step: Optional[float], documents: List[torch.Tensor], label: str) -> TokenScores:
+        return score_documents(model, documents, args.segment_length, configure(step), counts, label)
+
+    score(candidates[0], [test[0][: args.segment_length + 1]], f"{method} warm-up")  # untimed first-call set-up
+    step, tried = None, {}
+    if candidates != [None]:
+        step, tried = choose_on_valid(lambda s: score(s, valid, f"{method} valid, step {s:g}"), candidates, method)
+    scores = score(step, test, f"{method} {args.split}")
+    return {"step_size": step, "valid_perplexity_by_step_size": tried, "summary": scores.summary(),
+            "parameters": None if method in ("base", "test_time_fwl") else (args.dynamic_params or "all")}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="checkpoints/smollm2-135m", help="a causal LM folder")
+    p.add_argument("--data_dir", default="data/wiki", help="a corpus of train/valid/test.txt (data/wiki, data/austen)")
+    p.add_argument("--split", default="test", choices=["valid", "test"])
+    p.add_argument("--methods", nargs="+", default=["base", "test_time_fwl", "dynamic"], choices=METHODS)
+    p.add_argument("--max_documents", type=int, default=None, help="score the first N documents of --split")
+    p.add_argument("--valid_documents", type=int, default=2, help="valid documents for choosing step sizes")
+    p.add_argument("--max_length", type=int, default=4096, help="tokens per document (longer ones are cut)")
+    p.add_argument("--segment_length", type=int, default=128)
+    p.add_argument("--fwl_step_sizes", type=float, nargs="+", default=None, help="test-time FWL: global alphas to try")
+    p.add_argument("--fwl_fast_parameters", nargs="+", default=None,
+                   help="test-time FWL: fast output-side parameters (default: norm.weight output_embedding.weight "
+                        "output_bias; without output_embedding.weight no vocabulary-sized linear attention runs)")
+    p.add_argument("--dynamic_lr", type=float, nargs="+", default=None, help="dynamic evaluation: step sizes to try")
+    p.add_argument("--dynamic_method", default="sgd", choices=["sgd", "rms"])
+    p.add_argument("--dynamic_params", nargs="+", default=None, metavar="NAME_OR_GLOB",
+                   help="method dynamic: adapt only these parameters (default: all)")
+    p.add_argument("--train_documents", type=int, default=2000, help="training documents counted for rare tokens")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--output", default=None, help="JSON result file (with the run record)")
+    p.add_argument("--plot", default=None, help="PNG of the NLL change by bucket (Clark et al. Fig. 2)")
+    return p.parse_args(argv)
+
+
+def report(results: Dict[str, Dict[str, Any]]) -> str:
+    """The comparison table: perplexity (all, first, repeated, rare), tokens/s, and both relative to base."""
+    base = results.get("base", {}).get("summary")
+    lines = [f"  {'method':<16}{'step':>8}{'ppl':>9}{'first':>9}{'repeat':>9}{'rare':>9}{'tok/s':>8}{'ppl/base':>10}{'time/base':>10}"]
+    for method, result in results.items():
+        s = result["summary"]
+        step = "" if result["step_size"] is None else f"{result['step_size']:.0e}"
+        rel = time_rel = ""
+        if base:
+            rel = f"{s['perplexity'] / base['perplexity']:.4f}"
+            time_rel = f"{base['tokens_per_second'] / s['tokens_per_second']:.2f}x"
+        lines.append(f"  {method:<16}{step:>8}{s['perplexity']:>9.3f}{s['first']['perplexity']:>9.3f}"
+                     f"{s['repeated']['perplexity']:>9.3f}{s['rare']['perplexity'] or float('nan'):>9.3f}"
+                     f"{s['tokens_per_second']:>8.1f}{rel:>10}{time_rel:>10}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from .result_file import RunRecord
+    from .train_transfo_xl import read_documents
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    record = RunRecord.start("python -m training.document_eval", argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    data = Path(args.data_dir)
+    test = encode_documents(tokenizer, read_documents(data / f"{args.split}.txt")[: args.max_documents], args.max_length)
+    valid = encode_documents(tokenizer, read_documents(data / "valid.txt")[: args.valid_documents], args.max_length)
+    counts = train_token_counts(tokenizer, read_documents(data / "train.txt")[: args.train_documents])
+    results = {method: evaluate_method(method, args, valid, test, counts) for method in args.methods}
+    table = report(results)
+    tokens = results[args.methods[0]]["summary"]["tokens"]
+    print(f"\n{args.data_dir} {args.split}: {len(test)} documents, {tokens} tokens scored (segments of "
+          f"{args.segment_length}, cache carried; step sizes chosen on {len(valid)} valid documents)\n{table}")
+    out = {"settings": vars(args), "documents": len(test), "results": results}
+    if "base" in results:
+        out["nll_change_vs_base"] = nll_change_by_bucket(results)
+    if args.plot and "base" in results and len(results) > 1:
+        from .plots import plot_nll_change
+
+        path = plot_nll_change(out["nll_change_vs_base"], Path(args.plot), f"{args.model} on {args.data_dir} {args.split}")
+        if path:
+            print(f"plot: {path}")
+    if args.output:
+        record.write(args.output, out)
+        print(f"results: {args.output}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
