@@ -267,20 +267,26 @@ def _decode_cpu(q, k, v, gates, initial_state) -> Tuple[torch.Tensor, torch.Tens
     return o.to(q.dtype), new_state
 
 
+def compiled_forward_buffers(q, v, initial_state, acc: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What a C++ chunk forward writes into: the state ``[B*H, Dv, Dk]`` (a copy of `initial_state`, or zeros: never
+    the caller's tensor) and the output ``[B*H, T, Dv]``, both in `acc`."""
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    state = q.new_zeros(B * H, Dv, Dk, dtype=acc)
+    if initial_state is not None:
+        state.copy_(initial_state.reshape(B * H, Dv, Dk))
+    return state, q.new_empty(B * H, T, Dv, dtype=acc)
+
+
 def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The C++ forward: ``[B, H, T, D]`` inputs -> o ``[B, H, T, Dv]`` (q's dtype), final state ``[B, H, Dv, Dk]``."""
     if q.shape[2] == 1:
         return _decode_cpu(q, k, v, gates, initial_state)
     acc = acc_dtype(q, k, v, initial_state, *gates)
-    B, H, T, Dk = q.shape
-    Dv = v.shape[-1]
-    state = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # written in place: never the caller's tensor
-    if initial_state is not None:
-        state.copy_(initial_state.reshape(B * H, Dv, Dk))
-    o = q.new_empty(B * H, T, Dv, dtype=acc)
+    state, o = compiled_forward_buffers(q, v, initial_state, acc)
     flat = [_flat(x, acc) for x in (q, k, v, _op_beta(gates))]
     torch.ops.fwp_chunk.chunk_forward(*flat, state, chunk_size, o, None, None)
-    return o.view(B, H, T, Dv).to(q.dtype), state.view(B, H, Dv, Dk)
+    return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
 
 def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):

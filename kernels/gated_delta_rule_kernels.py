@@ -21,7 +21,15 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import chunk
-from .chunk import ChunkFastWeightFunction, ChunkRule, _flat, bmm, chunk_kernel_finder, unit_lower_inverse
+from .chunk import (
+    ChunkFastWeightFunction,
+    ChunkRule,
+    _flat,
+    bmm,
+    chunk_kernel_finder,
+    compiled_forward_buffers,
+    unit_lower_inverse,
+)
 from .cpp_build import register_cpu_kernel
 from .dispatch import (
     Recurrence,
@@ -115,14 +123,9 @@ class GatedDeltaRuleChunks(ChunkRule):
 
     def compiled_forward(self, q, k, v, gates, initial_state, chunk_size: int):
         acc = acc_dtype(q, k, v, initial_state, *gates)
-        B, H, T, Dk = q.shape
-        Dv = v.shape[-1]
-        state = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # written in place: never the caller's tensor
-        if initial_state is not None:
-            state.copy_(initial_state.reshape(B * H, Dv, Dk))
-        o = q.new_empty(B * H, T, Dv, dtype=acc)
+        state, o = compiled_forward_buffers(q, v, initial_state, acc)
         torch.ops.fwp_gated_chunk.gated_forward(*[_flat(x, acc) for x in (q, k, v, *gates)], state, chunk_size, o)
-        return o.view(B, H, T, Dv).to(q.dtype), state.view(B, H, Dv, Dk)
+        return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
     def compiled_backward(self, do, d_final, q, k, v, gates, initial_state, chunk_size: int):
         acc = acc_dtype(q, k, v, initial_state, *gates)

@@ -819,6 +819,15 @@ class FWLHead(nn.Module):
         return B, T
 
 
+def decay_split_dependence(head: Optional["FWLHead"]) -> Optional[str]:
+    """Why a model with FWL head `head` gives outputs that depend on how tokens are split into forward passes, or None:
+    a decaying head (``fwl_decay_init``) decays its carried update at every pass (segment) boundary."""
+    if head is not None and head.decay is not None:
+        return ("its FWL head decays the carried fast-weight update at forward-pass (segment) boundaries "
+                "(`fwl_decay_init`); a model without decay supports it")
+    return None
+
+
 def init_fwl_weights(module: nn.Module) -> None:
     """The FWL's share of a model's ``_init_weights``, after transformers' generic rules (which draw U and W from
     N(0, initializer_range)): the FWL modules' ``reset_parameters``, the one definition of their initial values. They

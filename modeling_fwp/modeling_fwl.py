@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_fwl import FWLConfig
-from .fwl import DenseFWLSlowHead, FWLCache, FWLHead, init_fwl_weights
+from .fwl import DenseFWLSlowHead, FWLCache, FWLHead, decay_split_dependence, init_fwl_weights
 from .cache_fwp import CACHE_ARGUMENT, output_cache, resolve_cache_argument
 from .modeling_fwp import check_token_ids, padding_mask
 from .pretrained import StatefulPreTrainedModel, take_loss_kwargs
@@ -223,11 +223,7 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         self.language_model.set_input_embeddings(value)
 
     def _split_dependent_outputs(self) -> Optional[str]:
-        head = getattr(self, "fwl_head", None)
-        if head is not None and head.decay is not None:
-            return ("its FWL head decays the carried fast-weight update at forward-pass (segment) boundaries "
-                    "(`fwl_decay_init`); a model without decay supports it")
-        return None
+        return decay_split_dependence(getattr(self, "fwl_head", None))
 
     def _empty_cache(self) -> FWLCache:
         """An empty ``FWLCache`` around an empty cache of the base model: ours (``_empty_cache``), or the

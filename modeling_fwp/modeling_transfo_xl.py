@@ -31,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, FastWeightCacheLayer, output_cache, resolve_cache_argument
 from .configuration_transfo_xl import TransfoXLConfig
-from .fwl import FWLHead, FWLSlowHead, init_fwl_weights
+from .fwl import FWLHead, FWLSlowHead, decay_split_dependence, init_fwl_weights
 from .modeling_fwp import FeedForward, check_token_ids, padding_mask, sinusoidal_position_embedding
 from .pretrained import StatefulPreTrainedModel, take_loss_kwargs
 
@@ -711,11 +711,7 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
         return self.fwl_head(hidden_states, input_ids, attention_mask, cache_layer=cache_layer, return_hidden=True)
 
     def _split_dependent_outputs(self) -> Optional[str]:
-        head = getattr(self, "fwl_head", None)
-        if head is not None and head.decay is not None:
-            return ("its FWL head decays the carried fast-weight update at forward-pass (segment) boundaries "
-                    "(`fwl_decay_init`); a model without decay supports it")
-        return None
+        return decay_split_dependence(getattr(self, "fwl_head", None))
 
     def _empty_cache(self) -> TransfoXLCache:
         return TransfoXLCache(self.config.num_hidden_layers, use_fwl=self.config.use_fwl)
