@@ -297,6 +297,45 @@ def demo_rows(s: Source) -> List[Row]:
     return [[what, ours, "(2) fine-tuned without FWL", "(3) < (2)"]]
 
 
+def pretrained_rows(s: Source) -> List[Row]:
+    """Random-weight models of fla's 1.3B shapes (benchmarks/bench_pretrained.py): prefill, decode, memory."""
+    def m(name: str, key: str, pick: Callable = min) -> Pair:
+        return s.pair(f"models.{name}.{key}.median", f"models.{name}.{key}.best", f"models.{name}.{key}.all", pick)
+
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        prefill = {n: m(f"{n}/{dtype}", "prefill_tokens_per_s", max) for n in ("delta_net", "gated_deltanet", "llama")}
+        rows.append([
+            fill("prefill tok/s, {} tokens, 1.3B shapes, {}, {} threads", s.get("prefill"), dtype, s.get("threads")),
+            both("Delta Net {d:,.1f}, Gated DeltaNet {g:,.1f}", d=prefill["delta_net"], g=prefill["gated_deltanet"]),
+            both("Llama (sdpa) {l:,.1f}", l=prefill["llama"]), "report"])
+        for context in s.get("contexts") or []:
+            key = f"decode_ms_per_token_at_{context}"
+            ms = {n: m(f"{n}/{dtype}", key) for n in ("delta_net", "gated_deltanet", "llama")}
+            cache = {n: s.get(f"models.{n}/{dtype}.cache_bytes_at_{context}") for n in ("delta_net", "llama")}
+            rows.append([
+                fill("decode ms/token after {:,} tokens, {}; cache MB (Delta Net / Llama)", context, dtype),
+                both("Delta Net {d:.1f}, Gated DeltaNet {g:.1f}", d=ms["delta_net"], g=ms["gated_deltanet"])
+                + fill("; cache {:.0f} MB", div(cache["delta_net"], 1e6)),
+                both("Llama {l:.1f}", l=ms["llama"]) + fill("; KV cache {:.0f} MB", div(cache["llama"], 1e6)),
+                "constant in the context"])
+        rss = {n: s.get(f"models.{n}/{dtype}.peak_rss_mb") for n in ("delta_net", "gated_deltanet", "llama")}
+        rows.append([fill("peak RSS MB, {}", dtype), fill("Delta Net {:,.0f}, Gated DeltaNet {:,.0f}",
+                                                          rss["delta_net"], rss["gated_deltanet"]),
+                     fill("Llama {:,.0f}", rss["llama"]), "report"])
+    for dtype in ("float32", "bfloat16"):
+        ours, theirs = (m(f"{n}/{dtype}", "prefill_tokens_per_s", max) for n in ("gdr_ours", "gdr_qwen3_next"))
+        dec_ours, dec_theirs = (m(f"{n}/{dtype}", "decode_ms_per_token") for n in ("gdr_ours", "gdr_qwen3_next"))
+        rows.append([
+            fill("gated delta rule alone, Gated DeltaNet 1.3B layer shapes x {} layers, {}: prefill tok/s; decode "
+                 "ms/token", s.get(f"models.gdr_ours/{dtype}.layers"), dtype),
+            both("{p:,.0f} ({r:.2f}x)", True, p=ours, r=pdiv(ours, theirs))
+            + "; " + both("{d:.2f} ms ({r:.2f}x)", d=dec_ours, r=pdiv(dec_theirs, dec_ours)),
+            both("transformers' Qwen3-Next torch path {p:,.0f}", p=theirs) + "; " + both("{d:.2f} ms", d=dec_theirs),
+            "faster"])
+    return rows
+
+
 README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_generation.json", generation_rows),
     ("benchmarks/results/bench_kernels.json", kernel_rows),
@@ -307,6 +346,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("docs/results/finetune_fwl.json", demo_rows),
     ("benchmarks/results/bench_synthetic_data.json", synthetic_data_rows),
     ("benchmarks/results/transfo_xl_transformers4_parity.json", parity_rows),
+    ("benchmarks/results/bench_pretrained.json", pretrained_rows),
 )
 
 
