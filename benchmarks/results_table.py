@@ -336,6 +336,36 @@ def pretrained_rows(s: Source) -> List[Row]:
     return rows
 
 
+def compile_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_compile.py: decode ms/token with the forward compiled (inductor) vs eager, same tokens."""
+    rows = []
+    for name, label in (("delta_net", "Delta Net"), ("delta_lstm", "Delta LSTM")):
+        key = f"models.{name}.ms_per_token"
+        eager = s.pair(f"{key}.eager.median", f"{key}.eager.best", f"{key}.eager.all")
+        compiled = s.pair(f"{key}.compiled.median", f"{key}.compiled.best", f"{key}.compiled.all")
+        same = s.get(f"models.{name}.same_tokens", f"models.{name}.tokens_equal")
+        rows.append([
+            fill("`torch.compile` decode, {} ({} layers d={}, context {}, {} threads, {} steps)", label,
+                 s.get("layers"), s.get("hidden"), s.get("context"), s.get("threads"), s.get("steps")),
+            both("{r:.2f}x faster ({c:.2f} ms/token)", True, r=pdiv(eager, compiled), c=compiled)
+            + ("" if same is None else f"; same tokens: {same}"),
+            both("eager {e:.2f} ms/token", e=eager), "faster, same tokens"])
+    return rows
+
+
+def assisted_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_assisted.py: prompt-lookup decoding with the recording cache's rollback vs greedy."""
+    greedy = s.pair(None, None, "modes.greedy.ms_per_token_all")
+    lookup = s.pair(None, None, "modes.prompt_lookup.ms_per_token_all")
+    return [[fill("prompt-lookup decoding ({} drafted tokens), {}, {}-token prompt that repeats itself, {} new tokens, "
+                  "{} threads", s.get("lookup"), s.get("model"), s.get("prompt_tokens"), s.get("new_tokens"),
+                  s.get("threads")),
+             both("{r:.2f}x faster ({m:.1f} ms/token)", True, r=pdiv(greedy, lookup), m=lookup)
+             + fill("; the greedy tokens: {}; {} rejected draft tokens rolled back per run",
+                    s.get("modes.prompt_lookup.same_tokens"), s.get("modes.prompt_lookup.rolled_back_tokens_per_run")),
+             both("greedy {m:.1f} ms/token", m=greedy), "the greedy tokens"]]
+
+
 README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_generation.json", generation_rows),
     ("benchmarks/results/bench_kernels.json", kernel_rows),
@@ -347,6 +377,8 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_synthetic_data.json", synthetic_data_rows),
     ("benchmarks/results/transfo_xl_transformers4_parity.json", parity_rows),
     ("benchmarks/results/bench_pretrained.json", pretrained_rows),
+    ("benchmarks/results/bench_compile.json", compile_rows),
+    ("benchmarks/results/bench_assisted.json", assisted_rows),
 )
 
 
