@@ -166,7 +166,7 @@ def load_fla_state_dict(src: PathLike) -> Dict[str, torch.Tensor]:
     elif (src / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise ValueError(f"`src` ({src}) has no model.safetensors nor model.safetensors.index.json (only safetensors "
+        raise ValueError(f"`src_dir` ({src}) has no model.safetensors nor model.safetensors.index.json (only safetensors "
                          f"checkpoints are converted)")
     state = {}
     for name in files:
@@ -214,19 +214,19 @@ def source_record(src: Path, fla: dict, repo_id: Optional[str], dtype: torch.dty
 
 
 def convert_fla_checkpoint(
-    src: PathLike, dst: PathLike, dtype: Union[None, str, torch.dtype] = None, repo_id: Optional[str] = None
+    src_dir: PathLike, dst_dir: PathLike, dtype: Union[None, str, torch.dtype] = None, repo_id: Optional[str] = None
 ) -> FastWeightForCausalLM:
-    """Converts the fla checkpoint folder ``src`` into ``dst`` (see the module docstring) and returns the model.
+    """Converts the fla checkpoint folder ``src_dir`` into ``dst_dir`` (see the module docstring) and returns the model.
 
     Args:
-        src: fla's folder (config.json + safetensors).
-        dst: the output folder (created).
+        src_dir: fla's folder (config.json + safetensors).
+        dst_dir: the output folder (created).
         dtype: None keeps the checkpoint's dtype; "float32", "bfloat16", "float16" (or a torch dtype) casts.
         repo_id: the Hub id the weights came from, for the card (found by itself in a Hugging Face cache snapshot).
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src_dir), Path(dst_dir)
     if not (src / "config.json").is_file():
-        raise ValueError(f"`src` ({src}) has no config.json")
+        raise ValueError(f"`src_dir` ({src}) has no config.json")
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"`dtype` must be one of {list(DTYPES)} (or None: the checkpoint's), got {dtype!r}")
@@ -246,7 +246,7 @@ def convert_fla_checkpoint(
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
-        raise ValueError(f"`src` ({src}): the checkpoint does not match the converted config: missing {missing}, "
+        raise ValueError(f"`src_dir` ({src}): the checkpoint does not match the converted config: missing {missing}, "
                          f"unexpected {unexpected}")
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -30,6 +30,7 @@ FAST_RNN, SCAN_CPP = "kernels/fast_rnn_scan_kernels.py", "kernels/csrc/rfwp_scan
 LAYERS, RFWP_LAYERS, FWL_PY = "modeling_fwp/fast_weight_layers.py", "modeling_fwp/rfwp_layers.py", "modeling_fwp/fwl.py"
 CACHE, FEATURES = "modeling_fwp/cache_fwp.py", "modeling_fwp/feature_maps.py"
 TXL_PY = "modeling_fwp/modeling_transfo_xl.py"
+GATED = "kernels/gated_delta_rule_kernels.py"
 
 MUTATIONS: Tuple[Mutation, ...] = (
     # --- fwp_kernels: chunked delta rule, PyTorch path and C++ kernel
@@ -127,4 +128,17 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "return (nll.sum() / num_items_in_batch).to(hidden_states.dtype)",
              "return nll.mean().to(hidden_states.dtype)",
              TXL, "the loss is a mean per call, not the token sum over num_items_in_batch"),
+    # --- later additions: the gated delta rule, the short convolution's cache, the rollback of assisted decoding
+    Mutation("gated_reference_decay_dropped", GATED,
+             "        W = af[:, :, t, None, None] * W\n        v_old",
+             "        v_old",
+             KERNELS, "gated step loop: the decay a_t never applied to W_{t-1}"),
+    Mutation("short_conv_cache_not_carried", LAYERS,
+             "            return F.conv1d(window, self.weight, groups=self.groups).transpose(1, 2), window[..., T:]",
+             "            return F.conv1d(window, self.weight, groups=self.groups).transpose(1, 2), torch.zeros_like(window[..., T:])",
+             ("tests/test_fla.py", "tests/test_model.py"), "short convolution: the next call starts from an empty window"),
+    Mutation("rollback_skips_replay", CACHE,
+             "                    checkpoint.replay(checkpoint.num_tokens - remove)",
+             "                    pass",
+             ("tests/test_assisted.py",), "crop(-n) restores the pass's start state but never replays its accepted tokens"),
 )
