@@ -524,6 +524,26 @@ def _formatted_rows(section: Any) -> List[Tuple[str, str]]:
     return [(k, format_value(v)) for k, v in _scalars(section)]
 
 
+def _evaluation_metadata(evals: Sequence[Any]) -> Dict[str, Any]:
+    """The card metadata's ``metrics`` and ``eval_results`` (None when there are none) from the evaluations."""
+    return {"metrics": sorted({m[0] for e in evals for m in e.metrics}) or None,
+            "eval_results": [r for e in evals for r in e.eval_results()] or None}
+
+
+def _provenance(key: str, config: Mapping[str, Any], values: Mapping[str, Any], results: Optional[Mapping[str, Any]],
+                license: Optional[str], base_model: Optional[str],
+                ) -> Tuple[Optional[Mapping[str, Any]], str, Optional[str], Optional[str]]:
+    """(source of converted weights or None, license, base model Hub id, note on the base) of a card: converted weights
+    (``pretrained_source``, modeling_fwp.convert_fla) take their source's license and repo unless given. `values`: the
+    config with its text_config's fields."""
+    source = values.get("pretrained_source") or None
+    if source:
+        license = license or source.get("license") or "other"
+        base_model = base_model or _hub_id(source.get("repo_id"))
+    base_model, base_note = _base_model(key, base_model, results, config)
+    return source, license or DEFAULT_LICENSE, base_model, base_note
+
+
 def build_card(
     config: Mapping[str, Any],
     results: ResultsArg = None,
@@ -566,23 +586,14 @@ def build_card(
     values = {**text_config, **config}
     evals = evaluations(results)
     data = (results or {}).get("data") or {}
-    if datasets is None:
-        datasets = _dataset_ids(data.get("dataset"))
-    source = values.get("pretrained_source") or None
-    if source:  # converted weights (modeling_fwp.convert_fla): their source's license and repo
-        license = license or source.get("license") or "other"
-        base_model = base_model or _hub_id(source.get("repo_id"))
-    license = license or DEFAULT_LICENSE
-    base_model, base_note = _base_model(key, base_model, results, config)
-    if num_parameters is None and results:
-        num_parameters = ((results.get("model") or {}).get("parameters"))
+    datasets = _dataset_ids(data.get("dataset")) if datasets is None else datasets
+    source, license, base_model, base_note = _provenance(key, config, values, results, license, base_model)
+    num_parameters = ((results or {}).get("model") or {}).get("parameters") if num_parameters is None else num_parameters
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else family.title)
-
     card_data = ModelCardData(
         model_name=model_name, library_name=LIBRARY_NAME, pipeline_tag=PIPELINE_TAG, license=license,
         language=_as_list(language) or None, tags=list(dict.fromkeys([*family.tags, *tags])), base_model=base_model,
-        datasets=_as_list(datasets) or None, metrics=sorted({m[0] for e in evals for m in e.metrics}) or None,
-        eval_results=[r for e in evals for r in e.eval_results()] or None,
+        datasets=_as_list(datasets) or None, **_evaluation_metadata(evals),
     )
     context = dict(
         model_name=model_name,
@@ -606,9 +617,8 @@ def build_card(
         results_files=list(results_files),
         repo=repo_id or "path/to/this/folder",
         has_tokenizer=has_tokenizer,
-        instruction_tuned_base=instruction_tuned_name(
-            base_model, config.get("base_model_id"), text_config.get("source_model_id"), text_config.get("_name_or_path")
-        ),
+        instruction_tuned_base=instruction_tuned_name(base_model, config.get("base_model_id"),
+                                                      *(text_config.get(k) for k in ("source_model_id", "_name_or_path"))),
         cache_note=cache_sentence(cache_sizes, values, key == "FWL"),
         citations=_citations(family.citations),
     )

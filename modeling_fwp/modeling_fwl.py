@@ -251,6 +251,19 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Linear:
         return self.fwl_head.slow.output_embedding
 
+    def _check_inputs(self, input_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                      cache: Optional[FWLCache]) -> None:
+        """``ValueError`` naming the argument for inputs the base model would reject late or not at all."""
+        if input_ids is None:
+            raise ValueError(
+                "FWLForCausalLM needs `input_ids` (not only `inputs_embeds`): the FWL head learns from each position's "
+                "next token"
+            )
+        if cache is not None and not isinstance(cache, FWLCache):
+            raise ValueError(f"`cache` (`past_key_values`) must be an FWLCache (or None), got {type(cache).__name__}")
+        check_token_ids(input_ids, self.config.vocab_size, "input_ids")  # before the base model sees them
+        padding_mask(attention_mask, *input_ids.shape, cache.get_seq_length() if cache is not None else 0)
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -281,16 +294,8 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if input_ids is None:
-            raise ValueError(
-                "FWLForCausalLM needs `input_ids` (not only `inputs_embeds`): the FWL head learns from each position's "
-                "next token"
-            )
         cache = resolve_cache_argument(cache, past_key_values)
-        if cache is not None and not isinstance(cache, FWLCache):
-            raise ValueError(f"`cache` (`past_key_values`) must be an FWLCache (or None), got {type(cache).__name__}")
-        check_token_ids(input_ids, self.config.vocab_size, "input_ids")  # before the base model sees them
-        padding_mask(attention_mask, *input_ids.shape, cache.get_seq_length() if cache is not None else 0)
+        self._check_inputs(input_ids, attention_mask, cache)
         loss_kwargs = take_loss_kwargs(kwargs)
         base_kwargs = dict(kwargs)
         if output_hidden_states:

@@ -313,10 +313,8 @@ def run_stage(
 def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
-    from modeling_fwp import FWLForCausalLM
-
     from .hub_options import hub_request, push_if_requested
-    from .demo_stages import Banners, document_report, document_stage, remove_intermediate_checkpoints
+    from .demo_stages import Banners, document_report, remove_intermediate_checkpoints
 
     args = parse_args(argv)
     hub = hub_request(args)  # acted on by push_if_requested at the end, not by Trainer
@@ -354,34 +352,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     stage = stages["base_fwl"]
     banner("(3) Fine-tuning with an FWL head", f"the same {args.max_steps} steps with FWLForCausalLM (Clark et al. "
            "2022), then (3') its slow head alone", max(0.7, args.max_steps / 10))
-    if stage.finished():
-        model = AutoModelForCausalLM.from_pretrained(stage.final)
-    else:
-        fwl_config = {"fwl_step_size_init": args.fwl_step_size_init, "fwl_head_type": args.fwl_head_type,
-                      "fwl_residual": args.fwl_residual and args.fwl_head_type == "mlp"}
-        if args.fwl_fast_parameters is not None:
-            fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
-        if args.fwl_intermediate_size is not None:
-            fwl_config["fwl_intermediate_size"] = args.fwl_intermediate_size
-        model = FWLForCausalLM.from_base_pretrained(args.model_name_or_path, freeze_base=args.freeze_base, **fwl_config)
+    model = AutoModelForCausalLM.from_pretrained(stage.final) if stage.finished() else new_fwl_model(args)
     results["base_fwl"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
     # (3) with its fast updates off (the slow head alone): how much of (3)'s gain the fast weights make
     with model.fwl_head.slow_only():
         results["base_fwl_slow_only"] = run_stage(stage, model, blocks, tokenizer, args, train=False)
     if not args.keep_checkpoints and rank0:
         remove_intermediate_checkpoints(stage.directory)
-    document_data = Path(args.document_eval_data) / "test.txt"
-    if args.document_eval_documents > 0 and rank0 and not document_data.is_file():
-        print(f"No {document_data}: the whole-document stage is skipped (--document_eval_data)", flush=True)
-    elif args.document_eval_documents > 0 and rank0:
-        banner("Whole documents", f"{args.document_eval_documents} held-out documents of up to "
-               f"{args.document_eval_max_length} tokens: base, test-time-only FWL on it (no training), dynamic "
-               "evaluation, (2) and (3)", 2.5)
-        results["whole_documents"] = document_stage(
-            args.model_name_or_path, model, tokenizer, args.document_eval_data, args.document_eval_documents,
-            args.document_eval_max_length,
-            finetuned_path=str(stages["base_finetuned"].final) if stages["base_finetuned"].finished() else None,
-        )
+    if args.document_eval_documents > 0 and rank0:
+        whole = whole_documents_stage(args, model, tokenizer, stages["base_finetuned"], banner)
+        if whole is not None:
+            results["whole_documents"] = whole
 
     def ratios(a: Dict[str, float], b: Dict[str, float]) -> Dict[str, float]:
         return {f"ppl{part}_ratio": a[f"ppl{part}"] / b[f"ppl{part}"] for part in ("", "_first", "_repeated")}
@@ -405,6 +386,38 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
         push_if_requested(hub, model, tokenizer, out, results=out / "results.json", base_model=base_model)
     leave_process_group()
     return results
+
+
+def new_fwl_model(args: ParsedArguments) -> PreTrainedModel:
+    """Stage (3)'s model before training: ``--model_name_or_path`` with a fresh FWL head (``--fwl_*`` options)."""
+    from modeling_fwp import FWLForCausalLM
+
+    fwl_config = {"fwl_step_size_init": args.fwl_step_size_init, "fwl_head_type": args.fwl_head_type,
+                  "fwl_residual": args.fwl_residual and args.fwl_head_type == "mlp"}
+    if args.fwl_fast_parameters is not None:
+        fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
+    if args.fwl_intermediate_size is not None:
+        fwl_config["fwl_intermediate_size"] = args.fwl_intermediate_size
+    return FWLForCausalLM.from_base_pretrained(args.model_name_or_path, freeze_base=args.freeze_base, **fwl_config)
+
+
+def whole_documents_stage(args: ParsedArguments, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                          finetuned: Stage, banner) -> Optional[Dict[str, object]]:
+    """The last stage: base, test-time-only FWL, dynamic evaluation, (2) and (3) (`model`) on whole held-out
+    documents (``--document_eval_*``); None when the documents' test.txt is missing."""
+    from .demo_stages import document_stage
+
+    document_data = Path(args.document_eval_data) / "test.txt"
+    if not document_data.is_file():
+        print(f"No {document_data}: the whole-document stage is skipped (--document_eval_data)", flush=True)
+        return None
+    banner("Whole documents", f"{args.document_eval_documents} held-out documents of up to "
+           f"{args.document_eval_max_length} tokens: base, test-time-only FWL on it (no training), dynamic "
+           "evaluation, (2) and (3)", 2.5)
+    return document_stage(
+        args.model_name_or_path, model, tokenizer, args.document_eval_data, args.document_eval_documents,
+        args.document_eval_max_length, finetuned_path=str(finetuned.final) if finetuned.finished() else None,
+    )
 
 
 def generate_sample(
