@@ -18,12 +18,12 @@ VALUE_ACTIVATIONS = ("identity", "silu")
 OUTPUT_GATE_ACTIVATIONS = ("silu", "sigmoid")
 NORM_TYPES = ("layer_norm", "rms_norm")
 FEED_FORWARD_TYPES = ("mlp", "swiglu")
-# Fields of the "linear" fast-weight layer's modern options (their defaults: the papers' layer). The recurrent FWPs'
-# layers do not implement them.
-LINEAR_LAYER_OPTIONS = {
-    "short_conv_size": 0, "value_activation": "identity", "qk_l2_normalization": False, "query_scaling": False,
-    "beta_bias": True, "allow_neg_eigval": False, "output_norm": False, "output_gate": False, "value_head_dim": None,
-}
+# Fields of the "linear" fast-weight layer's modern options (their FastWeightConfig defaults: the papers' layer). The
+# recurrent FWPs' layers do not implement them.
+LINEAR_LAYER_OPTIONS = (
+    "short_conv_size", "value_activation", "qk_l2_normalization", "query_scaling", "beta_bias", "allow_neg_eigval",
+    "output_norm", "output_gate", "value_head_dim",
+)
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -316,8 +316,8 @@ class RecurrentFastWeightConfig(FastWeightConfig):
                              f"got {self.update_rule!r}")
         if self.attention_normalization:
             raise ValueError(f"`attention_normalization` is not supported by {type(self).__name__}")
-        for name, default in LINEAR_LAYER_OPTIONS.items():
-            allowed = self.head_dim if name == "value_head_dim" else default
+        for name in LINEAR_LAYER_OPTIONS:  # at FastWeightConfig's default (value_head_dim: resolved to head_dim)
+            allowed = self.head_dim if name == "value_head_dim" else getattr(FastWeightConfig, name)
             if getattr(self, name) != allowed:
                 raise ValueError(f"`{name}` is an option of the Linear Transformer / Delta Net layer, not supported by "
                                  f"{type(self).__name__}: leave it at {allowed!r}, got {getattr(self, name)!r}")
