@@ -372,8 +372,8 @@ class CpuAutoChoice(NamedTuple):
 # (a quiet run, benchmarks/results/bench_kernels.json at bd87491: D = 64, C=32 18.7 / 76.6, C=64 24.0 / 96.2 ms).
 # Short T: the chunk kernel beats the step loop from T = 2 (0.062 vs 0.089 ms, same file); T = 1, the decode step
 # (csrc decode_step) vs the step loop: 0.029 vs 0.042 ms (B*H = 8, D = 64), 0.091 vs 0.116 ms (B*H = 16, D = 128).
-# Two threads, quiet machine (benchmarks/results/bench_cpu.json, load 1.2): C=64 fastest at D = 64 (forward 35.2 ms
-# vs 42.9 at C=32, 49.9 at C=16; in a fresh 2-thread process 18.6 vs 22.6 ms at C=16) and at D = 128; decode step
+# Two threads, quiet machine (benchmarks/results/bench_cpu.json, load 0.9 before): C=64 fastest at D = 64 (forward
+# 35.2 ms vs 42.9 at C=32, 49.9 at C=16) and at D = 128; decode step
 # 0.065 vs 0.095 ms for the step loop (D = 64), 0.072 vs 0.079 (D = 128).
 _CPU_AUTO = {
     1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
