@@ -40,6 +40,9 @@ void strsm_(const char* side, const char* uplo, const char* transa, const char* 
             const float* alpha, const float* a, const int* lda, float* b, const int* ldb);
 void dtrsm_(const char* side, const char* uplo, const char* transa, const char* diag, const int* m, const int* n,
             const double* alpha, const double* a, const int* lda, double* b, const int* ldb);
+// MKL's per-thread thread count, C interface (returns the previous one; 0 = the global setting). Weak: see
+// SequentialBlasInTask. (The lower-case mkl_set_num_threads_local that libtorch_cpu exports is the Fortran one.)
+int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));
 }
 
 namespace {
@@ -260,14 +263,33 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q
   }
 }
 
+// MKL (the BLAS that libtorch_cpu links) takes its threaded path even inside a parallel region once
+// torch.set_num_threads has switched its dynamic mode off: every small BLAS call of a task then pays a nested
+// fork/join. Measured, B1 H8 T4096 D64, 2 threads: the chunk forward ran 3-10x slower than on 1 thread. Each task
+// therefore asks MKL for one thread on its own thread, and restores the setting when it ends. The symbol is weak:
+// with another BLAS it is absent and the guard does nothing.
+struct SequentialBlasInTask {
+  int saved = 0;
+  SequentialBlasInTask() { saved = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0; }
+  ~SequentialBlasInTask() { if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(saved); }
+};
+
+// at::parallel_for over [0, n) with grain 1, each task's BLAS calls single-threaded (above).
+template <typename F>
+void parallel_tasks(int64_t n, const F& f) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    SequentialBlasInTask sequential_blas;
+    f(begin, end);
+  });
+}
+
 // Runs f(begin, end) over the sequences: in parallel (one sequence per task) when there are at least as
 // many sequences as threads, else in the calling thread, where the BLAS may use the threads itself (few,
-// long sequences with large heads). Inside at::parallel_for each BLAS call runs single-threaded (an OpenMP
-// parallel region does not nest, and MKL runs sequentially inside one): no oversubscription.
+// long sequences with large heads).
 template <typename F>
 void for_sequences(int64_t BH, const F& f) {
   if (BH >= at::get_num_threads()) {
-    at::parallel_for(0, BH, 1, f);
+    parallel_tasks(BH, f);
   } else {
     f(0, BH);
   }
@@ -319,7 +341,7 @@ static ChunkShapes chunk_shapes(const at::Tensor& q, const at::Tensor& k, const 
 template <typename T>
 void forward_value_blocks(const ChunkShapes& s, int64_t nb, const T* q, const T* k, const T* v, const T* beta, T* S,
                           T* o) {
-  at::parallel_for(0, s.BH * nb, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
     std::vector<T> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
@@ -346,7 +368,7 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const at::Tensor& q
   const at::Tensor db_parts = q.new_empty({nb, s.BH, s.L});
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>();
   T *dqp = dq_parts.data_ptr<T>(), *dkp = dk_parts.data_ptr<T>(), *dbp = db_parts.data_ptr<T>();
-  at::parallel_for(0, s.BH * nb, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
     std::vector<T> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;

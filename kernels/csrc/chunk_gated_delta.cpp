@@ -39,9 +39,20 @@ void strsm_(const char* side, const char* uplo, const char* transa, const char* 
             const float* alpha, const float* a, const int* lda, float* b, const int* ldb);
 void dtrsm_(const char* side, const char* uplo, const char* transa, const char* diag, const int* m, const int* n,
             const double* alpha, const double* a, const int* lda, double* b, const int* ldb);
+// MKL's per-thread thread count, C interface; weak, absent with another BLAS (see SequentialBlasInTask).
+int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));
 }
 
 namespace {
+
+// Inside a parallel task MKL would still take its threaded path (torch.set_num_threads turns its dynamic mode off),
+// a nested fork/join per small BLAS call: each task runs its BLAS single-threaded (as chunk_delta.cpp's tasks do;
+// each source is built and shipped on its own, so the few lines are not shared).
+struct SequentialBlasInTask {
+  int saved = 0;
+  SequentialBlasInTask() { saved = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0; }
+  ~SequentialBlasInTask() { if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(saved); }
+};
 
 inline void blas_gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
                       int ldb, float beta, float* c, int ldc) {
@@ -335,6 +346,7 @@ void gated_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check(S, q, s.BH * s.Dv * s.Dk, "S");
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_forward", [&] {
     at::parallel_for(0, s.BH, 1, [&](int64_t begin, int64_t end) {
+      SequentialBlasInTask sequential_blas;
       Work<scalar_t> w(s.C, s.Dk, s.Dv);
       std::vector<scalar_t> u_buf(s.C * s.Dv);
       for (int64_t bh = begin; bh < end; ++bh) {
@@ -361,6 +373,7 @@ void gated_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   for (auto* x : {&s0, &dS}) check(*x, q, s.BH * s.Dv * s.Dk, "s0 / dS");
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_backward", [&] {
     at::parallel_for(0, s.BH, 1, [&](int64_t begin, int64_t end) {
+      SequentialBlasInTask sequential_blas;
       Work<scalar_t> w(s.C, s.Dk, s.Dv);
       std::vector<scalar_t> entering(s.N * s.Dv * s.Dk), state(s.Dv * s.Dk), u_new(s.L * s.Dv), dgam(s.C);
       for (int64_t bh = begin; bh < end; ++bh) {
