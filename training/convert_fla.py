@@ -26,7 +26,7 @@ class ConvertFLAArguments:
     src_dir: str = field(metadata={"help": "fla's checkpoint folder (config.json + safetensors)"})
     output_dir: str = field(metadata={"help": "the folder written (weights, code, tokenizer files, README.md card)"})
     dtype: Optional[str] = field(default=None, metadata={
-        "help": "cast the weights to this dtype (default: keep the checkpoint's)", "choices": list(DTYPES)})
+        "help": "cast the weights to this dtype; unset: keep the checkpoint's", "choices": list(DTYPES)})
     repo_id: Optional[str] = field(default=None, metadata={
         "help": "the Hub id the weights came from, for the card (found by itself in a Hugging Face cache snapshot)"})
 
