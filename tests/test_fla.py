@@ -2,7 +2,11 @@
 logits (tests/fixtures/fla_0_6, made by fla itself with make_fixtures.py), in prefill, cached decoding and a left-padded
 batch; the converter's config, dtype, shards, command line and refusals; old checkpoints with a fused ``qkv_proj``."""
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from modeling_fwp import DeltaNetForCausalLM, GatedDeltaNetForCausalLM, convert_fla_checkpoint
 from modeling_fwp.cache_fwp import output_cache
-from modeling_fwp.convert_fla import config_from_fla, main as convert_main
+from modeling_fwp.convert_fla import config_from_fla
+from training.convert_fla import main as convert_main
 
 from conftest import FIXTURES, tiny_model
 
@@ -99,7 +104,7 @@ def test_converted_config_records_the_source(converted):
         4, "silu", True, "rms_norm")
     source = config.pretrained_source
     assert source["repo_id"] == "fla-hub/delta_net-tiny" and source["model_type"] == "delta_net"
-    assert source["license"] == "mit" and "flash-linear-attention" in source["license_source"]
+    assert source["license"] == "mit" and source["license_source"].startswith("not stated by the weights' repository")
     assert json.loads((folder / "config.json").read_text())["pretrained_source"]["library"].startswith(
         "flash-linear-attention")
     assert (folder / "configuration_fwp.py").is_file()  # the remote code, as every save_pretrained writes it
@@ -128,7 +133,7 @@ def test_sharded_checkpoint_and_command_line(tmp_path, converted):
         save_file({k: state[k] for k in part}, src / name, metadata={"format": "pt"})
         weight_map.update({k: name for k in part})
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    convert_main([str(src), str(tmp_path / "out"), "--dtype", "float32"])
+    convert_main(["--src_dir", str(src), "--output_dir", str(tmp_path / "out"), "--dtype", "float32"])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = converted["delta_net"][1]["input_ids"]
     with torch.no_grad():
@@ -186,6 +191,42 @@ def test_card_of_a_converted_checkpoint_says_where_the_weights_came_from(tmp_pat
     assert card.data.license == license_name and card.data.base_model == repo_id
     text = str(card)
     assert f"[`{repo_id}`](https://huggingface.co/{repo_id})" in text and "convert_fla_checkpoint" in text
-    assert ("as stated by the source" in text) == (license_name == "mit")
+    inferred = ("License: `mit`, not stated by the weights' repository; inferred from flash-linear-attention's code "
+                "license (MIT)")
+    assert (inferred in text) == (license_name == "mit")
+    assert "as stated" not in text  # neither source states a license
     assert ("states no license" in text) == (license_name == "other")
     assert "causal depthwise convolution of width 4" in text and "RMSNorm(x)" in text
+
+
+def test_license_stated_by_the_source_is_called_so(tmp_path):
+    from model_cards.generator import card_for_folder
+
+    src = tmp_path / "src"
+    shutil.copytree(FLA / "delta_net", src)
+    (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a model\n")
+    convert_fla_checkpoint(src, tmp_path / "out", repo_id="fla-hub/delta_net-tiny")  # the README wins over fla-hub's MIT
+    text = str(card_for_folder(tmp_path / "out"))
+    assert "License: `apache-2.0`, as stated in the README of the weights' repository." in text
+    assert "inferred" not in text
+
+
+def test_convert_command_writes_the_model_card(tmp_path):
+    """The README's command, run as a user would in a fresh interpreter (no model_cards imported beforehand): the
+    folder has the card with its source section, and runpy gives no warning."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "converted"
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.convert_fla", "--src_dir", str(FLA / "gated_deltanet"), "--output_dir",
+         str(out), "--repo_id", "fla-hub/gated_deltanet-tiny"],
+        cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RuntimeWarning" not in proc.stderr
+    card = (out / "README.md").read_text()
+    assert "## Source of the weights" in card
+    assert "[`fla-hub/gated_deltanet-tiny`](https://huggingface.co/fla-hub/gated_deltanet-tiny)" in card
+    assert "License: `mit`, not stated by the weights' repository" in card
+    assert isinstance(AutoModelForCausalLM.from_pretrained(out), GatedDeltaNetForCausalLM)
+    old = subprocess.run([sys.executable, "-m", "modeling_fwp.convert_fla"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert old.returncode != 0 and "fwp-convert-fla" in old.stderr  # the old module command points to the new one

@@ -1,6 +1,8 @@
 """PEFT LoRA on our models: the projection names transformers users type (``q_proj``, ``v_proj``) and "all-linear"
-reach the fast-weight layers; after a training step the adapter changes the logits, and merging, unmerging, disabling,
-saving and loading the adapter, and merge-and-unload, all give the logits they should."""
+reach the fast-weight layers of every family (``modeling_fwp.families.FAMILIES``: Linear Transformer, Delta Net, Gated
+DeltaNet, the five recurrent FWPs, Transformer-XL, the FWL head on a causal LM); after a training step the adapter
+changes the logits, and merging, unmerging, disabling, saving and loading the adapter, and merge-and-unload, all give
+the logits they should."""
 import pytest
 import torch
 from torch import nn
@@ -8,17 +10,18 @@ from torch import nn
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
-from modeling_fwp import DeltaLSTMConfig, DeltaNetConfig  # noqa: E402
+from modeling_fwp import FWLConfig  # noqa: E402
+from modeling_fwp.families import FAMILIES  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
 from test_fwl import random_ids, tiny_fwl  # noqa: E402
 
-MODELS = {
-    "delta_net": lambda: tiny_model(DeltaNetConfig, seed=0),
-    "delta_lstm": lambda: tiny_model(DeltaLSTMConfig, seed=0),
-    "fwl": lambda: tiny_fwl("delta_net", seed=0),
-}
-CASES = [("delta_net", ["q_proj", "v_proj"]), ("fwl", ["q_proj", "v_proj"])] + [
+# every family, tiny: the FWL head on a tiny Delta Net, the others from conftest.tiny_config
+MODELS = {spec.name: (lambda cls=spec.config_class: tiny_model(cls, seed=0))
+          for spec in FAMILIES if spec.config_class is not FWLConfig}
+MODELS["fwl"] = lambda: tiny_fwl("delta_net", seed=0)
+# the names users type for transformers models, on the families whose layers have them
+CASES = [(name, ["q_proj", "v_proj"]) for name in ("linear_transformer", "delta_net", "gated_delta_net", "fwl")] + [
     (name, "all-linear") for name in MODELS
 ]
 ATOL = 1e-5  # float32: merged W + BA against W x + B(A x)
@@ -49,6 +52,10 @@ def test_lora_train_merge_unmerge_save_load(name, targets, tmp_path):
     if targets == "all-linear":  # every projection but the output layer
         output = {n for n, m in base.named_modules() if m is base.get_output_embeddings()}
         assert wrapped == linear - output, sorted(linear - output - wrapped)
+        # the output layer is never adapted (Transformer-XL's adaptive softmax has no single output embedding)
+        assert not {n for n in wrapped if n.split(".")[0] == "lm_head"}, sorted(wrapped)
+        layers = {n for n in wrapped if ".layers." in n}  # each block's own projections are adapted
+        assert {n.split(".layers.")[1].split(".")[0] for n in layers} == {"0", "1"}, sorted(wrapped)
     else:
         assert wrapped and {n.rsplit(".", 1)[-1] for n in wrapped} == set(targets)
     _train_step(model, ids)

