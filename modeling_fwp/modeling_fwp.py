@@ -30,7 +30,7 @@ from .configuration_fwp import (
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS, GatedDeltaNetLayer, RMSNorm
+from .fast_weight_layers import FAST_WEIGHT_LAYERS, RMSNorm
 from .feature_maps import FeatureMap
 from .pretrained import StatefulPreTrainedModel
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
@@ -157,9 +157,13 @@ class FastWeightPreTrainedModel(StatefulPreTrainedModel):
     _no_split_modules = ["FastWeightBlock"]
 
     def _init_weights(self, module: nn.Module) -> None:
+        """transformers' generic rules, then the module's own ``init_fast_weight_parameters()`` where it defines one:
+        the hook through which a layer sets the parameters those rules do not know (the Gated DeltaNet's ``A_log`` and
+        ``dt_bias``), so that a new family's layer needs no edit here."""
         super()._init_weights(module)
-        if isinstance(module, GatedDeltaNetLayer):
-            module.reset_gate_parameters()
+        init_own_parameters = getattr(module, "init_fast_weight_parameters", None)
+        if init_own_parameters is not None:
+            init_own_parameters()
 
 
 class FastWeightModel(FastWeightPreTrainedModel):

@@ -320,6 +320,23 @@ def test_gated_delta_net_gradients_reach_the_decay_parameters():
     torch.testing.assert_close((up - down) / 2e-2, (grad * direction).sum(), rtol=2e-3, atol=0)
 
 
+def test_gated_delta_net_decay_missing_from_a_checkpoint_gets_its_initial_values(tmp_path):
+    """from_pretrained builds the model on the meta device and initialises only what the checkpoint lacks, through
+    ``_init_weights``: a layer's ``init_fast_weight_parameters`` hook must run there (else A_log, dt_bias are garbage)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(GatedDeltaNetConfig, **GATED)
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.endswith(("A_log", "dt_bias"))}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for layer, fresh in zip(loaded.model.layers, model.model.layers):
+        assert torch.equal(layer.fast_weight.A_log, fresh.fast_weight.A_log)
+        assert torch.equal(layer.fast_weight.dt_bias, fresh.fast_weight.dt_bias)
+
+
 def test_loss_is_token_sum_over_num_items_in_batch():
     model = tiny_model(DeltaNetConfig)
     ids = torch.randint(3, 61, (2, 6))
