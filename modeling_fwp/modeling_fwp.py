@@ -32,7 +32,7 @@ from .configuration_fwp import (
 )
 from .fast_weight_layers import FAST_WEIGHT_LAYERS, RMSNorm
 from .feature_maps import FeatureMap
-from .pretrained import StatefulPreTrainedModel
+from .pretrained import StatefulPreTrainedModel, logits_to_keep_index
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
 
 
@@ -365,12 +365,7 @@ class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep > 0 else hidden_states
-        else:
-            hidden_states = hidden_states[:, logits_to_keep]
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(outputs.last_hidden_state[:, logits_to_keep_index(logits_to_keep)])
 
         loss = None
         if labels is not None:
