@@ -133,6 +133,28 @@ def _block(n: int, cap: int) -> int:
     return min(max(16, triton.next_power_of_2(n)), max(cap, 16))
 
 
+def _forward_buffers(
+    q: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor], chunk_size: int
+) -> Tuple[int, Tuple[int, int, int], torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """What both Triton forwards (this module's, triton_gated_chunk's) launch with: ``(C, (BC, BK, BV), o, final,
+    s0)``, the chunk length (at most ``_MAX_CHUNK``), the tiles, the output ``o [B, H, T, Dv]`` in q's dtype (empty),
+    the fp32 final state ``[B, H, Dv, Dk]`` (empty; for T = 0 already the result: the initial state, or zeros) and
+    the state the scan starts from (``final`` itself when there is no initial state: the kernel does not read it;
+    None for T = 0, where nothing is launched)."""
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    acc = torch.float32
+    C = min(chunk_size, _MAX_CHUNK)
+    tiles = (_block(C, _MAX_CHUNK), _block(K, 256), _block(V, 64))
+    o = torch.empty(B, H, T, V, dtype=q.dtype, device=q.device)
+    if T == 0:
+        final = torch.zeros(B, H, V, K, dtype=acc, device=q.device) if initial_state is None else initial_state
+        return C, tiles, o, final.to(acc).clone(), None
+    final = torch.empty(B, H, V, K, dtype=acc, device=q.device)
+    s0 = final if initial_state is None else initial_state.to(acc).contiguous()
+    return C, tiles, o, final, s0
+
+
 def _triton_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor], chunk_size: int,
     beta: Optional[torch.Tensor] = None,
@@ -142,15 +164,10 @@ def _triton_forward(
     B, H, T, K = q.shape
     V = v.shape[-1]
     acc = torch.float32
-    C = min(chunk_size, _MAX_CHUNK)
-    BC, BK, BV = _block(C, _MAX_CHUNK), _block(K, 256), _block(V, 64)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = torch.empty(B, H, T, V, dtype=q.dtype, device=q.device)
+    C, (BC, BK, BV), o, final, s0 = _forward_buffers(q, v, initial_state, chunk_size)
     if T == 0:
-        final = torch.zeros(B, H, V, K, dtype=acc, device=q.device) if initial_state is None else initial_state
-        return o, final.to(acc).clone()
-    final = torch.empty(B, H, V, K, dtype=acc, device=q.device)
-    s0 = final if initial_state is None else initial_state.contiguous()
+        return o, final
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     n_chunks = triton.cdiv(T, C)
     if beta is not None:
         w = torch.empty(B, H, T, K, dtype=acc, device=q.device)

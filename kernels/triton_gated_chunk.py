@@ -27,7 +27,7 @@ import triton.language as tl
 from . import gated_delta_rule_kernels
 from .chunk import ChunkFastWeightFunction
 from .gated_delta_rule_kernels import GATED_DELTA_RULE_CHUNKS
-from .triton_chunk import _MAX_CHUNK, _block, _load_state, _store_wy_values, _unit_lower_inverse
+from .triton_chunk import _forward_buffers, _load_state, _store_wy_values, _unit_lower_inverse
 
 
 @triton.jit
@@ -108,15 +108,10 @@ def _triton_forward(q, k, v, beta, g, initial_state, chunk_size: int) -> Tuple[t
     B, H, T, K = q.shape
     V = v.shape[-1]
     acc = torch.float32
-    C = min(chunk_size, _MAX_CHUNK)
-    BC, BK, BV = _block(C, _MAX_CHUNK), _block(K, 256), _block(V, 64)
-    q, k, v, beta, g = (x.contiguous() for x in (q, k, v, beta, g))
-    o = torch.empty(B, H, T, V, dtype=q.dtype, device=q.device)
+    C, (BC, BK, BV), o, final, s0 = _forward_buffers(q, v, initial_state, chunk_size)
     if T == 0:
-        final = torch.zeros(B, H, V, K, dtype=acc, device=q.device) if initial_state is None else initial_state
-        return o, final.to(acc).clone()
-    final = torch.empty(B, H, V, K, dtype=acc, device=q.device)
-    s0 = final if initial_state is None else initial_state.to(acc).contiguous()
+        return o, final
+    q, k, v, beta, g = (x.contiguous() for x in (q, k, v, beta, g))
     w = torch.empty(B, H, T, K, dtype=acc, device=q.device)
     u = torch.empty(B, H, T, V, dtype=acc, device=q.device)
     gamma = torch.empty(B, H, T, dtype=acc, device=q.device)
