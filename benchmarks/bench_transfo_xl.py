@@ -27,7 +27,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -39,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from modeling_fwp import TransfoXLForCausalLM  # noqa: E402
 from training import train_transfo_xl as txl  # noqa: E402
 from training.dynamic_eval import DynamicEvaluation, ScoreResult, score_segments, score_stream  # noqa: E402
-from training.result_file import RunRecord, load_average  # noqa: E402
+from training.result_file import RunRecord, load_average, summarize  # noqa: E402
 
 PAPER_V100 = {"transfo_xl": 1575.0, "transfo_xl_fwl": 1340.0, "transfo_xl_dynamic_eval": 510.0}
 TARGETS = {"fwl_slowdown_at_most": 1.20, "dynamic_eval_vs_fwl_slowdown_at_least": 2.5}
@@ -151,12 +150,13 @@ def prepare_models(args, work: Path):
 def report_rows(results: dict, speeds: dict, floor: dict, with_paper: bool = True) -> dict:
     rows = {}
     for name, result in results.items():
+        summary = summarize(speeds[name], best="max")
         rows[name] = {
             "perplexity": round(result.perplexity, 2),
             "tokens_scored": result.num_tokens,
             "tokens_per_second_segment_floor": round(floor[name], 1),
-            "tokens_per_second_best": round(max(speeds[name]), 1),
-            "tokens_per_second_median": round(statistics.median(speeds[name]), 1),
+            "tokens_per_second_best": round(summary["best"], 1),
+            "tokens_per_second_median": round(summary["median"], 1),
             "tokens_per_second_rounds": [round(s, 1) for s in speeds[name]],
         }
         if with_paper:
@@ -174,6 +174,7 @@ def tiny_report(args, runs: dict, speeds: dict, floor: dict, results: dict, tiny
     """The second, smaller model pair's rows (``--tiny_dir``), measured in the same rounds."""
     main_names = ("transfo_xl", "transfo_xl_fwl", "transfo_xl_dynamic_eval")
     tiny_speeds = {n: speeds[f"tiny/{n}"] for n in main_names}
+    tiny_summaries = {n: summarize(s, best="max") for n, s in tiny_speeds.items()}
     tiny_base, tiny_dynamic = runs["tiny/transfo_xl"][0], runs["tiny/transfo_xl_dynamic_eval"][1]
     return {
         "models": f"a second, smaller pair trained earlier ({args.tiny_dir}); FWL trained from scratch for the base's "
@@ -183,8 +184,8 @@ def tiny_report(args, runs: dict, speeds: dict, floor: dict, results: dict, tiny
         "dynamic_eval": {"method": "sgd", "lr": tiny_dynamic.lr, "lr_on_valid": lr_tried},
         "results": report_rows({n: results[f"tiny/{n}"] for n in main_names}, tiny_speeds,
                                {n: floor[f"tiny/{n}"] for n in main_names}, with_paper=False),
-        "ratios_median_round": ratios({n: statistics.median(tiny_speeds[n]) for n in main_names}),
-        "ratios_best_round": ratios({n: max(tiny_speeds[n]) for n in main_names}),
+        "ratios_median_round": ratios({n: s["median"] for n, s in tiny_summaries.items()}),
+        "ratios_best_round": ratios({n: s["best"] for n, s in tiny_summaries.items()}),
         "ratios": ratios({n: floor[f"tiny/{n}"] for n in main_names}),
         "training": {n: {k: v for k, v in log.items() if k in ("steps", "seconds", "tokens", "final_train_loss")}
                      for n, log in tiny_logs.items()},
@@ -224,7 +225,8 @@ def main(argv=None) -> dict:
     load_scoring = load_average()
     speeds, floor, results = measure(runs, test, args.segment_length, args.rounds)
     main_names = ("transfo_xl", "transfo_xl_fwl", "transfo_xl_dynamic_eval")
-    medians = {n: statistics.median(speeds[n]) for n in main_names}
+    summaries = {n: summarize(speeds[n], best="max") for n in main_names}
+    medians = {n: s["median"] for n, s in summaries.items()}
     report = {
         "benchmark": "bench_transfo_xl",
         "models": ("trained here on the offline Wikipedia text: a shared pretrained checkpoint, then the same steps "
@@ -239,7 +241,7 @@ def main(argv=None) -> dict:
         "dynamic_eval": {"method": "sgd", "lr": lr, "lr_on_valid": tried},
         "results": report_rows({n: results[n] for n in main_names}, speeds, floor),
         "ratios_median_round": ratios(medians),
-        "ratios_best_round": ratios({n: max(speeds[n]) for n in main_names}),
+        "ratios_best_round": ratios({n: s["best"] for n, s in summaries.items()}),
         "ratios": {
             **ratios({n: floor[n] for n in main_names}),
             "paper_fwl_slowdown": round(PAPER_V100["transfo_xl"] / PAPER_V100["transfo_xl_fwl"], 3),

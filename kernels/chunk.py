@@ -33,13 +33,13 @@ when a build fails. A saved model folder carries the C++ source (``chunk_delta.c
 from __future__ import annotations
 
 import importlib
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .cpp_build import register_cpu_kernel
-from .dispatch import KernelFinder, acc_dtype
+from .dispatch import KernelFinder, Recurrence, acc_dtype, check_fast_weight_inputs, mask_positions, select_kernel
 
 # Diagonal blocks of this size are inverted by batched triangular solves (LAPACK / cuBLAS), then
 # merged by doubling (see `unit_lower_inverse`).
@@ -437,3 +437,37 @@ def chunk_kernel_finder(torch_kernel, triton_kernel: str) -> KernelFinder:
         return torch_kernel
 
     return find
+
+
+def run_outer_product_rule(
+    recurrence: Recurrence,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gates: Dict[str, torch.Tensor],
+    initial_state: Optional[torch.Tensor],
+    output_final_state: bool,
+    mode: str,
+    chunk_size: int,
+    mask: Optional[torch.Tensor],
+    tune_chunk_size: bool = True,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """What the public outer-product rules (``delta_rule``, ``gated_delta_rule``, ``linear_attention``) do with their
+    arguments: check them (``ValueError`` naming the bad one), pick `recurrence`'s kernel for `mode`, take the measured
+    chunk size in mode "auto" (when `tune_chunk_size`), zero k and the gates at padded positions, and run it.
+
+    Args:
+        q, k: ``[B, H, T, Dk]``; v: ``[B, H, T, Dv]``.
+        gates: the rule's per-position inputs ``[B, H, T]`` by argument name, in the kernel's order (``beta``, ``g``).
+        initial_state, output_final_state, mode, chunk_size, mask: as the public function's.
+    Returns:
+        ``(o [B, H, T, Dv] in q's dtype, final_state [B, H, Dv, Dk] or None)``.
+    """
+    check_fast_weight_inputs(q, k, v, initial_state, chunk_size, mask, **gates)
+    kernel = select_kernel(recurrence, mode, q.shape[2], q.device)
+    if mode == "auto" and tune_chunk_size:  # the measured chunk size (auto_chunk_size)
+        chunk_size = auto_chunk_size(q.device, max(q.shape[-1], v.shape[-1]), chunk_size)
+    values = tuple(gates.values())
+    if mask is not None:
+        k, *values = mask_positions(mask, k, *values)
+    return kernel(q, k, v, *values, initial_state, output_final_state, chunk_size)

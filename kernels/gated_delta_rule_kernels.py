@@ -27,6 +27,7 @@ from .chunk import (
     _flat,
     bmm,
     chunk_kernel_finder,
+    run_outer_product_rule,
     compiled_forward_buffers,
     unit_lower_inverse,
 )
@@ -34,11 +35,8 @@ from .cpp_build import register_cpu_kernel
 from .dispatch import (
     Recurrence,
     acc_dtype,
-    check_fast_weight_inputs,
     initial_fast_weight,
-    mask_positions,
     register,
-    select_kernel,
 )
 
 
@@ -314,8 +312,7 @@ def gated_delta_rule(
     Returns:
         ``(o [B, H, T, Dv] in q's dtype, final_state or None)``.
     """
-    check_fast_weight_inputs(q, k, v, initial_state, chunk_size, mask, beta=beta, g=g)
-    kernel = select_kernel(GATED_DELTA_RULE, mode, q.shape[2], q.device)
-    if mask is not None:
-        k, beta, g = mask_positions(mask, k, beta, g)
-    return kernel(q, k, v, beta, g, initial_state, output_final_state, chunk_size)
+    return run_outer_product_rule(
+        GATED_DELTA_RULE, q, k, v, {"beta": beta, "g": g}, initial_state, output_final_state, mode, chunk_size, mask,
+        tune_chunk_size=False,
+    )

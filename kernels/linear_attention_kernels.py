@@ -17,19 +17,16 @@ from .chunk import (
     ChunkFastWeightFunction,
     ChunkRule,
     Intra,
-    auto_chunk_size,
     auto_mode,
     bmm,
     chunk_kernel_finder,
+    run_outer_product_rule,
 )
 from .dispatch import (
     Recurrence,
     acc_dtype,
-    check_fast_weight_inputs,
     initial_fast_weight,
-    mask_positions,
     register,
-    select_kernel,
 )
 
 
@@ -175,10 +172,6 @@ def linear_attention(
     Returns:
         ``(o [B, H, T, Dv] in q's dtype, final_state or None)``.
     """
-    check_fast_weight_inputs(q, k, v, initial_state, chunk_size, mask)
-    kernel = select_kernel(LINEAR_ATTENTION, mode, q.shape[2], q.device)
-    if mode == "auto":  # the measured chunk size (chunk.auto_chunk_size)
-        chunk_size = auto_chunk_size(q.device, max(q.shape[-1], v.shape[-1]), chunk_size)
-    if mask is not None:
-        (k,) = mask_positions(mask, k)
-    return kernel(q, k, v, initial_state, output_final_state, chunk_size)
+    return run_outer_product_rule(
+        LINEAR_ATTENTION, q, k, v, {}, initial_state, output_final_state, mode, chunk_size, mask
+    )

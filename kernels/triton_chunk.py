@@ -35,6 +35,39 @@ _MAX_CHUNK = 64
 
 
 @triton.jit
+def _unit_lower_inverse(A, r, BC: tl.constexpr):
+    """``T = (I + A)^-1`` of a strictly lower ``A [BC, BC]`` by forward substitution in registers: row i of T is
+    ``e_i - A[i, :i] T[:i, :]`` (the UT transform of the WY representation; kernels/README.md)."""
+    Tm = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, BC):
+        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)  # A[i, :], indexed by column
+        row = -tl.sum(a_i[:, None] * Tm, axis=0)  # -sum_m A[i, m] T[m, :]
+        Tm = tl.where(r[:, None] == i, row[None, :] + tl.where(r[None, :] == i, 1.0, 0.0), Tm)
+    return Tm
+
+
+@triton.jit
+def _store_wy_values(Tm, beta, v_ptr, u_ptr, bh, t, row_ok, T, V: tl.constexpr, BV: tl.constexpr):
+    """``U = T diag(beta) V`` of one chunk (rows ``t``), in blocks of BV value columns, stored in fp32."""
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        vmask = row_ok[:, None] & (cv[None, :] < V)
+        v = tl.load(v_ptr + bh * T * V + t[:, None] * V + cv[None, :], mask=vmask, other=0.0).to(tl.float32)
+        u = tl.dot(Tm, v * beta[:, None], input_precision="ieee")
+        tl.store(u_ptr + bh * T * V + t[:, None] * V + cv[None, :], u, mask=vmask)
+
+
+@triton.jit
+def _load_state(s0_ptr, state_off, state_mask, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
+    """The transposed initial state ``S^T [BK, BV]`` in fp32 (zeros without one)."""
+    if HAS_S0:
+        h = tl.load(s0_ptr + state_off, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    return h
+
+
+@triton.jit
 def _wy_kernel(
     k_ptr, v_ptr, beta_ptr, w_ptr, u_ptr,
     T, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
@@ -52,22 +85,11 @@ def _wy_kernel(
     # A = strictly_lower(diag(beta) K K^T)
     A = tl.dot(kb, tl.trans(k), input_precision="ieee")
     A = tl.where(r[:, None] > r[None, :], A, 0.0)
-    # T = (I + A)^-1 by forward substitution: row i of T is e_i - A[i, :i] T[:i, :]
-    Tm = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, BC):
-        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)  # A[i, :], indexed by column
-        row = -tl.sum(a_i[:, None] * Tm, axis=0)  # -sum_m A[i, m] T[m, :]
-        Tm = tl.where(r[:, None] == i, row[None, :] + tl.where(r[None, :] == i, 1.0, 0.0), Tm)
+    Tm = _unit_lower_inverse(A, r, BC)
     # W = T diag(beta) K
     w = tl.dot(Tm, kb, input_precision="ieee")
     tl.store(w_ptr + bh * T * K + t[:, None] * K + ck[None, :], w, mask=kmask)
-    # U = T diag(beta) V, in blocks of BV value columns
-    for v0 in range(0, V, BV):
-        cv = v0 + tl.arange(0, BV)
-        vmask = row_ok[:, None] & (cv[None, :] < V)
-        v = tl.load(v_ptr + bh * T * V + t[:, None] * V + cv[None, :], mask=vmask, other=0.0).to(tl.float32)
-        u = tl.dot(Tm, v * beta[:, None], input_precision="ieee")
-        tl.store(u_ptr + bh * T * V + t[:, None] * V + cv[None, :], u, mask=vmask)
+    _store_wy_values(Tm, beta, v_ptr, u_ptr, bh, t, row_ok, T, V, BV)
 
 
 @triton.jit
@@ -84,10 +106,7 @@ def _scan_kernel(
     # The transposed state S^T [Dk, BV] (state layout [Dv, Dk], y = S q).
     state_off = bh * V * K + cv[None, :] * K + ck[:, None]
     state_mask = (ck[:, None] < K) & (cv[None, :] < V)
-    if HAS_S0:
-        h = tl.load(s0_ptr + state_off, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        h = tl.zeros([BK, BV], dtype=tl.float32)
+    h = _load_state(s0_ptr, state_off, state_mask, BK, BV, HAS_S0)
     causal = r[:, None] >= r[None, :]
     for c in range(0, tl.cdiv(T, C)):
         t = c * C + r
@@ -114,6 +133,28 @@ def _block(n: int, cap: int) -> int:
     return min(max(16, triton.next_power_of_2(n)), max(cap, 16))
 
 
+def _forward_buffers(
+    q: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor], chunk_size: int
+) -> Tuple[int, Tuple[int, int, int], torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """What both Triton forwards (this module's, triton_gated_chunk's) launch with: ``(C, (BC, BK, BV), o, final,
+    s0)``, the chunk length (at most ``_MAX_CHUNK``), the tiles, the output ``o [B, H, T, Dv]`` in q's dtype (empty),
+    the fp32 final state ``[B, H, Dv, Dk]`` (empty; for T = 0 already the result: the initial state, or zeros) and
+    the state the scan starts from (``final`` itself when there is no initial state: the kernel does not read it;
+    None for T = 0, where nothing is launched)."""
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    acc = torch.float32
+    C = min(chunk_size, _MAX_CHUNK)
+    tiles = (_block(C, _MAX_CHUNK), _block(K, 256), _block(V, 64))
+    o = torch.empty(B, H, T, V, dtype=q.dtype, device=q.device)
+    if T == 0:
+        final = torch.zeros(B, H, V, K, dtype=acc, device=q.device) if initial_state is None else initial_state
+        return C, tiles, o, final.to(acc).clone(), None
+    final = torch.empty(B, H, V, K, dtype=acc, device=q.device)
+    s0 = final if initial_state is None else initial_state.to(acc).contiguous()
+    return C, tiles, o, final, s0
+
+
 def _triton_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor], chunk_size: int,
     beta: Optional[torch.Tensor] = None,
@@ -123,15 +164,10 @@ def _triton_forward(
     B, H, T, K = q.shape
     V = v.shape[-1]
     acc = torch.float32
-    C = min(chunk_size, _MAX_CHUNK)
-    BC, BK, BV = _block(C, _MAX_CHUNK), _block(K, 256), _block(V, 64)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = torch.empty(B, H, T, V, dtype=q.dtype, device=q.device)
+    C, (BC, BK, BV), o, final, s0 = _forward_buffers(q, v, initial_state, chunk_size)
     if T == 0:
-        final = torch.zeros(B, H, V, K, dtype=acc, device=q.device) if initial_state is None else initial_state
-        return o, final.to(acc).clone()
-    final = torch.empty(B, H, V, K, dtype=acc, device=q.device)
-    s0 = final if initial_state is None else initial_state.contiguous()
+        return o, final
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     n_chunks = triton.cdiv(T, C)
     if beta is not None:
         w = torch.empty(B, H, T, K, dtype=acc, device=q.device)

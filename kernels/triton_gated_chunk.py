@@ -27,7 +27,7 @@ import triton.language as tl
 from . import gated_delta_rule_kernels
 from .chunk import ChunkFastWeightFunction
 from .gated_delta_rule_kernels import GATED_DELTA_RULE_CHUNKS
-from .triton_chunk import _MAX_CHUNK, _block
+from .triton_chunk import _forward_buffers, _load_state, _store_wy_values, _unit_lower_inverse
 
 
 @triton.jit
@@ -58,22 +58,11 @@ def _gated_wy_kernel(
     # A = strictly_lower(diag(beta) (K K^T * D))
     A = tl.dot(k, tl.trans(k), input_precision="ieee") * D * beta[:, None]
     A = tl.where(r[:, None] > r[None, :], A, 0.0)
-    # T = (I + A)^-1 by forward substitution: row i of T is e_i - A[i, :i] T[:i, :]
-    Tm = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, BC):
-        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)
-        row = -tl.sum(a_i[:, None] * Tm, axis=0)
-        Tm = tl.where(r[:, None] == i, row[None, :] + tl.where(r[None, :] == i, 1.0, 0.0), Tm)
+    Tm = _unit_lower_inverse(A, r, BC)
     # W = T diag(beta Gamma) K
     w = tl.dot(Tm, k * (beta * tl.exp(gamma))[:, None], input_precision="ieee")
     tl.store(w_ptr + bh * T * K + t[:, None] * K + ck[None, :], w, mask=kmask)
-    # U = T diag(beta) V, in blocks of BV value columns
-    for v0 in range(0, V, BV):
-        cv = v0 + tl.arange(0, BV)
-        vmask = row_ok[:, None] & (cv[None, :] < V)
-        v = tl.load(v_ptr + bh * T * V + t[:, None] * V + cv[None, :], mask=vmask, other=0.0).to(tl.float32)
-        u = tl.dot(Tm, v * beta[:, None], input_precision="ieee")
-        tl.store(u_ptr + bh * T * V + t[:, None] * V + cv[None, :], u, mask=vmask)
+    _store_wy_values(Tm, beta, v_ptr, u_ptr, bh, t, row_ok, T, V, BV)  # U = T diag(beta) V
 
 
 @triton.jit
@@ -88,10 +77,7 @@ def _gated_scan_kernel(
     cv = vb * BV + tl.arange(0, BV)
     state_off = bh * V * K + cv[None, :] * K + ck[:, None]  # S^T [Dk, BV] of the [Dv, Dk] state
     state_mask = (ck[:, None] < K) & (cv[None, :] < V)
-    if HAS_S0:
-        h = tl.load(s0_ptr + state_off, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        h = tl.zeros([BK, BV], dtype=tl.float32)
+    h = _load_state(s0_ptr, state_off, state_mask, BK, BV, HAS_S0)
     for c in range(0, tl.cdiv(T, C)):
         t = c * C + r
         row_ok = (r < C) & (t < T)
@@ -122,15 +108,10 @@ def _triton_forward(q, k, v, beta, g, initial_state, chunk_size: int) -> Tuple[t
     B, H, T, K = q.shape
     V = v.shape[-1]
     acc = torch.float32
-    C = min(chunk_size, _MAX_CHUNK)
-    BC, BK, BV = _block(C, _MAX_CHUNK), _block(K, 256), _block(V, 64)
-    q, k, v, beta, g = (x.contiguous() for x in (q, k, v, beta, g))
-    o = torch.empty(B, H, T, V, dtype=q.dtype, device=q.device)
+    C, (BC, BK, BV), o, final, s0 = _forward_buffers(q, v, initial_state, chunk_size)
     if T == 0:
-        final = torch.zeros(B, H, V, K, dtype=acc, device=q.device) if initial_state is None else initial_state
-        return o, final.to(acc).clone()
-    final = torch.empty(B, H, V, K, dtype=acc, device=q.device)
-    s0 = final if initial_state is None else initial_state.to(acc).contiguous()
+        return o, final
+    q, k, v, beta, g = (x.contiguous() for x in (q, k, v, beta, g))
     w = torch.empty(B, H, T, K, dtype=acc, device=q.device)
     u = torch.empty(B, H, T, V, dtype=acc, device=q.device)
     gamma = torch.empty(B, H, T, dtype=acc, device=q.device)

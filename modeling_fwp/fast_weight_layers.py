@@ -263,12 +263,13 @@ class GatedDeltaNetLayer(FastWeightLinearAttention):
         self.a_proj = nn.Linear(config.hidden_size, self.num_value_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
-        self.reset_gate_parameters()
+        self.init_fast_weight_parameters()
 
     @torch.no_grad()
-    def reset_gate_parameters(self) -> None:
+    def init_fast_weight_parameters(self) -> None:
         """Deterministic initial decays spread over the heads: ``A`` from 1 to 16 and the step ``softplus(dt_bias)``
-        from 0.001 to 0.1, log-spaced (the ranges of Mamba-2 / fla's random draws); loaded tensors are kept."""
+        from 0.001 to 0.1, log-spaced (the ranges of Mamba-2 / fla's random draws); loaded tensors are kept. Called
+        here and by ``FastWeightPreTrainedModel._init_weights`` (its hook for parameters the generic rules miss)."""
         n = self.num_value_heads
         A = torch.linspace(1.0, 16.0, n)
         dt = torch.exp(torch.linspace(math.log(1e-3), math.log(0.1), n))

@@ -43,6 +43,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .cache_fwp import FastWeightCacheLayer, RollbackMixin
+from .pretrained import logits_to_keep_index
 from .configuration_fwl import DEFAULT_FAST_PARAMETERS, HIDDEN_PARAMETERS, FWLHeadConfigMixin
 
 # For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
@@ -674,7 +675,7 @@ class FWLHead(nn.Module):
         slow = self.slow
         inter = slow.hidden_intermediates(hidden_states)  # slow pass (f_theta with the slow weights, sec. 2)
         fast_output = self._fast_hidden or "output_embedding.weight" in self._active
-        keep = _keep_index(logits_to_keep, T)
+        keep = logits_to_keep_index(logits_to_keep)
         compute_dtype = self.gradient_dtype if self.gradient_dtype not in (None, hidden_states.dtype) else None
         # The slow logits of every position exist only where they are needed as such: as the output when only
         # output-side parameters are fast, or as the value of a fast output bias / embedding (dCE/dz; outside
@@ -848,12 +849,6 @@ def _shift_in(new: torch.Tensor, first: Optional[torch.Tensor]) -> torch.Tensor:
 
 def _slice(inter: Intermediates, index: slice) -> Intermediates:
     return {key: t[:, index] for key, t in inter.items()}
-
-
-def _keep_index(logits_to_keep: Union[int, torch.Tensor], T: int) -> Union[slice, torch.Tensor]:
-    if isinstance(logits_to_keep, int):
-        return slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
-    return logits_to_keep
 
 
 class FWLCache(RollbackMixin, Cache):

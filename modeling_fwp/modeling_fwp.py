@@ -30,9 +30,9 @@ from .configuration_fwp import (
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS, GatedDeltaNetLayer, RMSNorm
+from .fast_weight_layers import FAST_WEIGHT_LAYERS, RMSNorm
 from .feature_maps import FeatureMap
-from .pretrained import StatefulPreTrainedModel
+from .pretrained import StatefulPreTrainedModel, logits_to_keep_index
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
 
 
@@ -157,9 +157,13 @@ class FastWeightPreTrainedModel(StatefulPreTrainedModel):
     _no_split_modules = ["FastWeightBlock"]
 
     def _init_weights(self, module: nn.Module) -> None:
+        """transformers' generic rules, then the module's own ``init_fast_weight_parameters()`` where it defines one:
+        the hook through which a layer sets the parameters those rules do not know (the Gated DeltaNet's ``A_log`` and
+        ``dt_bias``), so that a new family's layer needs no edit here."""
         super()._init_weights(module)
-        if isinstance(module, GatedDeltaNetLayer):
-            module.reset_gate_parameters()
+        init_own_parameters = getattr(module, "init_fast_weight_parameters", None)
+        if init_own_parameters is not None:
+            init_own_parameters()
 
 
 class FastWeightModel(FastWeightPreTrainedModel):
@@ -361,12 +365,7 @@ class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep > 0 else hidden_states
-        else:
-            hidden_states = hidden_states[:, logits_to_keep]
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(outputs.last_hidden_state[:, logits_to_keep_index(logits_to_keep)])
 
         loss = None
         if labels is not None:

@@ -33,7 +33,7 @@ from .cache_fwp import CACHE_ARGUMENT, FastWeightCache, FastWeightCacheLayer, ou
 from .configuration_transfo_xl import TransfoXLConfig
 from .fwl import FWLHead, FWLSlowHead, decay_split_dependence, init_fwl_weights
 from .modeling_fwp import FeedForward, check_token_ids, padding_mask, sinusoidal_position_embedding
-from .pretrained import StatefulPreTrainedModel, take_loss_kwargs
+from .pretrained import StatefulPreTrainedModel, logits_to_keep_index, take_loss_kwargs
 
 # The FWL's segment decay is part of its head (``fwl_head.decay``); checkpoints keep its older name
 # ``fwl_decay.raw_decay``: renamed on load, and back on save (transformers reverses the mapping), so saved folders keep
@@ -788,9 +788,7 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
             return_dict=True,
         )
         hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep > 0 else (
-            slice(None) if isinstance(logits_to_keep, int) else logits_to_keep
-        )
+        keep = logits_to_keep_index(logits_to_keep)
         loss_kwargs = take_loss_kwargs(kwargs)
         if self.config.use_fwl:  # the adaptive softmax reads the FWL's fast f(h) instead of h
             hidden_states = self._fwl_hidden_states(hidden_states, input_ids, attention_mask, output_cache(outputs))

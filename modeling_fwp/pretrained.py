@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol, Union
 
+import torch
 from safetensors import SafetensorError
 from transformers import PreTrainedModel
 from transformers.utils import logging
@@ -198,6 +199,14 @@ LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 def take_loss_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """The :data:`LOSS_KWARGS` among a forward's ``kwargs``, removed from it."""
     return {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
+
+
+def logits_to_keep_index(logits_to_keep: Union[int, torch.Tensor]) -> Union[slice, torch.Tensor]:
+    """The index of the positions (dim 1 of ``[B, T, ...]``) a forward's ``logits_to_keep`` keeps: an int n the last n
+    (0 all of them), a tensor the positions it lists."""
+    if isinstance(logits_to_keep, int):
+        return slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
+    return logits_to_keep
 
 
 class StatefulPreTrainedModel(FastWeightHubMixin, PreTrainedModel):

@@ -7,15 +7,26 @@ final cache equals plain greedy decoding's.
 """
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
-from modeling_fwp import DeltaLSTMConfig, DeltaNetConfig, FastWeightCache
+from modeling_fwp import DeltaLSTMConfig, DeltaNetConfig, FastWeightCache, convert_fla_checkpoint
 from modeling_fwp.cache_fwp import RollbackMixin
 
-from conftest import tiny_model
+from conftest import FIXTURES, tiny_model
 from test_fwl import tiny_fwl
 from test_transfo_xl import fwl_model
+
+
+
+def converted_fla(name: str):
+    """The tiny flash-linear-attention 0.6 checkpoint `name` of tests/fixtures/fla_0_6 (short convolutions, whose windows
+    the rollback must restore; the Gated DeltaNet's decay), converted as test_fla.py converts it."""
+    with tempfile.TemporaryDirectory() as folder:
+        return convert_fla_checkpoint(FIXTURES / "fla_0_6" / name, folder)
+
 
 # Larger initial weights than the default, so that the tiny models do not repeat one token forever.
 MODELS = {
@@ -24,10 +35,14 @@ MODELS = {
     "DeltaLSTM": lambda seed: tiny_model(DeltaLSTMConfig, seed=seed, initializer_range=0.5),
     "FWL(Llama)": lambda seed: tiny_fwl("llama", seed=seed),
     "TransfoXL+FWL": lambda seed: fwl_model(seed=seed, fwl_decay_init=None),  # a decay depends on the splitting
+    "fla DeltaNet": lambda seed: converted_fla("delta_net"),  # fixed weights: the seed is not used
+    "fla GatedDeltaNet": lambda seed: converted_fla("gated_deltanet"),
 }
 CASES = [
     ("DeltaNet", "prompt_lookup"), ("DeltaNet", "assistant"), ("DeltaLSTM", "assistant"),
     ("FWL(Llama)", "prompt_lookup"), ("FWL(Llama)", "assistant"), ("TransfoXL+FWL", "prompt_lookup"),
+    ("fla DeltaNet", "prompt_lookup"), ("fla DeltaNet", "assistant"),
+    ("fla GatedDeltaNet", "prompt_lookup"), ("fla GatedDeltaNet", "assistant"),
 ]
 
 
@@ -89,6 +104,8 @@ def test_assisted_decoding_equals_greedy(family, mode, crops):
     assert any(n < 0 for n in crops), "no draft was rejected: the rollback was not exercised"
     final, reference = cache_tensors(assisted.cache), cache_tensors(greedy.cache)
     assert final.keys() == reference.keys()
+    if isinstance(assisted.cache, FastWeightCache):  # every token but the last generated one went through the model
+        assert final["token_counts"].tolist() == [assisted.sequences.shape[1] - 1]
     for name, tensor in reference.items():
         torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 

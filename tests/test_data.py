@@ -285,6 +285,7 @@ def test_demo_smoke(tiny_wiki, tmp_path):
     assert results["generation"]["greedy_cache_matches_no_cache"]
     assert results["saved"]["reload_max_abs_logit_diff"] < 1e-4
     assert results["data"]["source"] == str(TINY_WIKI_DUMP) and results["data"]["train_documents"] == 6
+    assert set(results["environment"]) == {"python", "torch", "transformers", "threads", "machine"}
     # the saved folder reproduces the run's greedy continuation of the prompt (8 tokens: min(20, max_new_tokens))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

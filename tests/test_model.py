@@ -1,4 +1,4 @@
-"""Behaviour of the Linear Transformer / Delta Net causal LMs: cache, generation, padding, training."""
+"""Behaviour of the Linear Transformer / Delta Net / Gated DeltaNet causal LMs: cache, generation, padding, training."""
 import copy
 import itertools
 import logging
@@ -7,7 +7,13 @@ import pytest
 import torch
 
 import modeling_fwp
-from modeling_fwp import DeltaNetConfig, DeltaNetForCausalLM, FastWeightCache, LinearTransformerConfig
+from modeling_fwp import (
+    DeltaNetConfig,
+    DeltaNetForCausalLM,
+    FastWeightCache,
+    GatedDeltaNetConfig,
+    LinearTransformerConfig,
+)
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
 from modeling_fwp.feature_maps import dpfp_feature_map
 
@@ -15,6 +21,16 @@ from conftest import check_bfloat16_forward, tiny_config, tiny_model
 
 FEATURE_MAPS = ["elu", "dpfp", "favor", "relu", "identity"]
 RULES = [LinearTransformerConfig, DeltaNetConfig]
+# The Gated DeltaNet (Yang et al. 2025) has its own feature map (SiLU, L2-normalised), so it is not crossed with
+# FEATURE_MAPS; grouped value heads (2 value heads per query/key head) and a value dimension other than the key's.
+GATED = dict(num_v_heads=8, value_head_dim=12)
+FAMILIES = [(LinearTransformerConfig, {}), (DeltaNetConfig, {}), (GatedDeltaNetConfig, GATED),
+            (GatedDeltaNetConfig, dict(GATED, kernel_mode="chunk", chunk_size=4))]
+
+
+def family_id(case) -> str:
+    cls, options = case
+    return cls.__name__.removesuffix("Config") + ("-chunk" if options.get("kernel_mode") == "chunk" else "")
 
 
 def stepwise_logits(model, ids, **kwargs):
@@ -58,6 +74,23 @@ def test_decode_steps_take_the_one_pass_decode_kernel(config_cls, monkeypatch):
     torch.testing.assert_close(steps, model(ids).logits, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel_mode", ["recurrent", "chunk", "auto"])
+def test_gated_delta_net_cached_steps_equal_full_forward(kernel_mode):
+    """Every kernel mode (chunks of 4: prefix and continuation end inside a chunk) gives the step loop's logits, in one
+    pass, one token at a time from the cache, and as a prefix continued from its cache."""
+    model = tiny_model(GatedDeltaNetConfig, kernel_mode=kernel_mode, chunk_size=4, **GATED)
+    reference = tiny_model(GatedDeltaNetConfig, kernel_mode="recurrent", **GATED)  # the same seed: the same weights
+    ids = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    full = reference(ids).logits
+    torch.testing.assert_close(model(ids).logits, full, rtol=1e-4, atol=1e-5)
+    steps, cache = stepwise_logits(model, ids)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-5)
+    assert cache.token_counts.tolist() == [12, 12]
+    out = model(ids[:, :7], use_cache=True)
+    cont = model(ids[:, 7:], past_key_values=out.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(torch.cat([out.logits, cont], 1), full, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -74,9 +107,9 @@ def test_cached_steps_equal_full_forward_options(overrides):
     torch.testing.assert_close(steps, model(ids).logits, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("config_cls", RULES)
-def test_generate_with_and_without_cache(config_cls):
-    model = tiny_model(config_cls)
+@pytest.mark.parametrize("config_cls,options", FAMILIES, ids=map(family_id, FAMILIES))
+def test_generate_with_and_without_cache(config_cls, options):
+    model = tiny_model(config_cls, **options)
     ids = torch.randint(3, 61, (2, 5))
     with_cache = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True)
     without = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
@@ -206,11 +239,14 @@ def test_favor_features_redrawn_in_training_fixed_in_eval_and_saved(tmp_path):
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
 
-@pytest.mark.parametrize("config_cls", RULES)
-def test_save_load_round_trip_with_auto_classes(tmp_path, config_cls):
+SAVED = [(cls, dict(feature_map="dpfp", dpfp_nu=3)) for cls in RULES] + [(GatedDeltaNetConfig, GATED)]
+
+
+@pytest.mark.parametrize("config_cls,options", SAVED, ids=map(family_id, SAVED))
+def test_save_load_round_trip_with_auto_classes(tmp_path, config_cls, options):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    model = tiny_model(config_cls, feature_map="dpfp", dpfp_nu=3)
+    model = tiny_model(config_cls, **options)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert type(AutoConfig.from_pretrained(tmp_path)) is config_cls
@@ -220,8 +256,11 @@ def test_save_load_round_trip_with_auto_classes(tmp_path, config_cls):
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
     base = AutoModel.from_pretrained(tmp_path)
     assert base.config.model_type.startswith("fwp_")
-    # tied embeddings stay tied after loading
-    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    # tied embeddings stay tied after loading, untied ones (the Gated DeltaNet's default) untied
+    tied = reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    assert tied == model.config.tie_word_embeddings
+    if not tied:
+        torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
 
 
 def test_logits_to_keep_and_hidden_states():
@@ -246,6 +285,56 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_gated_delta_net_gradients_reach_the_decay_parameters():
+    """The decay's parameters (``a_proj``, ``A_log``, ``dt_bias``) get non-zero gradients, those of the chunkwise kernel
+    equal the step loop's, and A_log's is the loss's derivative (central difference in float64)."""
+    ids = torch.randint(3, 61, (2, 10), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for mode in ("recurrent", "chunk"):
+        model = tiny_model(GatedDeltaNetConfig, kernel_mode=mode, chunk_size=4, **GATED).train()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    gates = [n for n in grads[0] if n.split(".fast_weight.")[-1] in ("a_proj.weight", "A_log", "dt_bias")]
+    assert len(gates) == 3 * model.config.num_hidden_layers
+    assert all(grads[0][n] is not None and grads[0][n].abs().min() > 0 for n in gates)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    model = tiny_model(GatedDeltaNetConfig, kernel_mode="recurrent", **GATED).double()
+    A_log = model.model.layers[0].fast_weight.A_log
+    generator = torch.Generator().manual_seed(5)
+    direction = torch.randn(A_log.shape, generator=generator, dtype=torch.float64)
+    weights = torch.randn(2, 10, 61, generator=generator, dtype=torch.float64)
+
+    def objective():  # a float64 scalar of the logits (the loss function computes in float32)
+        return (model(ids).logits * weights).sum()
+
+    (grad,) = torch.autograd.grad(objective(), A_log)
+    with torch.no_grad():  # the decay is computed in float32 whatever the weights' dtype, hence a step of 1e-2
+        A_log += 1e-2 * direction  # (measured: 2.7e-4 relative off autograd; a step of 1e-4: 2.1e-2, float32 noise)
+        up = objective()
+        A_log -= 2e-2 * direction
+        down = objective()
+    torch.testing.assert_close((up - down) / 2e-2, (grad * direction).sum(), rtol=2e-3, atol=0)
+
+
+def test_gated_delta_net_decay_missing_from_a_checkpoint_gets_its_initial_values(tmp_path):
+    """from_pretrained builds the model on the meta device and initialises only what the checkpoint lacks, through
+    ``_init_weights``: a layer's ``init_fast_weight_parameters`` hook must run there (else A_log, dt_bias are garbage)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(GatedDeltaNetConfig, **GATED)
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.endswith(("A_log", "dt_bias"))}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for layer, fresh in zip(loaded.model.layers, model.model.layers):
+        assert torch.equal(layer.fast_weight.A_log, fresh.fast_weight.A_log)
+        assert torch.equal(layer.fast_weight.dt_bias, fresh.fast_weight.dt_bias)
 
 
 def test_loss_is_token_sum_over_num_items_in_batch():
@@ -322,9 +411,13 @@ def test_delta_rule_layer_is_stable_over_100k_tokens(dtype):
     assert max(norms[half:]) <= 1.5 * max(norms[:half])
 
 
-@pytest.mark.parametrize("config_cls,feature_map", list(itertools.product(RULES, ["elu", "dpfp"])))
-def test_bfloat16_model_runs_with_float32_states(config_cls, feature_map):
-    check_bfloat16_forward(tiny_model(config_cls, feature_map=feature_map, dpfp_nu=2))
+BF16 = [(cls, dict(feature_map=fmap, dpfp_nu=2)) for cls, fmap in itertools.product(RULES, ["elu", "dpfp"])] + [
+    (GatedDeltaNetConfig, GATED), (GatedDeltaNetConfig, dict(GATED, kernel_mode="chunk", chunk_size=4))]
+
+
+@pytest.mark.parametrize("config_cls,options", BF16, ids=[family_id(c) + "-" + c[1].get("feature_map", "") for c in BF16])
+def test_bfloat16_model_runs_with_float32_states(config_cls, options):
+    check_bfloat16_forward(tiny_model(config_cls, **options))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -128,6 +128,17 @@ def test_summaries_and_ratios():
         result_file.summarize([])
 
 
+def test_environment_names_versions_threads_and_machine():
+    import platform
+
+    import torch
+    import transformers
+
+    assert result_file.environment() == {
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.machine()}
+
+
 def test_run_record_written_with_results(tmp_path):
     record = result_file.RunRecord.start("python benchmarks/x.py", ["--n", "3"])
     path = record.write(tmp_path / "sub" / "x.json", {"value": 1}, copies=[tmp_path / "copy.json"])

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from conftest import accelerate_launch_two_processes
-from training import synthetic, train_lm
+from training import result_file, synthetic, train_lm
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,6 +226,7 @@ def test_train_lm_smoke_carry_state_and_resume(tiny_corpus, tmp_path):
     # a Trainer flag through the script's parser: --save_total_limit 1 keeps the last of the two checkpoints
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
     assert saved["args"]["save_total_limit"] == 1 and saved["args"]["block_size"] == 16
+    assert saved["environment"] == result_file.environment()  # the model card's "Environment" line
     assert results["model"]["model_type"] == "fwp_delta_net"
 
     resumed = train_lm.main(common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"])

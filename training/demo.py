@@ -34,7 +34,6 @@ import copy  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -55,6 +54,7 @@ from transformers import (  # noqa: E402
 from .arguments import HubExportArguments, ParsedArguments, parse_arguments, require_positive  # noqa: E402
 from .data import load_wiki_splits, prepare_wiki  # noqa: E402
 from .hub_options import hub_request, push_if_requested  # noqa: E402
+from .result_file import environment  # noqa: E402
 from .tokenizer import train_bpe_tokenizer  # noqa: E402
 from .trainer_utils import WallClockBudget, budget_optimizers  # noqa: E402
 
@@ -414,9 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "saved": {"model_dir": str(model_dir), "reload_max_abs_logit_diff": reload_diff,
                   "tokenizer_roundtrip": tokenizer_roundtrip},
         "timings_s": timings,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-                        "machine": platform.machine()},
+        "environment": environment(),
         "args": args.record(),
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -91,6 +91,14 @@ def machine() -> Dict[str, Any]:
     }
 
 
+def environment() -> Dict[str, Any]:
+    """The ``environment`` of a training script's results.json (a model card's "Environment" line): python, torch and
+    transformers versions, torch's intra-op thread count (when torch is imported) and the machine architecture."""
+    torch = sys.modules.get("torch")
+    return {**package_versions(("torch", "transformers")),
+            "threads": torch.get_num_threads() if torch is not None else None, "machine": platform.machine()}
+
+
 def git_commit() -> Dict[str, Any]:
     """``{"git_commit": sha or None, "git_dirty": bool or None}`` of the repository holding this file (dirty: tracked
     files differ from the commit)."""

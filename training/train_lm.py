@@ -46,7 +46,6 @@ import copy  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -82,6 +81,7 @@ from .data import prepare_wiki  # noqa: E402
 from .demo import evaluate_loss, valid_blocks  # noqa: E402
 from .eval_lm import score_split  # noqa: E402
 from .hub_options import hub_request, push_if_requested  # noqa: E402
+from .result_file import environment  # noqa: E402
 from .tokenizer import gpt2_tokenizer, train_bpe_tokenizer  # noqa: E402
 from .train_transfo_xl import encode_stream, read_documents  # noqa: E402
 from .trainer_utils import StateCarryingTrainer, segment_dataset  # noqa: E402,F401  (segment_dataset: API)
@@ -309,8 +309,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
             },
             "evaluation": evaluation,
-            "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                            "transformers": transformers.__version__, "threads": torch.get_num_threads()},
+            "environment": environment(),
             "args": args.record(),
         }
         (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
