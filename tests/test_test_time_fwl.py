@@ -281,3 +281,38 @@ def test_goal_summary_arithmetic_met_and_not_met():
     assert "n/a" in goal_report(flat) and "test_time_fwl_on_base" not in flat
     assert goal_summary(rows(base=(20.0, 100.0), fwl=(17.0, 100.0))) == {}  # rows missing: no goal
 
+
+def test_test_time_fwl_bf16_gradients_approximate_the_exact_update():
+    """``build_test_time_fwl(gradient_dtype="bfloat16")`` (the benchmark's test_time_fwl_bf16): the config carries
+    it, the logits stay close to the exact fast update's and are not the same computation."""
+    base = tiny_llama()
+    ids = ids_of(20)
+    exact = build_test_time_fwl(copy.deepcopy(base), step_size=0.5)
+    approx = build_test_time_fwl(copy.deepcopy(base), step_size=0.5, gradient_dtype="bfloat16")
+    assert approx.config.fwl_gradient_dtype == "bfloat16" and approx.fwl_head.gradient_dtype == torch.bfloat16
+    with torch.no_grad():
+        want, got, plain = exact(ids).logits, approx(ids).logits, base(ids).logits
+    assert (got - want).abs().max() < 0.05 * (want - plain).abs().max()
+    assert not torch.equal(got, want)
+    with pytest.raises(ValueError, match="fwl_gradient_dtype"):
+        build_test_time_fwl(copy.deepcopy(base), gradient_dtype="int8")
+
+
+def test_bench_test_time_fwl_quick_times_every_method(tmp_path, word_tokenizer, capsys):
+    """benchmarks/bench_test_time_fwl.py --quick on a tiny Llama: every method timed, dynamic evaluation of the output
+    side and the bf16 variant included, with the test-time FWL compared to dynamic_output."""
+    import importlib.util
+    from pathlib import Path
+
+    tiny_llama(vocab_size=len(word_tokenizer)).save_pretrained(tmp_path / "model")
+    word_tokenizer.save_pretrained(tmp_path / "model")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_test_time_fwl.py"
+    spec = importlib.util.spec_from_file_location("bench_test_time_fwl", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--quick", "--model", str(tmp_path / "model"), "--output", str(tmp_path / "unused.json")])
+    printed = capsys.readouterr().out
+    for method in bench.METHODS:
+        assert f"\n{method} " in "\n" + printed
+    assert "test_time_fwl_vs_dynamic_output:" in printed and "test_time_fwl_bf16_vs_dynamic_output:" in printed
+    assert not (tmp_path / "unused.json").exists()  # --quick writes no result file
