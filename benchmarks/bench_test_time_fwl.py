@@ -7,6 +7,10 @@ every method's seconds (best / median / all) and its ratio to the base model (of
 ``test_time_fwl_off`` is the same wrapped model with its fast update off (``FWLHead.slow_only``): the base model's
 computation with the FWL's output-layer matmul (``fwp_kernels.dense_linear``, oneDNN), which on this AMD CPU is faster
 than the MKL sgemm transformers' LM head runs; ``test_time_fwl`` over it is the fast update's own cost.
+``test_time_fwl_bf16`` is the test-time FWL with ``fwl_gradient_dtype="bfloat16"`` (the per-token gradients'
+vocabulary-sized part in bf16: an approximation, faster on CPUs with bf16 matrix units). ``dynamic_output`` is dynamic
+evaluation of the test-time FWL's fast part (final norm and an untied copy of the output embedding,
+``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
 
     python benchmarks/bench_test_time_fwl.py [--tokens 1024] [--repeats 3] [--methods base test_time_fwl dynamic]
     python benchmarks/bench_test_time_fwl.py --quick      # a tiny check that it runs
@@ -20,6 +24,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -31,15 +36,52 @@ from training.dynamic_eval import DynamicEvaluation  # noqa: E402
 from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 
 
+METHODS = ("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "dynamic_output", "dynamic")
+
+
+def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Optional[DynamicEvaluation], Callable]]:
+    """``{method: (model, dynamic evaluation or None, context factory of its scoring)}`` for ``args.methods``, in
+    that order; each model is built only if a method needs it."""
+    from transformers import AutoModelForCausalLM
+
+    from training.document_eval import output_side_parameter_names
+    from training.dynamic_eval import untie_output_embedding
+    from training.test_time_fwl import build_test_time_fwl
+
+    none = contextlib.nullcontext
+    methods = set(args.methods)
+    base = AutoModelForCausalLM.from_pretrained(args.model).eval() if methods & {"base", "dynamic"} else None
+    fwl = None
+    if methods & {"test_time_fwl", "test_time_fwl_off"}:
+        fwl = build_test_time_fwl(args.model, args.fwl_step_size, args.fwl_fast_parameters)
+    runs = {"base": lambda: (base, None, none), "dynamic": lambda: (base, DynamicEvaluation(args.dynamic_lr), none),
+            "test_time_fwl": lambda: (fwl, None, none), "test_time_fwl_off": lambda: (fwl, None, fwl.fwl_head.slow_only)}
+
+    def bf16():
+        model = build_test_time_fwl(args.model, args.fwl_step_size, args.fwl_fast_parameters, gradient_dtype="bfloat16")
+        return model, None, none
+
+    def dynamic_output():
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        untie_output_embedding(model)
+        parameters = output_side_parameter_names(model)
+        return model, DynamicEvaluation(args.dynamic_output_lr, parameters=parameters), none
+
+    runs.update(test_time_fwl_bf16=bf16, dynamic_output=dynamic_output)
+    return {method: runs[method]() for method in args.methods}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="checkpoints/smollm2-135m")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--methods", nargs="+", default=["base", "test_time_fwl_off", "test_time_fwl", "dynamic"])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--fwl_step_size", type=float, default=1e-5)
     p.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="default: norm, output embedding, bias")
     p.add_argument("--dynamic_lr", type=float, default=3e-3)
+    p.add_argument("--dynamic_output_lr", type=float, default=1e-2, help="chosen on valid in "
+                   "docs/results/document_eval_wiki_2048.json")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="64 tokens, 1 round: checks that it runs")
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "bench_test_time_fwl.json"))
@@ -49,9 +91,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     record = RunRecord.start("python benchmarks/bench_test_time_fwl.py", argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from training.test_time_fwl import build_test_time_fwl
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     valid = ROOT / "data" / "wiki" / "valid.txt"
@@ -60,26 +100,27 @@ def main(argv=None):
         ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[: args.tokens])
     else:
         ids = torch.randint(0, len(tokenizer), (args.tokens,), generator=torch.Generator().manual_seed(0))
-    base = AutoModelForCausalLM.from_pretrained(args.model).eval()
-    fwl = build_test_time_fwl(args.model, args.fwl_step_size, args.fwl_fast_parameters)
-    runs = {"base": (base, None), "test_time_fwl_off": (fwl, None), "test_time_fwl": (fwl, None),
-            "dynamic": (base, DynamicEvaluation(args.dynamic_lr))}
-    runs = {m: runs[m] for m in args.methods}
+    runs = build_runs(args)
     seconds = {m: [] for m in runs}
     for _ in range(args.repeats):
-        for method, (model, dynamic) in runs.items():
-            context = fwl.fwl_head.slow_only() if method == "test_time_fwl_off" else contextlib.nullcontext()
+        for method, (model, dynamic, context) in runs.items():
             started = time.perf_counter()
-            with context:
+            with context():
                 score_document(model, ids, 128, dynamic)
             seconds[method].append(time.perf_counter() - started)
     timings = {m: summarize(s) for m, s in seconds.items()}
     ratios = {m: ratio(timings[m], timings["base"]) for m in timings if "base" in timings and m != "base"}
     if "test_time_fwl" in timings and "test_time_fwl_off" in timings:
         ratios["test_time_fwl_vs_off"] = ratio(timings["test_time_fwl"], timings["test_time_fwl_off"])
+    for fwl_method in ("test_time_fwl", "test_time_fwl_bf16"):  # against its nearest, cheaper-or-not rival
+        if fwl_method in timings and "dynamic_output" in timings:
+            ratios[f"{fwl_method}_vs_dynamic_output"] = ratio(timings[fwl_method], timings["dynamic_output"])
     for method, summary in timings.items():
         extra = f"  {ratios[method]['of_medians']:.2f}x base (of medians)" if method in ratios else ""
-        print(f"{method:<16} median {summary['median']:.2f} s for {ids.numel() - 1} tokens{extra}")
+        print(f"{method:<20} median {summary['median']:.2f} s for {ids.numel() - 1} tokens{extra}")
+    for name in ("test_time_fwl_vs_dynamic_output", "test_time_fwl_bf16_vs_dynamic_output"):
+        if name in ratios:
+            print(f"{name}: {ratios[name]['of_medians']:.2f}x (of medians)")
     if not args.quick:
         record.write(args.output, {"settings": vars(args), "tokens": ids.numel() - 1, "seconds": timings,
                                    "time_vs_base": ratios})

@@ -396,8 +396,15 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     assert "fast updates off" in finetune_fwl.report(saved)
     # whole documents: every method scores the same tokens; the checkpoints are gone, the final models are kept
     whole = saved["whole_documents"]
-    methods = ("base", "test_time_fwl", "dynamic", "finetuned", "finetuned_fwl")
+    from training.demo_stages import document_report
+    from training.document_eval import ONE_TABLE
+
+    methods = [m for m in whole if isinstance(whole[m], dict) and "perplexity" in whole[m]]
+    assert methods == list(ONE_TABLE)  # issue 17 item 4's rows, in its order
     assert {m: whole[m]["tokens"] for m in methods} == dict.fromkeys(methods, 2 * 40)
+    assert whole["fwl_slow_only"]["perplexity"] != whole["fwl"]["perplexity"]
+    assert set(whole["goals"]) == {"trained_fwl", "test_time_fwl_on_base"}
+    assert "(3') its slow head alone" in document_report(whole) and "MET" in document_report(whole)
     from training.demo_stages import DEMO_STEP_SIZES
 
     assert whole["step_sizes"] == DEMO_STEP_SIZES and whole["documents"] == 2

@@ -186,3 +186,133 @@ def test_document_eval_command_line_end_to_end(tiny_wiki, gpt2_format_bpe, tmp_p
     assert len(set(tokens.values())) == 1 and tokens["base"] == 47  # one document cut to 48 tokens
     assert set(saved["results"]["test_time_fwl"]["valid_perplexity_by_step_size"]) == {"0.0001", "0.001"}
     assert saved["results"]["dynamic_output"]["step_size"] == 1e-3 and saved["results"]["base"]["step_size"] is None
+
+
+def one_table_folders(tmp_path, tokenizer):
+    """Model folders (1) base, (2) "fine-tuned" (another seed) and (3) an FWL model on (1), for ``--one_table``."""
+    from modeling_fwp import FWLForCausalLM
+
+    folders = {name: tmp_path / name for name in ("base", "finetuned", "fwl")}
+    tiny_llama(vocab_size=len(tokenizer)).save_pretrained(folders["base"])
+    tiny_llama(seed=3, vocab_size=len(tokenizer)).save_pretrained(folders["finetuned"])
+    fwl = FWLForCausalLM.from_base_pretrained(tiny_llama(vocab_size=len(tokenizer)), fwl_intermediate_size=16,
+                                              fwl_step_size_init=0.5)
+    fwl.save_pretrained(folders["fwl"])
+    for folder in folders.values():
+        tokenizer.save_pretrained(folder)
+    return folders
+
+
+def test_document_eval_one_table_rows_and_goals(tiny_wiki, gpt2_format_bpe, tmp_path):
+    """``--one_table``: exactly issue 17 item 4's rows from three folders, on the same tokens; (2) + dynamic evaluation
+    and the test-time FWL on (2) get their step sizes from valid; (3') is (3) with its fast updates off; the goals
+    are computed from the rows."""
+    from modeling_fwp.tokenization import gpt2_tokenizer
+    from training import document_eval
+
+    tokenizer = gpt2_tokenizer(data_dir=gpt2_format_bpe[0])
+    folders = one_table_folders(tmp_path, tokenizer)
+    out = document_eval.main([
+        "--model_name_or_path", str(folders["base"]), "--finetuned_model", str(folders["finetuned"]),
+        "--fwl_model", str(folders["fwl"]), "--one_table", "--data_dir", str(tiny_wiki["train"].parent),
+        "--max_documents", "1", "--valid_documents", "1", "--max_length", "48", "--segment_length", "16",
+        "--train_documents", "2", "--fwl_step_sizes", "1e-4", "1e-2", "--dynamic_lr", "1e-3", "3e-2"])
+    results = out["results"]
+    assert list(results) == list(document_eval.ONE_TABLE)
+    assert {m: r["summary"]["tokens"] for m, r in results.items()} == dict.fromkeys(document_eval.ONE_TABLE, 47)
+    assert results["finetuned_dynamic"]["model"] == str(folders["finetuned"]) == results["finetuned_test_time_fwl"]["model"]
+    for method in ("finetuned_dynamic", "finetuned_test_time_fwl"):  # chosen on valid among the candidates given
+        tried = results[method]["valid_perplexity_by_step_size"]
+        assert len(tried) == 2 and f"{results[method]['step_size']:g}" == min(tried, key=tried.get)
+    ppl = {m: r["summary"]["perplexity"] for m, r in results.items()}
+    assert ppl["finetuned"] != ppl["base"] and ppl["fwl_slow_only"] != ppl["fwl"]  # fast updates off changes (3)
+    assert ppl["finetuned_dynamic"] != ppl["finetuned"] and ppl["finetuned_test_time_fwl"] != ppl["finetuned"]
+    goals = out["goals"]
+    assert goals["trained_fwl"]["gain_over_finetuned"] == pytest.approx(ppl["finetuned"] - ppl["fwl"], abs=1e-3)
+    assert goals["test_time_fwl_on_base"]["gain_over_base"] == pytest.approx(ppl["base"] - ppl["test_time_fwl"], abs=1e-3)
+
+
+def test_one_table_needs_its_model_folders_and_an_fwl_model(tmp_path, word_tokenizer):
+    from training import document_eval
+
+    with pytest.raises(ValueError, match="--finetuned_model"):
+        document_eval.parse_args(["--one_table", "--fwl_model", "x"])
+    with pytest.raises(ValueError, match="--fwl_model"):
+        document_eval.parse_args(["--methods", "base", "fwl_slow_only"])
+    with pytest.raises(ValueError, match="twice"):
+        document_eval.parse_args(["--methods", "base", "base"])
+    assert document_eval.parse_args(["--one_table", "--fwl_model", "a", "--finetuned_model", "b"]).methods == list(
+        document_eval.ONE_TABLE)
+    tiny_llama(vocab_size=len(word_tokenizer)).save_pretrained(tmp_path / "plain")
+    args = document_eval.parse_args(["--methods", "fwl_slow_only", "--fwl_model", str(tmp_path / "plain")])
+    with pytest.raises(ValueError, match="has no FWL head"):
+        document_eval.build_method("fwl_slow_only", args)
+
+
+def rows(**ppl_and_speed):
+    """Hand-made summaries: method=(perplexity, tokens/s)."""
+    return {m: {"perplexity": p, "tokens_per_second": v} for m, (p, v) in ppl_and_speed.items()}
+
+
+def test_goal_summary_arithmetic_met_and_not_met():
+    from training.document_eval import goal_report, goal_summary
+
+    # (2) 18.0, (2) + dynamic evaluation 17.0 (gain 1.0), (3) 17.4 (gain 0.6: ratio 0.6), 1.1x the base's time
+    met = goal_summary(rows(base=(20.0, 100.0), finetuned=(18.0, 100.0), finetuned_dynamic=(17.0, 30.0),
+                            fwl=(17.4, 100 / 1.1), test_time_fwl=(19.9, 100 / 1.1)))
+    assert met["trained_fwl"]["gain_ratio"] == pytest.approx(0.6) and met["trained_fwl"]["met"] is True
+    assert met["trained_fwl"]["time_vs_base"] == pytest.approx(1.1)
+    assert met["test_time_fwl_on_base"]["met"] is True and met["test_time_fwl_on_base"]["ppl_ratio"] == 0.995
+    assert goal_report(met).count("NOT MET") == 0 and goal_report(met).count("MET") == 2
+    # gain ratio 0.4 < 0.5; the test-time FWL gains but at 1.62x: both not met
+    slow = goal_summary(rows(base=(20.0, 100.0), finetuned=(18.0, 100.0), finetuned_dynamic=(17.0, 30.0),
+                             fwl=(17.6, 100.0), test_time_fwl=(19.9, 100 / 1.62)))
+    assert slow["trained_fwl"]["gain_ratio"] == pytest.approx(0.4) and slow["trained_fwl"]["met"] is False
+    assert slow["test_time_fwl_on_base"]["met"] is False and goal_report(slow).count("NOT MET") == 2
+    # enough gain but 1.3x the base's time; and no gain at all for the test-time FWL
+    late = goal_summary(rows(base=(20.0, 100.0), finetuned=(18.0, 100.0), finetuned_dynamic=(17.0, 30.0),
+                             fwl=(17.0, 100 / 1.3), test_time_fwl=(20.1, 100.0)))
+    assert late["trained_fwl"]["gain_ratio"] == pytest.approx(1.0) and late["trained_fwl"]["met"] is False
+    assert late["test_time_fwl_on_base"]["met"] is False
+    # dynamic evaluation gains nothing over (2): no ratio; (3) must still gain
+    flat = goal_summary(rows(base=(20.0, 100.0), finetuned=(18.0, 100.0), finetuned_dynamic=(18.1, 30.0),
+                             fwl=(18.0, 100.0)))
+    assert flat["trained_fwl"]["gain_ratio"] is None and flat["trained_fwl"]["met"] is False
+    assert "n/a" in goal_report(flat) and "test_time_fwl_on_base" not in flat
+    assert goal_summary(rows(base=(20.0, 100.0), fwl=(17.0, 100.0))) == {}  # rows missing: no goal
+
+
+def test_test_time_fwl_bf16_gradients_approximate_the_exact_update():
+    """``build_test_time_fwl(gradient_dtype="bfloat16")`` (the benchmark's test_time_fwl_bf16): the config carries
+    it, the logits stay close to the exact fast update's and are not the same computation."""
+    base = tiny_llama()
+    ids = ids_of(20)
+    exact = build_test_time_fwl(copy.deepcopy(base), step_size=0.5)
+    approx = build_test_time_fwl(copy.deepcopy(base), step_size=0.5, gradient_dtype="bfloat16")
+    assert approx.config.fwl_gradient_dtype == "bfloat16" and approx.fwl_head.gradient_dtype == torch.bfloat16
+    with torch.no_grad():
+        want, got, plain = exact(ids).logits, approx(ids).logits, base(ids).logits
+    assert (got - want).abs().max() < 0.05 * (want - plain).abs().max()
+    assert not torch.equal(got, want)
+    with pytest.raises(ValueError, match="fwl_gradient_dtype"):
+        build_test_time_fwl(copy.deepcopy(base), gradient_dtype="int8")
+
+
+def test_bench_test_time_fwl_quick_times_every_method(tmp_path, word_tokenizer, capsys):
+    """benchmarks/bench_test_time_fwl.py --quick on a tiny Llama: every method timed, dynamic evaluation of the output
+    side and the bf16 variant included, with the test-time FWL compared to dynamic_output."""
+    import importlib.util
+    from pathlib import Path
+
+    tiny_llama(vocab_size=len(word_tokenizer)).save_pretrained(tmp_path / "model")
+    word_tokenizer.save_pretrained(tmp_path / "model")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_test_time_fwl.py"
+    spec = importlib.util.spec_from_file_location("bench_test_time_fwl", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--quick", "--model", str(tmp_path / "model"), "--output", str(tmp_path / "unused.json")])
+    printed = capsys.readouterr().out
+    for method in bench.METHODS:
+        assert f"\n{method} " in "\n" + printed
+    assert "test_time_fwl_vs_dynamic_output:" in printed and "test_time_fwl_bf16_vs_dynamic_output:" in printed
+    assert not (tmp_path / "unused.json").exists()  # --quick writes no result file

@@ -14,10 +14,18 @@ documents of it), then used on ``--split``:
 - ``dynamic``: dynamic evaluation (Krause et al. 2019; ``training.dynamic_eval``) of every parameter (or those of
   ``--dynamic_eval_params``), SGD or RMS steps after every segment;
 - ``dynamic_output``: dynamic evaluation of the same parameters as ``test_time_fwl`` (final norm and an untied copy
-  of the output embedding), the FWL's slower, sequential counterpart.
+  of the output embedding), the FWL's slower, sequential counterpart;
+
+and on two more model folders, for issue 17 item 4's one table (``--one_table``: exactly its rows, ``ONE_TABLE``):
+``finetuned`` (2), the base fine-tuned without FWL (``--finetuned_model``), with ``finetuned_dynamic`` (dynamic
+evaluation of (2)) and ``finetuned_test_time_fwl`` (the test-time FWL on (2)); ``fwl`` (3), the fine-tuned FWL model
+(``--fwl_model``, its learned step sizes as they are) and ``fwl_slow_only`` (3'), the same model with its fast updates
+off (``FWLHead.slow_only``). With the rows present, ``goal_summary`` checks issue 17's two goals (met / not met).
 
     python -m training.document_eval --model_name_or_path checkpoints/smollm2-135m --data_dir data/wiki --split test \\
         --methods base test_time_fwl dynamic --results_file docs/results/document_eval_wiki.json   # or: fwp-document-eval ...
+    python -m training.document_eval --one_table --finetuned_model outputs/fwl/base_finetuned/final \\
+        --fwl_model outputs/fwl/base_fwl/final --results_file docs/results/one_table.json
 """
 from __future__ import annotations
 
@@ -26,12 +34,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import contextlib  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple  # noqa: E402
+from typing import Any, Callable, ContextManager, Dict, List, Literal, Mapping, Optional, Sequence, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -51,7 +60,30 @@ POSITION_BUCKETS = (0, 128, 256, 512, 1024, 2048)
 PRIOR_BUCKETS = (0, 1, 2, 5)
 FREQUENCY_BUCKETS = (0, 10, 100, 1000, 10000)
 RARE_BELOW = 100  # "rare": fewer training-split occurrences than this
-METHODS = ("base", "test_time_fwl", "dynamic", "dynamic_output")
+METHODS = ("base", "test_time_fwl", "dynamic", "dynamic_output", "finetuned", "finetuned_dynamic",
+           "finetuned_test_time_fwl", "fwl", "fwl_slow_only")
+# Issue 17 item 4's one table, in its order: (1), (2), (2) + dynamic evaluation, (3), (3'), test-time FWL on (2), on (1).
+ONE_TABLE = ("base", "finetuned", "finetuned_dynamic", "fwl", "fwl_slow_only", "finetuned_test_time_fwl",
+             "test_time_fwl")
+ROW_LABELS = {
+    "base": "(1) base", "test_time_fwl": "test-time FWL on (1)", "dynamic": "(1) + dynamic eval.",
+    "dynamic_output": "(1) + dyn. eval. output", "finetuned": "(2) fine-tuned, no FWL",
+    "finetuned_dynamic": "(2) + dynamic eval.", "finetuned_test_time_fwl": "test-time FWL on (2)",
+    "fwl": "(3) fine-tuned FWL", "fwl_slow_only": "(3') its slow head alone",
+}
+# Which model folder each method starts from (an option of DocumentEvalArguments), and what it does to that model.
+METHOD_SOURCE = {"base": "model_name_or_path", "test_time_fwl": "model_name_or_path", "dynamic": "model_name_or_path",
+                 "dynamic_output": "model_name_or_path", "finetuned": "finetuned_model",
+                 "finetuned_dynamic": "finetuned_model", "finetuned_test_time_fwl": "finetuned_model",
+                 "fwl": "fwl_model", "fwl_slow_only": "fwl_model"}
+METHOD_KIND = {"base": "plain", "finetuned": "plain", "fwl": "plain", "fwl_slow_only": "slow_only",
+               "test_time_fwl": "test_time_fwl", "finetuned_test_time_fwl": "test_time_fwl", "dynamic": "dynamic",
+               "finetuned_dynamic": "dynamic", "dynamic_output": "dynamic_output"}
+# Issue 17's goals: the trained FWL's gain over (2) >= half of dynamic evaluation's, at <= 1.2x the base's scoring
+# time; the test-time FWL on the untouched base: a gain at <= 1.15x the base's time.
+MIN_GAIN_SHARE = 0.5
+MAX_FWL_TIME = 1.2
+MAX_TEST_TIME_FWL_TIME = 1.15
 
 
 @dataclass
@@ -255,53 +287,92 @@ def output_side_parameter_names(model: nn.Module) -> List[str]:
     return [name for name, p in model.named_parameters() if id(p) in wanted]
 
 
-def build_method(method: str, args: ParsedArguments) -> Tuple[nn.Module, Callable[[Optional[float]], Optional[DynamicEvaluation]], List[Optional[float]]]:
-    """(model, configure(step size) -> the dynamic evaluation to run or None, step sizes to try on valid)."""
+@dataclass
+class MethodSetup:
+    """One method ready to score: its `model`, ``configure(step size)`` -> the dynamic evaluation to run (or None,
+    setting a test-time FWL's global step size as a side effect), the step sizes to try on valid (``[None]``: none),
+    the `context` every scoring pass runs in (the FWL's ``slow_only`` for (3')), and the adapted `parameters`."""
+
+    model: nn.Module
+    configure: Callable[[Optional[float]], Optional[DynamicEvaluation]]
+    candidates: List[Optional[float]]
+    context: Callable[[], ContextManager] = contextlib.nullcontext
+    parameters: Optional[Any] = None
+
+
+def method_source(method: str, args: ParsedArguments) -> str:
+    """The model folder `method` starts from (``--model_name_or_path``, ``--finetuned_model`` or ``--fwl_model``);
+    ValueError naming the option when it is unset."""
+    if method not in METHOD_SOURCE:
+        raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+    option = METHOD_SOURCE[method]
+    path = getattr(args, option)
+    if not path:
+        raise ValueError(f"method {method!r} needs `--{option}` (a model folder), which is unset")
+    return path
+
+
+def build_method(method: str, args: ParsedArguments) -> MethodSetup:
+    """The model of `method` (from its folder, ``method_source``) with what it changes at test time."""
     from transformers import AutoModelForCausalLM
 
     from .dynamic_eval import DEFAULT_STEP_SIZES, untie_output_embedding
     from .test_time_fwl import DEFAULT_STEP_SIZES as FWL_STEP_SIZES
     from .test_time_fwl import build_test_time_fwl, set_global_step_size
 
-    if method == "test_time_fwl":
-        model = build_test_time_fwl(args.model_name_or_path, fast_parameters=args.fwl_fast_parameters)
-        return model, lambda alpha: set_global_step_size(model.fwl_head, alpha), list(args.fwl_step_sizes or FWL_STEP_SIZES)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).eval()
-    if method == "base":
-        return model, lambda _: None, [None]
-    if method not in ("dynamic", "dynamic_output"):
-        raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+    path, kind = method_source(method, args), METHOD_KIND[method]
+    if kind == "test_time_fwl":
+        model = build_test_time_fwl(path, fast_parameters=args.fwl_fast_parameters)
+        return MethodSetup(model, lambda alpha: set_global_step_size(model.fwl_head, alpha),
+                           list(args.fwl_step_sizes or FWL_STEP_SIZES))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    if kind == "plain":
+        return MethodSetup(model, lambda _: None, [None])
+    if kind == "slow_only":
+        if not hasattr(model, "fwl_head"):
+            raise ValueError(f"`--{METHOD_SOURCE[method]}` {path} has no FWL head (fwl_slow_only needs an FWL model)")
+        return MethodSetup(model, lambda _: None, [None], context=model.fwl_head.slow_only)
     parameters = args.dynamic_eval_params
-    if method == "dynamic_output":
+    if kind == "dynamic_output":
         untie_output_embedding(model)
         parameters = output_side_parameter_names(model)
     options = dict(method=args.dynamic_method, parameters=parameters)
     candidates = list(args.dynamic_lr or DEFAULT_STEP_SIZES[args.dynamic_method])
-    return model, lambda lr: DynamicEvaluation(lr, **options), candidates
+    return MethodSetup(model, lambda lr: DynamicEvaluation(lr, **options), candidates,
+                       parameters=(args.dynamic_eval_params or "all") if kind == "dynamic" else parameters)
 
 
 def evaluate_method(method: str, args: ParsedArguments, valid: List[torch.Tensor], test: List[torch.Tensor],
                     counts: Optional[np.ndarray]) -> Dict[str, Any]:
     """One method: its step size chosen on the valid documents, then its scores on the test documents."""
-    model, configure, candidates = build_method(method, args)
+    setup = build_method(method, args)
 
     def score(step: Optional[float], documents: List[torch.Tensor], label: str) -> TokenScores:
-        return score_documents(model, documents, args.segment_length, configure(step), counts, label)
+        with setup.context():
+            return score_documents(setup.model, documents, args.segment_length, setup.configure(step), counts, label)
 
-    score(candidates[0], [test[0][: args.segment_length + 1]], f"{method} warm-up")  # untimed first-call set-up
+    score(setup.candidates[0], [test[0][: args.segment_length + 1]], f"{method} warm-up")  # untimed first-call set-up
     step, tried = None, {}
-    if candidates != [None]:
-        step, tried = choose_on_valid(lambda s: score(s, valid, f"{method} valid, step {s:g}"), candidates, method)
+    if setup.candidates != [None]:
+        step, tried = choose_on_valid(lambda s: score(s, valid, f"{method} valid, step {s:g}"), setup.candidates, method)
     scores = score(step, test, f"{method} {args.split}")
     return {"step_size": step, "valid_perplexity_by_step_size": tried, "summary": scores.summary(),
-            "parameters": None if method in ("base", "test_time_fwl") else (args.dynamic_eval_params or "all")}
+            "parameters": setup.parameters, "model": method_source(method, args)}
 
 
 @dataclass
 class DocumentEvalArguments:
     """The model, the documents and the protocol."""
 
-    model_name_or_path: str = field(default="checkpoints/smollm2-135m", metadata={"help": "a causal LM folder"})
+    model_name_or_path: str = field(default="checkpoints/smollm2-135m", metadata={"help": "a causal LM folder: (1)"})
+    finetuned_model: Optional[str] = field(default=None, metadata={
+        "help": "(2): the base fine-tuned without FWL (finetune_fwl's <output_dir>/base_finetuned/final), for the "
+                "finetuned* methods"})
+    fwl_model: Optional[str] = field(default=None, metadata={
+        "help": "(3): the fine-tuned FWL model (finetune_fwl's <output_dir>/base_fwl/final), for fwl, fwl_slow_only"})
+    one_table: bool = field(default=False, metadata={
+        "help": "score exactly issue 17 item 4's rows (base finetuned finetuned_dynamic fwl fwl_slow_only "
+                "finetuned_test_time_fwl test_time_fwl) instead of --methods; needs --finetuned_model and --fwl_model"})
     data_dir: str = field(default="data/wiki", metadata={
         "help": "a corpus of train/valid/test.txt (data/wiki, data/austen)"})
     split: Literal["valid", "test"] = field(default="test", metadata={"help": "the split scored"})
@@ -341,13 +412,20 @@ def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
     args = parse_arguments((DocumentEvalArguments, StepSizeArguments), argv, description=__doc__)
     require_positive(args, ("max_documents", "valid_documents", "max_length", "segment_length", "train_documents",
                             "threads"))
+    if args.one_table:
+        args.methods = list(ONE_TABLE)
+    if len(set(args.methods)) != len(args.methods):
+        raise ValueError(f"`--methods` lists a method twice: {args.methods}")
+    for method in args.methods:
+        method_source(method, args)  # ValueError naming a model-folder option a method needs
     return args
 
 
 def report(results: Dict[str, Dict[str, Any]]) -> str:
     """The comparison table: perplexity (all, first, repeated, rare), tokens/s, and both relative to base."""
     base = results.get("base", {}).get("summary")
-    lines = [f"  {'method':<16}{'step':>8}{'ppl':>9}{'first':>9}{'repeat':>9}{'rare':>9}{'tok/s':>8}{'ppl/base':>10}{'time/base':>10}"]
+    lines = [f"  {'method':<27}{'step':>8}{'ppl':>9}{'first':>9}{'repeat':>9}{'rare':>9}{'tok/s':>8}{'ppl/base':>10}"
+             f"{'time/base':>10}"]
     for method, result in results.items():
         s = result["summary"]
         step = "" if result["step_size"] is None else f"{result['step_size']:.0e}"
@@ -355,9 +433,64 @@ def report(results: Dict[str, Dict[str, Any]]) -> str:
         if base:
             rel = f"{s['perplexity'] / base['perplexity']:.4f}"
             time_rel = f"{base['tokens_per_second'] / s['tokens_per_second']:.2f}x"
-        lines.append(f"  {method:<16}{step:>8}{s['perplexity']:>9.3f}{s['first']['perplexity']:>9.3f}"
+        lines.append(f"  {ROW_LABELS.get(method, method):<27}{step:>8}{s['perplexity']:>9.3f}{s['first']['perplexity']:>9.3f}"
                      f"{s['repeated']['perplexity']:>9.3f}{s['rare']['perplexity'] or float('nan'):>9.3f}"
                      f"{s['tokens_per_second']:>8.1f}{rel:>10}{time_rel:>10}")
+    return "\n".join(lines)
+
+
+def time_vs_base(summaries: Mapping[str, Mapping[str, Any]], method: str) -> float:
+    """`method`'s scoring time over the base's on the same tokens (ratio of their tokens/s)."""
+    return summaries["base"]["tokens_per_second"] / summaries[method]["tokens_per_second"]
+
+
+def goal_summary(summaries: Mapping[str, Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Issue 17's two goals, from the rows' summaries ``{method: {"perplexity", "tokens_per_second", ...}}``.
+
+    - ``trained_fwl`` (needs base, finetuned, finetuned_dynamic, fwl): gain ratio = (ppl(2) - ppl(3)) /
+      (ppl(2) - ppl((2) + dynamic evaluation)); met when (3) gains over (2) and its gain is at least
+      ``MIN_GAIN_SHARE`` of dynamic evaluation's (with no dynamic-evaluation gain the ratio is None and any gain of
+      (3) suffices), and (3)'s scoring time is at most ``MAX_FWL_TIME`` x the base's.
+    - ``test_time_fwl_on_base`` (needs base, test_time_fwl): met when it lowers the base's perplexity at no more than
+      ``MAX_TEST_TIME_FWL_TIME`` x the base's time.
+
+    A goal whose rows are missing is left out. Times are ratios of tokens/s (one pass each: noisy on a shared machine).
+    """
+    ppl = {method: float(s["perplexity"]) for method, s in summaries.items()}
+    goals: Dict[str, Dict[str, Any]] = {}
+    if {"base", "finetuned", "finetuned_dynamic", "fwl"} <= set(summaries):
+        gain, dynamic_gain = ppl["finetuned"] - ppl["fwl"], ppl["finetuned"] - ppl["finetuned_dynamic"]
+        ratio = gain / dynamic_gain if dynamic_gain > 0 else None
+        time_ratio = time_vs_base(summaries, "fwl")
+        goals["trained_fwl"] = {
+            "goal": f"(3) gains over (2) >= {MIN_GAIN_SHARE:g} x what (2) + dynamic evaluation gains, at <= "
+                    f"{MAX_FWL_TIME:g}x the base's scoring time",
+            "gain_over_finetuned": round(gain, 4), "dynamic_gain_over_finetuned": round(dynamic_gain, 4),
+            "gain_ratio": None if ratio is None else round(ratio, 4), "time_vs_base": round(time_ratio, 3),
+            "met": bool(gain > 0 and gain >= MIN_GAIN_SHARE * dynamic_gain and time_ratio <= MAX_FWL_TIME),
+        }
+    if {"base", "test_time_fwl"} <= set(summaries):
+        gain, time_ratio = ppl["base"] - ppl["test_time_fwl"], time_vs_base(summaries, "test_time_fwl")
+        goals["test_time_fwl_on_base"] = {
+            "goal": f"test-time FWL on the untouched base: a gain at <= {MAX_TEST_TIME_FWL_TIME:g}x the base's time",
+            "gain_over_base": round(gain, 4), "ppl_ratio": round(ppl["test_time_fwl"] / ppl["base"], 4),
+            "time_vs_base": round(time_ratio, 3), "met": bool(gain > 0 and time_ratio <= MAX_TEST_TIME_FWL_TIME),
+        }
+    return goals
+
+
+def goal_report(goals: Mapping[str, Mapping[str, Any]]) -> str:
+    """One line per goal of ``goal_summary``: its figures and met / not met."""
+    lines = []
+    for name, goal in goals.items():
+        if name == "trained_fwl":
+            ratio = "n/a (dynamic evaluation gains nothing)" if goal["gain_ratio"] is None else f"{goal['gain_ratio']:.3f}"
+            figures = (f"gain over (2) {goal['gain_over_finetuned']:+.3f} ppl vs dynamic evaluation's "
+                       f"{goal['dynamic_gain_over_finetuned']:+.3f}: ratio {ratio}")
+        else:
+            figures = f"gain over (1) {goal['gain_over_base']:+.3f} ppl (ratio {goal['ppl_ratio']:.4f})"
+        lines.append(f"  {'MET' if goal['met'] else 'NOT MET'}: {goal['goal']}\n      {figures}; time "
+                     f"{goal['time_vs_base']:.2f}x the base's")
     return "\n".join(lines)
 
 
@@ -383,6 +516,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(f"\n{args.data_dir} {args.split}: {len(test)} documents, {tokens} tokens scored (segments of "
           f"{args.segment_length}, cache carried; step sizes chosen on {len(valid)} valid documents)\n{table}")
     out = {"settings": args.record(), "documents": len(test), "results": results}
+    goals = goal_summary({method: result["summary"] for method, result in results.items()})
+    if goals:
+        out["goals"] = goals
+        print(f"\nIssue 17's goals (step sizes chosen on valid; times of one pass each):\n{goal_report(goals)}")
     if "base" in results:
         out["nll_change_vs_base"] = nll_change_by_bucket(results)
     if args.plot and "base" in results and len(results) > 1:

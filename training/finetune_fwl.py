@@ -112,7 +112,8 @@ class DocumentEvalArguments:
     """The last stage: whole held-out documents, where fast weights matter."""
 
     document_eval_documents: int = field(default=3, metadata={
-        "help": "test documents scored by base / test-time FWL / dynamic evaluation / (2) / (3) (0 skips)"})
+        "help": "test documents scored by issue 17 item 4's rows: (1), (2), (2) + dynamic evaluation, (3), (3'), "
+                "test-time FWL on (2) and on (1) (0 skips)"})
     document_eval_max_length: int = field(default=2048, metadata={"help": "tokens per document"})
     document_eval_data: str = field(default=DEFAULT_DATA, metadata={
         "help": "a folder with test.txt (data/wiki, data/austen)"})
@@ -403,8 +404,9 @@ def new_fwl_model(args: ParsedArguments) -> PreTrainedModel:
 
 def whole_documents_stage(args: ParsedArguments, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                           finetuned: Stage, banner) -> Optional[Dict[str, object]]:
-    """The last stage: base, test-time-only FWL, dynamic evaluation, (2) and (3) (`model`) on whole held-out
-    documents (``--document_eval_*``); None when the documents' test.txt is missing."""
+    """The last stage: issue 17 item 4's rows ((1), (2), (2) + dynamic evaluation, (3) = `model`, (3'), the
+    test-time-only FWL on (2) and on (1)) on whole held-out documents (``--document_eval_*``) with the goals' check;
+    None when the documents' test.txt is missing."""
     from .demo_stages import document_stage
 
     document_data = Path(args.document_eval_data) / "test.txt"
@@ -412,8 +414,8 @@ def whole_documents_stage(args: ParsedArguments, model: PreTrainedModel, tokeniz
         print(f"No {document_data}: the whole-document stage is skipped (--document_eval_data)", flush=True)
         return None
     banner("Whole documents", f"{args.document_eval_documents} held-out documents of up to "
-           f"{args.document_eval_max_length} tokens: base, test-time-only FWL on it (no training), dynamic "
-           "evaluation, (2) and (3)", 2.5)
+           f"{args.document_eval_max_length} tokens: (1), (2), (2) + dynamic evaluation, (3), (3') its slow head alone, "
+           "the test-time-only FWL (no training) on (2) and on (1); then the goals' check", 3)
     return document_stage(
         args.model_name_or_path, model, tokenizer, args.document_eval_data, args.document_eval_documents,
         args.document_eval_max_length, finetuned_path=str(finetuned.final) if finetuned.finished() else None,

@@ -46,6 +46,7 @@ def build_test_time_fwl(
     step_size: float = 1e-4,
     fast_parameters: Optional[Sequence[str]] = None,
     base_model_kwargs: Optional[Dict[str, Any]] = None,
+    gradient_dtype: Optional[str] = None,
 ) -> FWLForCausalLM:
     """The test-time-only FWL on a pretrained causal LM (a folder or hub name, or a loaded model, which is then
     modified: its final norm moves into the head), in eval mode with every parameter frozen.
@@ -56,11 +57,13 @@ def build_test_time_fwl(
         fast_parameters: which output-side parameters are fast (default ``OUTPUT_SIDE_FAST_PARAMETERS``: the final
             norm's gain, the output embedding copy, the output bias).
         base_model_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` when `model` is a path.
+        gradient_dtype: None (exact) or "bfloat16": the dtype of the per-token gradients' vocabulary-sized part
+            (``FWLConfig.fwl_gradient_dtype``, an approximation of the fast update for CPUs with bf16 matrix units).
     """
     names = list(fast_parameters) if fast_parameters is not None else list(OUTPUT_SIDE_FAST_PARAMETERS)
     wrapped = FWLForCausalLM.from_base_pretrained(
         model, base_model_kwargs=base_model_kwargs, fwl_head_type="output", fwl_fast_parameters=names,
-        fwl_step_size_init=step_size,
+        fwl_step_size_init=step_size, fwl_gradient_dtype=gradient_dtype,
     )
     set_global_step_size(wrapped.fwl_head, step_size)
     wrapped.requires_grad_(False)
