@@ -9,7 +9,8 @@ import torch
 
 from training import rl_popgym as rl
 
-RL_MISSING = [name for name in ("torchrl", "tensordict", "popgym", "gymnasium") if importlib.util.find_spec(name) is None]
+RL_MISSING = [name for name in ("torchrl", "tensordict", "popgym", "gymnasium")
+              if importlib.util.find_spec(name) is None]
 needs_rl = pytest.mark.skipif(bool(RL_MISSING), reason=f"the `rl` extra is not installed (missing {RL_MISSING}): "
                                                        "pip install -e '.[rl]'")
 
