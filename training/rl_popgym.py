@@ -344,7 +344,9 @@ def build_agent(args: RLArguments) -> Dict[str, Any]:
                     shifted=True, deactivate_vmap=True)
     # shifted: one core pass over [root steps, last next step] (the values at t + 1 are the next row's, with the state
     # chain intact); the vmapped two-pass path would run the core on the "next" observations alone, which lack each
-    # episode's first observation. No vmap: the cores split rows at episode starts (data-dependent shapes).
+    # episode's first observation. No vmap: the cores split rows at episode starts (data-dependent shapes). One
+    # approximation remains, torchrl's: the bootstrap step after the row's last step gets that step's is_init, so where
+    # an episode starts at the last step, its bootstrap value is computed from a zero state (about 1 row in 50).
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=args.learning_rate)
     counts["policy"] = count_parameters(loss_module)
     return {"env": env, "actor": actor, "loss": loss_module, "advantage": advantage, "optimizer": optimizer,
