@@ -75,7 +75,8 @@ def test_console_script_runs_the_script_on_the_command_line(monkeypatch, capsys)
 
 CONSOLE_SCRIPTS = {"fwp-document-eval": ("document_eval", "--segment_length"),
                    "fwp-train-seq2seq": ("train_seq2seq", "--cross_attention"),
-                   "fwp-convert-fla": ("convert_fla", "--src_dir")}
+                   "fwp-convert-fla": ("convert_fla", "--src_dir"),
+                   "fwp-rl-popgym": ("rl_popgym", "--total_frames")}
 
 
 def setup_cfg_console_scripts() -> dict:

@@ -71,3 +71,8 @@ def document_eval() -> None:
 def train_seq2seq() -> None:
     """``fwp-train-seq2seq``: ``training.train_seq2seq`` (the fast-weight encoder-decoder on a toy cipher)."""
     _run("train_seq2seq")
+
+
+def rl_popgym() -> None:
+    """``fwp-rl-popgym``: ``training.rl_popgym`` (PPO on POPGym, fast-weight core vs LSTM core)."""
+    _run("rl_popgym")

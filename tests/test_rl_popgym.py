@@ -1,0 +1,137 @@
+"""training/rl_popgym.py: the policy's core wrapper (no RL library needed) and, with the `rl` extra, PPO end to end."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from training import rl_popgym as rl
+
+RL_MISSING = [name for name in ("torchrl", "tensordict", "popgym", "gymnasium")
+              if importlib.util.find_spec(name) is None]
+needs_rl = pytest.mark.skipif(bool(RL_MISSING), reason=f"the `rl` extra is not installed (missing {RL_MISSING}): "
+                                                       "pip install -e '.[rl]'")
+
+
+def small_args(**overrides) -> rl.RLArguments:
+    values = dict(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32)
+    values.update(overrides)
+    return rl.RLArguments(**values)
+
+
+def make_core(name: str, input_size: int = 5) -> rl.PolicyCore:
+    torch.manual_seed(0)
+    core, _ = rl.build_core(input_size, small_args(core=name))
+    return rl.PolicyCore(core).eval()
+
+
+@pytest.mark.parametrize("name", ["lstm", "recurrent_delta_net", "delta_lstm", "delta_net"])
+def test_rollout_with_resets_equals_stepping_one_step_at_a_time(name):
+    """What training sees (a [B, T] row from its first state, resets inside) equals what collection did (one step per
+    call, the state zeroed at each episode start), outputs and final state."""
+    core = make_core(name)
+    B, T = 3, 9
+    x = torch.randn(B, T, 5)
+    reset = torch.zeros(B, T, dtype=torch.bool)
+    reset[0, 3] = reset[1, 0] = reset[1, 6] = reset[2, 8] = True
+    start = tuple(torch.randn_like(s) for s in core.initial_state(B))  # a state carried over from an earlier batch
+    with torch.no_grad():
+        y, final = core(x, start, reset)
+        state, steps = start, []
+        for t in range(T):
+            y_t, state = core(x[:, t:t + 1], state, reset[:, t:t + 1])
+            steps.append(y_t)
+    torch.testing.assert_close(y, torch.cat(steps, dim=1), rtol=1e-4, atol=1e-5)
+    for a, b in zip(final, state):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["lstm", "recurrent_delta_net"])
+def test_reset_forgets_the_episode_before_it(name):
+    """After a reset, the outputs depend on nothing before it: a row whose past differs gives the same outputs from
+    the reset on (and different ones before it)."""
+    core = make_core(name)
+    x = torch.randn(1, 8, 5).repeat(2, 1, 1)
+    x[1, :4] = torch.randn(4, 5)
+    reset = torch.zeros(2, 8, dtype=torch.bool)
+    reset[:, 4] = True
+    with torch.no_grad():
+        y, _ = core(x, None, reset)
+        y_no_reset, _ = core(x, None, None)
+    torch.testing.assert_close(y[0, 4:], y[1, 4:])
+    assert not torch.allclose(y[0, :4], y[1, :4])
+    assert not torch.allclose(y_no_reset[0, 4:], y_no_reset[1, 4:])
+
+
+def test_lstm_is_matched_to_the_fast_weight_core_in_parameter_count():
+    core, counts = rl.build_core(7, rl.RLArguments(core="lstm"))
+    assert isinstance(core, rl.LSTMCore) and counts["lstm_hidden_size"] == core.hidden_size
+    assert counts["lstm"] == rl.lstm_parameters(7, core.hidden_size) == rl.count_parameters(core)
+    assert abs(counts["lstm"] - counts["recurrent_delta_net"]) / counts["recurrent_delta_net"] < 0.01
+    for other in (core.hidden_size - 1, core.hidden_size + 1):  # the closest width
+        assert abs(counts["lstm"] - counts["recurrent_delta_net"]) <= abs(
+            rl.lstm_parameters(7, other) - counts["recurrent_delta_net"])
+    _, counts_dl = rl.build_core(7, rl.RLArguments(core="lstm", match_core="delta_lstm"))
+    assert counts_dl["lstm_hidden_size"] > counts["lstm_hidden_size"]  # the Delta LSTM is the larger core
+
+
+def test_bad_arguments_name_the_option():
+    with pytest.raises(ValueError, match="--core"):
+        rl.RLArguments(core="gru")
+    with pytest.raises(ValueError, match="--num_minibatches"):
+        rl.RLArguments(num_envs=2, num_minibatches=4)
+    with pytest.raises(ValueError, match="--total_frames"):
+        rl.main(["--total_frames", "0"])
+    with pytest.raises(TypeError, match="core"):
+        rl.PolicyCore(torch.nn.GRU(3, 4))
+
+
+@needs_rl
+def test_bad_env_name_is_a_value_error():
+    with pytest.raises(ValueError, match="--env"):
+        rl.make_env("NoSuchTaskEasy")
+
+
+@needs_rl
+def test_collected_logits_equal_the_recurrent_mode_recomputation():
+    """torchrl's collector steps the core one step per call; the loss reruns whole rows in recurrent mode from the
+    stored first state with is_init resets: before any update both give the same logits."""
+    from torchrl.collectors import Collector
+    from torchrl.modules import set_recurrent_mode
+
+    args = small_args(core="recurrent_delta_net", env="RepeatPreviousEasy", num_envs=3, rollout_length=40,
+                      num_minibatches=1)
+    torch.manual_seed(0)
+    agent = rl.build_agent(args)
+    collector = Collector(agent["env"], agent["actor"], frames_per_batch=120, total_frames=240)
+    batches = [b.clone() for b in collector]  # the second batch starts from states carried over from the first
+    collector.shutdown()
+    last = batches[-1]
+    assert last["is_init"][:, 1:].any(), "RepeatPreviousEasy episodes (52 steps) must end inside 80 steps"
+    assert last["core_state_0"][:, 0].abs().sum() > 0
+    stored = last["logits"].clone()
+    with set_recurrent_mode(True), torch.no_grad():
+        recomputed = agent["actor"](last.exclude("logits"))["logits"]
+    torch.testing.assert_close(recomputed, stored, rtol=1e-4, atol=1e-5)
+
+
+@needs_rl
+@pytest.mark.parametrize("core", ["lstm", "recurrent_delta_net"])
+def test_end_to_end_writes_the_learning_curve(core, tmp_path):
+    out = tmp_path / core
+    results = rl.main(["--core", core, "--env", "RepeatPreviousEasy", "--total_frames", "240", "--num_envs", "2",
+                       "--rollout_length", "60", "--hidden_size", "32", "--num_heads", "2", "--intermediate_size",
+                       "64", "--num_minibatches", "1", "--ppo_epochs", "1", "--output_dir", str(out), "--plot"])
+    written = json.loads((out / "curve.json").read_text())
+    assert "python -m training.rl_popgym --core " + core in written["run"]["command"]
+    assert written["frames"] == results["frames"] == 240  # two batches of 2 x 60; episodes last about 51 steps
+    curve = written["curve"]
+    assert curve and [p["frames"] for p in curve] == sorted(p["frames"] for p in curve)
+    assert all(-1.0 <= p["mean_return"] <= 1.0 and p["episodes"] > 0 for p in curve)  # POPGym returns lie in [-1, 1]
+    assert [(p["frames"], p["episodes"]) for p in curve] == [(120, 2), (240, 2)]
+    params = written["parameters"]
+    assert set(params) >= {"lstm", "recurrent_delta_net", "policy"} and written["frames_per_s"] > 0
+    assert abs(params["lstm"] - params["recurrent_delta_net"]) / params["recurrent_delta_net"] < 0.02
+    assert written["library"]["torchrl"] and (out / "curve.png").stat().st_size > 0
