@@ -71,3 +71,8 @@ def document_eval() -> None:
 def train_seq2seq() -> None:
     """``fwp-train-seq2seq``: ``training.train_seq2seq`` (the fast-weight encoder-decoder on a toy cipher)."""
     _run("train_seq2seq")
+
+
+def lm_table() -> None:
+    """``fwp-lm-table``: ``training.lm_table`` (Irie et al. 2021's Table 1 at this machine's scale, resumable)."""
+    _run("lm_table")
