@@ -40,7 +40,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Dict, List, Optional, Sequence  # noqa: E402
+from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
@@ -137,7 +137,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ParsedArguments:
     return args
 
 
-def model_type_and_overrides(args: ParsedArguments, family: str) -> tuple:
+def model_type_and_overrides(args: ParsedArguments, family: str) -> Tuple[str, Dict[str, Any]]:
     """``(model_type, config overrides)`` of a family at the chosen size; Llama: tied embeddings as ours, and a
     gated MLP of 2/3 the feed-forward width, which matches our two-matrix feed-forward's parameter count."""
     sizes = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
