@@ -60,7 +60,8 @@ SOFTMAX_BASELINE = "llama"
 FAST_WEIGHT_FAMILIES = {spec.name: spec for spec in FAMILIES if spec.fast_weight_layer is not None}
 TABLE_1_FAMILIES = ("linear_transformer", "delta_net", "delta_mlp", "delta_delta_net", "delta_rnn", "delta_lstm",
                     "recurrent_delta_net")
-KNOWN_FAMILIES = (SOFTMAX_BASELINE,) + tuple(FAST_WEIGHT_FAMILIES)
+KNOWN_FAMILIES = (SOFTMAX_BASELINE, *TABLE_1_FAMILIES,
+                  *(f for f in FAST_WEIGHT_FAMILIES if f not in TABLE_1_FAMILIES))  # the table's row order
 # Irie et al. 2021, Table 1 (WikiText-103, small setting): valid / test perplexity, parameters (M); 256-token spans,
 # sliding-window evaluation; and the "+ full context" rows (trained and evaluated with the state carried).
 PAPER_TABLE_1 = {
