@@ -17,15 +17,15 @@ import pytest
 import torch
 from transformers import TrainingArguments, get_cosine_with_min_lr_schedule_with_warmup
 
-from training import (cli, convert_fla, convert_gguf, data, demo, document_eval, eval_lm, finetune_fwl, synthetic,
-                      train_lm, train_seq2seq, train_transfo_xl)
+from training import (cli, convert_fla, convert_gguf, data, demo, document_eval, eval_lm, finetune_fwl, lm_table,
+                      synthetic, train_lm, train_seq2seq, train_transfo_xl)
 from training import trainer_utils
 
 SCRIPTS = {"train_lm": train_lm.parse_args, "finetune_fwl": finetune_fwl.parse_args,
            "train_transfo_xl": train_transfo_xl.parse_args, "eval_lm": eval_lm.parse_args, "demo": demo.parse_args,
            "synthetic": synthetic.parse_args, "data": data.main, "convert_gguf": convert_gguf.main,
            "document_eval": document_eval.parse_args, "train_seq2seq": train_seq2seq.parse_args,
-           "convert_fla": convert_fla.main}
+           "convert_fla": convert_fla.main, "lm_table": lm_table.parse_args}
 
 
 @pytest.mark.parametrize("name, option, default", [
@@ -40,7 +40,8 @@ SCRIPTS = {"train_lm": train_lm.parse_args, "finetune_fwl": finetune_fwl.parse_a
     ("document_eval", "--methods", "['base', 'test_time_fwl', 'dynamic']"), ("document_eval", "--dynamic_method", "sgd"),
     ("train_seq2seq", "--feature_map", "elu"), ("train_seq2seq", "--num_words", "32"),
     ("train_seq2seq", "--output_dir", "outputs/mt"), ("train_seq2seq", "--predict_with_generate", "False"),
-    ("convert_fla", "--dtype", "None"),
+    ("convert_fla", "--dtype", "None"), ("lm_table", "--num_hidden_layers", "16"), ("lm_table", "--hidden_size", "128"),
+    ("eval_lm", "--eval_mode", "carried"),
 ])
 def test_help_runs_and_shows_the_script_defaults(name, option, default, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -76,7 +77,7 @@ def test_console_script_runs_the_script_on_the_command_line(monkeypatch, capsys)
 CONSOLE_SCRIPTS = {"fwp-document-eval": ("document_eval", "--segment_length"),
                    "fwp-train-seq2seq": ("train_seq2seq", "--cross_attention"),
                    "fwp-convert-fla": ("convert_fla", "--src_dir"),
-                   "fwp-rl-popgym": ("rl_popgym", "--total_frames")}
+                   "fwp-rl-popgym": ("rl_popgym", "--total_frames"), "fwp-lm-table": ("lm_table", "--seeds")}
 
 
 def setup_cfg_console_scripts() -> dict:

@@ -76,3 +76,8 @@ def train_seq2seq() -> None:
 def rl_popgym() -> None:
     """``fwp-rl-popgym``: ``training.rl_popgym`` (PPO on POPGym, fast-weight core vs LSTM core)."""
     _run("rl_popgym")
+
+
+def lm_table() -> None:
+    """``fwp-lm-table``: ``training.lm_table`` (Irie et al. 2021's Table 1 at this machine's scale, resumable)."""
+    _run("lm_table")

@@ -246,19 +246,28 @@ def trainer_arguments(args: ParsedArguments) -> TrainingArguments:
     return training
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    args = parse_args(argv)
-    hub = hub_request(args)  # acted on by push_if_requested at the end, not by Trainer
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+@dataclass
+class TrainedModel:
+    """What :func:`train_model` hands back: the trained model and tokenizer, the documents of each split, the
+    parameter count, the ``"data"`` and ``"training"`` entries of ``results.json``, whether this process is the
+    main one (the one that saves and evaluates), and the Trainer (``trainer.save_model`` saves the model)."""
+
+    model: Any
+    tokenizer: PreTrainedTokenizerBase
+    documents: Dict[str, List[str]]
+    parameters: int
+    data: Dict[str, Any]
+    training: Dict[str, Any]
+    is_main: bool
+    trainer: Trainer
+
+
+def train_model(args: ParsedArguments) -> TrainedModel:
+    """The training half of the script: data, tokenizer, a model from ``--model_type`` / ``--config_overrides``,
+    Trainer (``StateCarryingTrainer`` with ``--carry_state``), resumed with ``--resume_from_checkpoint``."""
     set_seed(args.seed)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     training_args = trainer_arguments(args)
-    is_main = training_args.process_index == 0
-
     documents = load_documents(args)
     with training_args.main_process_first(desc="tokenizer"):
         tokenizer = build_tokenizer(args, documents["train"])
@@ -276,38 +285,48 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     trainer_cls = StateCarryingTrainer if args.carry_state else Trainer
     trainer = trainer_cls(model=model, args=training_args, train_dataset=train_ds, data_collator=default_data_collator)
-    resume = args.resume_from_checkpoint
-    if resume == "latest":
-        resume = True
+    resume = True if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
     start = time.perf_counter()
     train_output = trainer.train(resume_from_checkpoint=resume)
     train_s = time.perf_counter() - start
     steps = trainer.state.global_step
     tokens_per_step = (args.per_device_train_batch_size * training_args.world_size * args.gradient_accumulation_steps
                        * args.block_size)
+    data = {"source": None if args.dataset_name else (args.train_file or str(Path(args.data_dir) / "train.txt")),
+            "dataset": args.dataset_name, "tokenizer": args.tokenizer_name,
+            "vocab_size": len(tokenizer), "train_tokens": int(train_ids.numel()), "train_segments": len(train_ds)}
+    training = {
+        "steps": steps, "block_size": args.block_size, "carry_state": args.carry_state,
+        "num_streams": num_streams, "world_size": training_args.world_size,
+        "tokens_seen": steps * tokens_per_step, "seconds": train_s,
+        "tokens_per_second": train_output.metrics.get("train_samples_per_second", 0.0) * args.block_size,
+        "train_loss": train_output.training_loss, "resumed_from": resume if resume else None,
+        "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
+    }
+    return TrainedModel(trainer.model, tokenizer, documents, n_params, data, training,
+                        is_main=training_args.process_index == 0, trainer=trainer)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    hub = hub_request(args)  # acted on by push_if_requested at the end, not by Trainer
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    run = train_model(args)
     results: Dict[str, Any] = {}
-    if is_main:
-        model = trainer.model
-        model_dir = out_dir / "model"
-        trainer.save_model(str(model_dir))
-        tokenizer.save_pretrained(model_dir)
+    if run.is_main:
+        out_dir, model, tokenizer = Path(args.output_dir), run.model, run.tokenizer
+        run.trainer.save_model(str(out_dir / "model"))
+        tokenizer.save_pretrained(out_dir / "model")
         model.eval()
-        evaluation = [e for split in ("valid", "test") for e in evaluate_split(model, tokenizer, split, documents[split], args)]
+        evaluation = [e for split in ("valid", "test")
+                      for e in evaluate_split(model, tokenizer, split, run.documents[split], args)]
         results = {
-            "model": {"class": type(model).__name__, "model_type": config.model_type, "parameters": n_params,
-                      "config": json.loads(model.config.to_json_string())},
-            "data": {"source": None if args.dataset_name else (args.train_file or str(Path(args.data_dir) / "train.txt")),
-                     "dataset": args.dataset_name, "tokenizer": args.tokenizer_name,
-                     "vocab_size": len(tokenizer), "train_tokens": int(train_ids.numel()),
-                     "train_segments": len(train_ds)},
-            "training": {
-                "steps": steps, "block_size": args.block_size, "carry_state": args.carry_state,
-                "num_streams": num_streams, "world_size": training_args.world_size,
-                "tokens_seen": steps * tokens_per_step, "seconds": train_s,
-                "tokens_per_second": train_output.metrics.get("train_samples_per_second", 0.0) * args.block_size,
-                "train_loss": train_output.training_loss, "resumed_from": resume if resume else None,
-                "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
-            },
+            "model": {"class": type(model).__name__, "model_type": model.config.model_type,
+                      "parameters": run.parameters, "config": json.loads(model.config.to_json_string())},
+            "data": run.data,
+            "training": run.training,
             "evaluation": evaluation,
             "environment": environment(),
             "args": args.record(),

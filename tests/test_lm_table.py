@@ -1,0 +1,74 @@
+"""training.lm_table: the resumable driver of the language-modelling table (``--quick`` on the fixture corpus)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from training import lm_table, train_lm
+
+
+def quick_argv(tiny_wiki, tmp_path) -> list:
+    return ["--quick", "--data_dir", str(tiny_wiki["train"].parent), "--results_dir", str(tmp_path / "table"),
+            "--table_file", str(tmp_path / "lm_table.md"), "--threads", "1"]
+
+
+def test_quick_table_end_to_end_then_resumed_without_training(tiny_wiki, tmp_path, monkeypatch):
+    done = lm_table.main(quick_argv(tiny_wiki, tmp_path))
+    assert [p.name for p in done["runs"]] == ["delta_net_seed0.json", "llama_seed0.json"] and not done["skipped"]
+    results = {p.name: json.loads(p.read_text()) for p in done["runs"]}
+    delta, llama = results["delta_net_seed0.json"], results["llama_seed0.json"]
+    assert delta["model_type"] == "fwp_delta_net" and llama["model_type"] == "llama"
+    assert delta["run"]["command"].startswith("python -m training.lm_table --quick")
+    for result in (delta, llama):
+        assert result["training"]["steps"] == 3 and result["training"]["tokens_per_second"] > 0
+        assert result["parameters"] > 0 and result["data"]["vocab_size"] == delta["data"]["vocab_size"]
+    # the softmax baseline of the same size: within 10% of the Delta Net's parameters
+    assert llama["parameters"] == pytest.approx(delta["parameters"], rel=0.1)
+    protocols = {r["family"]: {(e["split"], e["protocol"]) for e in r["evaluation"]} for r in (delta, llama)}
+    assert protocols["delta_net"] == {(s, p) for s in ("valid", "test") for p in ("sliding_window", "carried_state")}
+    assert protocols["llama"] == {("valid", "sliding_window"), ("test", "sliding_window")}
+    assert all(1 < e["perplexity"] < 1e4 and e["scored_tokens"] > 0 for e in delta["evaluation"])
+
+    table = (tmp_path / "lm_table.md").read_text()
+    sliding_test = next(e["perplexity"] for e in delta["evaluation"] if (e["split"], e["protocol"]) ==
+                        ("test", "sliding_window"))
+    delta_row = next(line for line in table.splitlines() if line.startswith("| Delta Net |"))
+    assert f"| {sliding_test:.1f} |" in delta_row and "| 34.1 / 35.2 |" in delta_row  # ours and the paper's
+    assert next(line for line in table.splitlines() if line.startswith("| Transformer (Llama) |")).count("| - |") >= 2
+    assert "python -m training.lm_table --quick" in table
+
+    # resumed: both runs exist, nothing is trained again
+    monkeypatch.setattr(train_lm, "train_model", lambda args: pytest.fail("a finished run was trained again"))
+    again = lm_table.main(quick_argv(tiny_wiki, tmp_path))
+    assert not again["runs"] and len(again["skipped"]) == 2
+
+
+def test_table_shows_mean_and_spread_over_seeds(tmp_path):
+    runs = [{"seed": s, "parameters": 2e6, "training": {"tokens_per_second": 100.0},
+             "evaluation": [{"split": "test", "protocol": "sliding_window", "perplexity": p}]}
+            for s, p in ((0, 10.0), (1, 12.0))]
+    row = lm_table.table_row("delta_rnn", runs)
+    assert "| 11.0 ± 1.4 |" in row and "| 0, 1 |" in row and "| 31.8 / 32.8 |" in row and "| 2.00 |" in row
+
+
+def test_resumes_from_a_checkpoint(tmp_path):
+    args = lm_table.parse_args(["--results_dir", str(tmp_path)])
+    argv = lm_table.train_lm_argv(args, "delta_lstm", 1, tmp_path / "tok")
+    assert "--resume_from_checkpoint" not in argv and argv[argv.index("--max_steps") + 1] == "977"
+    (tmp_path / "runs" / "delta_lstm_seed1" / "checkpoints" / "checkpoint-5").mkdir(parents=True)
+    argv = lm_table.train_lm_argv(args, "delta_lstm", 1, tmp_path / "tok")
+    assert argv[argv.index("--resume_from_checkpoint") + 1] == "latest"
+    overrides = json.loads(argv[argv.index("--config_overrides") + 1])
+    assert overrides == {"hidden_size": 128, "num_hidden_layers": 16, "num_attention_heads": 8,
+                         "intermediate_size": 2048}
+    train_lm.parse_args(argv)  # train_lm accepts the command line
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--families", "delta_net", "gpt9"], "--families"), (["--stride", "300"], "--stride"),
+    (["--hidden_size", "100"], "--hidden_size"), (["--train_tokens", "0"], "--train_tokens"),
+])
+def test_bad_options_name_the_option(argv, option):
+    with pytest.raises(ValueError, match=option):
+        lm_table.parse_args(argv)
