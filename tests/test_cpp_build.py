@@ -97,3 +97,19 @@ def test_prebuild_command_reports_every_kernel(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines == [f"{stem}: disabled (FWP_KERNELS_NO_BUILD=1)" for stem in kernels]
     assert {"chunk_delta", "rfwp_scan"} <= set(kernels)
+
+
+@pytest.mark.parametrize("stem", ["chunk_delta", "chunk_gated_delta", "rfwp_scan"])
+def test_kernels_are_built_with_openmp(stem):
+    """at::parallel_for runs its tasks on several threads only in code compiled with -fopenmp (otherwise the header's
+    `omp parallel` is compiled out: every kernel ran on one thread, whatever torch.set_num_threads said). The built
+    library must call the OpenMP runtime's parallel entry point."""
+    from fwp_kernels.cpp_build import KERNELS
+
+    kernel = KERNELS[stem]
+    if not kernel.available():
+        pytest.skip(f"{stem}: {kernel.describe()}")
+    assert "-fopenmp" in kernel.extra_cflags
+    directory = kernel.build_directory(kernel.source()[0])
+    library = directory / f"fwp_{directory.name}.so"
+    assert b"GOMP_parallel" in library.read_bytes()

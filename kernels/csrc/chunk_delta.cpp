@@ -263,11 +263,11 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q
   }
 }
 
-// MKL (the BLAS that libtorch_cpu links) takes its threaded path even inside a parallel region once
-// torch.set_num_threads has switched its dynamic mode off: every small BLAS call of a task then pays a nested
-// fork/join. Measured, B1 H8 T4096 D64, 2 threads: the chunk forward ran 3-10x slower than on 1 thread. Each task
-// therefore asks MKL for one thread on its own thread, and restores the setting when it ends. The symbol is weak:
-// with another BLAS it is absent and the guard does nothing.
+// MKL (the BLAS that libtorch_cpu links) would take its threaded path inside a task once torch.set_num_threads has
+// switched its dynamic mode off: a nested fork/join per small BLAS call (5 per chunk). Measured, B1 H8 T4096 D64, 2
+// threads, while the tasks still ran in one thread (a build without -fopenmp): the forward 3-10x slower than on 1
+// thread. Each task asks MKL for one thread on its own thread and restores the setting when it ends. The symbol is
+// weak: with another BLAS it is absent and the guard does nothing.
 struct SequentialBlasInTask {
   int saved = 0;
   SequentialBlasInTask() { saved = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0; }
