@@ -372,12 +372,14 @@ class CpuAutoChoice(NamedTuple):
 # (a quiet run, benchmarks/results/bench_kernels.json at bd87491: D = 64, C=32 18.7 / 76.6, C=64 24.0 / 96.2 ms).
 # Short T: the chunk kernel beats the step loop from T = 2 (0.062 vs 0.089 ms, same file); T = 1, the decode step
 # (csrc decode_step) vs the step loop: 0.029 vs 0.042 ms (B*H = 8, D = 64), 0.091 vs 0.116 ms (B*H = 16, D = 128).
-# Two threads, quiet machine (benchmarks/results/bench_cpu.json, load 0.9 before): C=64 fastest at D = 64 (forward
-# 35.2 ms vs 42.9 at C=32, 49.9 at C=16) and at D = 128; decode step
-# 0.065 vs 0.095 ms for the step loop (D = 64), 0.072 vs 0.079 (D = 128).
+# Two threads (benchmarks/results/bench_cpu.json, 2026-11-26, load 0.7 before, the kernels now built with -fopenmp:
+# the earlier 2-thread row, C=64, came from builds that ran every task on one thread): T = 2048, B*H = 8, forward /
+# forward + backward ms, D = 64: C=16 7.4 / 34.8, C=32 8.3 / 34.2, C=64 10.7 / 41.5; D = 128: C=16 18.7 / 90.8,
+# C=32 19.8 / 83.6, C=64 23.4 / 87.8 (one thread, same run: D = 64 C=16 9.9 / 45.6; D = 128 C=32 29.1 / 130.5).
+# Decode step vs step loop at T = 1: 0.115 vs 0.200 ms (D = 64), 0.097 vs 0.128 (D = 128).
 _CPU_AUTO = {
     1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
-    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 64), (128, 64))),
+    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
 }
 # CPU without the C++ kernel: the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop
 # (same benchmark). CUDA, estimated (no GPU was available to measure): a step costs ~5 kernel launches, the Triton
