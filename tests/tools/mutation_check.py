@@ -19,7 +19,6 @@ import argparse
 import concurrent.futures
 import datetime
 import glob
-import hashlib
 import json
 import os
 import re
@@ -144,12 +143,13 @@ def remove_mutant_build(mutation: Mutation, mutated_text: str) -> str:
     """
     if not mutation.path.endswith(".cpp"):
         return ""
-    root = Path(os.environ.get("FWP_KERNELS_BUILD_DIR") or Path.home() / ".cache" / "fwp_kernels")
-    source_hash = hashlib.sha1(mutated_text.encode("utf-8")).hexdigest()[:12]
-    found = "never built"
-    for directory in root.glob(f"*/{Path(mutation.path).stem}_{source_hash}"):
-        found = "built" if any(directory.glob("*.so")) else "build failed"
-        shutil.rmtree(directory, ignore_errors=True)
+    from fwp_kernels.cpp_build import KERNELS  # the build directory as the kernel's loader names it (source + flags)
+
+    directory = KERNELS[Path(mutation.path).stem].build_directory(mutated_text)
+    if not directory.is_dir():
+        return "never built"
+    found = "built" if any(directory.glob("*.so")) else "build failed"
+    shutil.rmtree(directory, ignore_errors=True)
     return found
 
 
