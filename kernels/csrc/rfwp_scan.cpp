@@ -54,8 +54,9 @@ void softmax_backward(const T* y, const T* g, T* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = y[i] * (g[i] - dot);
 }
 
-// The small dense helpers below carry `omp simd` hints (compiled with -fopenmp, which also makes at::parallel_for parallel):
-// they let the compiler vectorise the dot-product reductions, which strict IEEE ordering otherwise forbids.
+// The small dense helpers below carry `omp simd` hints (compiled with -fopenmp, which also makes
+// at::parallel_for parallel): they let the compiler vectorise the dot-product reductions, which strict IEEE
+// ordering otherwise forbids.
 
 // y = M x
 template <typename T>
