@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Dict, Optional, Sequence
 
-from . import chunk, rfwp_scan  # noqa: F401  (importing a kernel module registers its C++ kernel)
+from . import chunk, dense, gated_delta_rule_kernels, rfwp_scan  # noqa: F401  (importing one registers its kernel)
 from .cpp_build import BUILD_DIR_ENV, KERNELS
 
 

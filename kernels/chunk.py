@@ -38,7 +38,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .cpp_build import OPENMP_CFLAGS, register_cpu_kernel
+from .cpp_build import KERNEL_CFLAGS, register_cpu_kernel
 from .dispatch import KernelFinder, Recurrence, acc_dtype, check_fast_weight_inputs, mask_positions, select_kernel
 
 # Diagonal blocks of this size are inverted by batched triangular solves (LAPACK / cuBLAS), then
@@ -229,7 +229,7 @@ try:  # inside a saved model folder the C++ source travels as a string (transfor
 except ImportError:  # the installed package: the source is csrc/chunk_delta.cpp
     _EMBEDDED_SOURCE = None
 _CPU_KERNEL = register_cpu_kernel(
-    "chunk_delta", _EMBEDDED_SOURCE, "fwp_chunk", "chunk_forward", OPENMP_CFLAGS,
+    "chunk_delta", _EMBEDDED_SOURCE, "fwp_chunk", "chunk_forward", KERNEL_CFLAGS,
     "the PyTorch chunked kernel (slower on CPU)",
 )
 _SOURCE = _CPU_KERNEL.source_path

@@ -9,6 +9,10 @@ the input's dtype; two things make them cheap on CPU:
   instruction sets the CPU reports. Measured here (2-core AMD EPYC with AVX-512, T=4096, D=576, V=49152): 1.2 s with
   MKL, 0.6 s with oneDNN, same fp32 result up to summation order. Used for CPU float32 / bfloat16 tensors outside
   autograd (the op has no backward); ``FWP_KERNELS_NO_ONEDNN=1`` turns it off.
+- **One weight read per token.** With one or two rows of input (decoding), the product is bound by reading the
+  weight from memory; ``csrc/decode_linear.cpp`` streams it once over all threads (float32, or bfloat16 widened to
+  float32 on the fly), where F.linear reached about half the read bandwidth here in float32 and oneDNN in bfloat16
+  (``benchmarks/bench_cpu.py``, "linear_rows": measured side by side).
 - **Row blocks.** Outside autograd ``linear_cross_entropy_input_gradient`` runs over blocks of rows whose logits fit in
   the cache (about 30 MB), so no ``[N, V]`` tensor is allocated (page faults on 800 MB cost 0.2-0.3 s here) and the
   softmax passes stay in cache.
@@ -20,6 +24,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .cpp_build import KERNEL_CFLAGS, register_cpu_kernel
 
 # Bytes of logits per row block of `linear_cross_entropy_input_gradient` outside autograd: under glibc's largest mmap
 # threshold (32 MB), so that every block reuses heap memory instead of faulting in fresh pages (128 rows of SmolLM2's
@@ -38,23 +44,49 @@ def onednn_linear_available() -> bool:
 
 _ONEDNN = onednn_linear_available()
 
+try:  # inside a saved model folder the C++ source travels as a string (transformers copies only Python modules)
+    from .decode_linear_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
+except ImportError:  # the installed package: the source is csrc/decode_linear.cpp
+    _EMBEDDED_SOURCE = None
+_CPU_KERNEL = register_cpu_kernel(
+    "decode_linear", _EMBEDDED_SOURCE, "fwp_dense", "linear_rows", KERNEL_CFLAGS, "oneDNN's or torch's matmul",
+)
+# Rows of input up to which the weight-streaming kernel runs (decoding); above, oneDNN's matmul reuses each weight
+# block over the rows and is faster. Measured (benchmarks/bench_cpu.py "linear_rows", 2 threads, 8 weights of
+# 5632 x 2048): float32 1 row 22.9 GB/s (oneDNN 22.8, F.linear 13.0), 2 rows 14.8 vs 15.6 ms (oneDNN); bfloat16
+# 1 row 18.9 GB/s (oneDNN 12.9, F.linear 13.6), 2 rows 11.8 vs 10.6 ms, 4 rows 14.1 vs 11.9 ms.
+STREAMING_MAX_ROWS = 1
 
-def _use_onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    if not _ONEDNN or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.numel() == 0:
+
+def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether ``x W^T + b`` may leave F.linear: CPU float32 / bfloat16 in one dtype, outside autograd and autocast
+    (which casts F.linear's inputs)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.numel() == 0:
         return False
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return False
+    if torch.is_autocast_enabled("cpu"):
         return False
     tensors = (x, weight) if bias is None else (x, weight, bias)
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x [*, K] @ weight [N, K]^T + bias [N]`` -> ``[*, N]``, as ``F.linear``; through oneDNN's matmul on CPU for
-    float32 / bfloat16 outside autograd (``weight`` may be a transposed view, e.g. ``E.t()`` for ``P @ E``)."""
-    if not _use_onednn(x, weight, bias):
+    """``x [*, K] @ weight [N, K]^T + bias [N]`` -> ``[*, N]``, as ``F.linear``. On CPU for float32 / bfloat16 outside
+    autograd: a single row of input (decoding) streams the weight once (``csrc/decode_linear.cpp``), more rows go
+    through oneDNN's matmul (``weight`` may be a transposed view, e.g. ``E.t()`` for ``P @ E``); F.linear otherwise.
+    The same product up to summation order (float32 accumulation in every path)."""
+    if not _cpu_inference(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
+    streaming = rows.shape[0] <= STREAMING_MAX_ROWS and weight.is_contiguous()
+    if streaming and not torch.compiler.is_compiling() and _CPU_KERNEL.available():  # (no fake kernel to trace)
+        out = rows.new_empty(rows.shape[0], weight.shape[0])
+        torch.ops.fwp_dense.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
+    elif _ONEDNN:
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
+    else:
+        return F.linear(x, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -31,7 +31,7 @@ from .chunk import (
     compiled_forward_buffers,
     unit_lower_inverse,
 )
-from .cpp_build import OPENMP_CFLAGS, register_cpu_kernel
+from .cpp_build import KERNEL_CFLAGS, register_cpu_kernel
 from .dispatch import (
     Recurrence,
     acc_dtype,
@@ -81,7 +81,7 @@ try:  # inside a saved model folder the C++ source travels as a string (transfor
 except ImportError:  # the installed package: the source is csrc/chunk_gated_delta.cpp
     _EMBEDDED_SOURCE = None
 _CPU_KERNEL = register_cpu_kernel(
-    "chunk_gated_delta", _EMBEDDED_SOURCE, "fwp_gated_chunk", "gated_forward", OPENMP_CFLAGS,
+    "chunk_gated_delta", _EMBEDDED_SOURCE, "fwp_gated_chunk", "gated_forward", KERNEL_CFLAGS,
     "the PyTorch chunked kernel (slower on CPU)",
 )
 # Whether the C++ kernel runs (built on first use); module attributes, so that tests can switch it off.

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
-from .cpp_build import OPENMP_CFLAGS, register_cpu_kernel
+from .cpp_build import KERNEL_CFLAGS, register_cpu_kernel
 from .dispatch import KernelFinder, check_tensor
 
 DESCRIPTION = "recurrent FWP scan"  # what the scans are called in the dispatcher's messages
@@ -76,7 +76,7 @@ try:  # inside a saved model folder the C++ source travels as a string (transfor
 except ImportError:  # the installed package: the source is csrc/rfwp_scan.cpp
     _EMBEDDED_SOURCE = None
 _CPU_KERNEL = register_cpu_kernel(
-    "rfwp_scan", _EMBEDDED_SOURCE, "fwp_rfwp", "fast_rnn_forward", OPENMP_CFLAGS,
+    "rfwp_scan", _EMBEDDED_SOURCE, "fwp_rfwp", "fast_rnn_forward", KERNEL_CFLAGS,
     "the PyTorch step loop (much slower)",
 )
 _SOURCE = _CPU_KERNEL.source_path

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fwp_kernels import delta_rule, gated_delta_rule, linear_attention
+from fwp_kernels import delta_rule, dense_linear, gated_delta_rule, linear_attention
 from torch import nn
 from transformers import initialization as init
 
@@ -47,6 +47,16 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """``[B, H, T, d] -> [B, T, H * d]``."""
     B, H, T, d = x.shape
     return x.transpose(1, 2).reshape(B, T, H * d)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, state dict, initialisation; PEFT and hooks see an ``nn.Linear``) whose forward
+    outside autograd on CPU runs ``fwp_kernels.dense_linear``: a decode step's single row streams the weight once at
+    the memory bandwidth, more rows take oneDNN's matmul (faster than MKL's sgemm on AMD CPUs). Training, other
+    devices and dtypes run ``F.linear``. The backbone's and the fast-weight layers' projections are this class."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return dense_linear(input, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -147,11 +157,11 @@ class FastWeightLinearAttention(nn.Module):
         self.query_scale = config.feature_dim ** -0.5 if config.query_scaling else None
         self.allow_neg_eigval = config.allow_neg_eigval
         key_dim, value_dim = self.num_heads * self.head_dim, self.num_value_heads * self.value_head_dim
-        self.q_proj = nn.Linear(config.hidden_size, key_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, key_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, value_dim, bias=False)
+        self.q_proj = Linear(config.hidden_size, key_dim, bias=False)
+        self.k_proj = Linear(config.hidden_size, key_dim, bias=False)
+        self.v_proj = Linear(config.hidden_size, value_dim, bias=False)
         self.beta_proj = (
-            nn.Linear(config.hidden_size, self.num_value_heads, bias=config.beta_bias)
+            Linear(config.hidden_size, self.num_value_heads, bias=config.beta_bias)
             if self.update_rule == "delta" else None
         )
         self.short_conv_size = config.short_conv_size
@@ -160,9 +170,9 @@ class FastWeightLinearAttention(nn.Module):
             self.k_conv1d = CausalConv1d(key_dim, self.short_conv_size)
             self.v_conv1d = CausalConv1d(value_dim, self.short_conv_size)
         self.o_norm = RMSNorm(self.value_head_dim, eps=config.layer_norm_eps) if config.output_norm else None
-        self.g_proj = nn.Linear(config.hidden_size, value_dim, bias=False) if config.output_gate else None
+        self.g_proj = Linear(config.hidden_size, value_dim, bias=False) if config.output_gate else None
         self.output_gate_activation = OUTPUT_GATES[config.output_gate_activation]
-        self.o_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(value_dim, config.hidden_size, bias=False)
         self.feature_map = FeatureMap(config)
         self._register_load_state_dict_pre_hook(split_fused_qkv_projection)
 
@@ -260,7 +270,7 @@ class GatedDeltaNetLayer(FastWeightLinearAttention):
 
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(config, layer_idx)
-        self.a_proj = nn.Linear(config.hidden_size, self.num_value_heads, bias=False)
+        self.a_proj = Linear(config.hidden_size, self.num_value_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
         self.init_fast_weight_parameters()

@@ -30,7 +30,7 @@ from .configuration_fwp import (
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS, RMSNorm
+from .fast_weight_layers import FAST_WEIGHT_LAYERS, Linear, RMSNorm
 from .feature_maps import FeatureMap
 from .pretrained import StatefulPreTrainedModel, logits_to_keep_index
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
@@ -43,10 +43,10 @@ class FeedForward(nn.Module):
     def __init__(self, config: FastWeightConfig) -> None:
         super().__init__()
         swiglu = getattr(config, "feed_forward_type", "mlp") == "swiglu"
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False) if swiglu else None
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=not swiglu)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False) if swiglu else None
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=not swiglu)
         self.act = ACT2FN[config.hidden_act]
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=not swiglu)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=not swiglu)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -312,7 +312,7 @@ class FastWeightForCausalLM(FastWeightPreTrainedModel, GenerationMixin):
     def __init__(self, config: FastWeightConfig) -> None:
         super().__init__(config)
         self.model = self.base_model_class(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -36,7 +36,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from .feature_maps import FeatureMap
-from .fast_weight_layers import State, merge_heads, register_fast_weight_layer
+from .fast_weight_layers import Linear, State, merge_heads, register_fast_weight_layer
 
 # Delta MLP: the fast net's hidden layer is this many times head_dim (the reference code's 4 * d_model over heads).
 FAST_NET_EXPANSION = 4
@@ -84,8 +84,8 @@ class SlowProjection(nn.Module):
         self.num_heads = num_heads
         self.sizes = dict(sizes)
         self.betas = dict(betas)
-        self.proj = nn.Linear(hidden_size, num_heads * sum(self.sizes.values()), bias=False)
-        self.beta_proj = nn.Linear(hidden_size, num_heads * sum(self.betas.values()), bias=True) if self.betas else None
+        self.proj = Linear(hidden_size, num_heads * sum(self.sizes.values()), bias=False)
+        self.beta_proj = Linear(hidden_size, num_heads * sum(self.betas.values()), bias=True) if self.betas else None
 
     def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         B, T, _ = x.shape
@@ -126,7 +126,7 @@ class RecurrentFastWeightLayer(nn.Module):
         self.head_dim = config.head_dim
         self.kernel_mode, self.scan_mode = recurrence_modes(config)
         self.chunk_size = config.chunk_size
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def delta_rule(self, q, k, v, beta, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """``delta_rule`` with the config's kernel settings, returning ``(o, final_state)``."""

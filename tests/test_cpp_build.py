@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.utils.cpp_extension
 
-from fwp_kernels import build, chunk
+from fwp_kernels import build, chunk, cpp_build
 from fwp_kernels.cpp_build import BUILT_MARKER, CompiledCpuKernel, missing_toolchain
 
 
@@ -40,10 +40,15 @@ def test_build_key_covers_source_torch_and_flags(monkeypatch, tmp_path):
     monkeypatch.setenv("FWP_KERNELS_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "clang++")
     changed["compiler"] = kernel.build_directory(source)
+    monkeypatch.delenv("CXX")
+    if cpp_build.NATIVE_ARCH_FLAG in kernel.extra_cflags:  # a -march=native build is one CPU kind's
+        monkeypatch.setattr(cpp_build, "cpu_identity", lambda: "another CPU | avx2")
+        changed["CPU"] = kernel.build_directory(source)
+        monkeypatch.undo()
+        monkeypatch.setenv("FWP_KERNELS_BUILD_DIR", str(tmp_path))
     for what, other in changed.items():
         assert other != directory, f"the build key ignores the {what}"
     # Another environment: Python, torch and its headers elsewhere. The key holds no paths: the same entry.
-    monkeypatch.delenv("CXX")
     monkeypatch.setattr(sys, "prefix", "/elsewhere/venv2")
     monkeypatch.setattr(sys, "executable", "/elsewhere/venv2/bin/python")
     monkeypatch.setattr(torch.utils.cpp_extension, "include_paths", lambda *a, **k: ["/elsewhere/venv2/include"])
@@ -72,6 +77,7 @@ def test_cached_build_loads_without_compiler(monkeypatch, caplog):
     kernel = chunk._CPU_KERNEL
     if not kernel.available():
         pytest.skip(f"the C++ chunk kernel is {kernel.describe()}")
+    caplog.clear()  # available() may have built it just now (a cold cache): only what follows counts
     source = kernel.source()[0]
     assert (kernel.build_directory(source) / BUILT_MARKER).is_file()
 
@@ -110,6 +116,7 @@ def test_kernels_are_built_with_openmp(stem):
     if not kernel.available():
         pytest.skip(f"{stem}: {kernel.describe()}")
     assert "-fopenmp" in kernel.extra_cflags
+    assert set(cpp_build.native_arch_flags()) <= set(kernel.extra_cflags)  # the building CPU's vector units
     directory = kernel.build_directory(kernel.source()[0])
     library = directory / f"fwp_{directory.name}.so"
     assert b"GOMP_parallel" in library.read_bytes()

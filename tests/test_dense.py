@@ -80,12 +80,70 @@ def test_dense_linear_uses_onednn_only_outside_autograd():
     if not dense.onednn_linear_available():
         pytest.skip("PyTorch has no oneDNN here")
     x, weight, bias, _, _ = random_layer(torch.float32)
-    assert dense._use_onednn(x, weight, bias)
+    assert dense._cpu_inference(x, weight, bias)
     leaf = weight.clone().requires_grad_(True)
-    assert not dense._use_onednn(x, leaf, bias)  # tracked: F.linear, which has a backward
+    assert not dense._cpu_inference(x, leaf, bias)  # tracked: F.linear, which has a backward
     out = dense_linear(x, leaf, bias)
     out.sum().backward()
     torch.testing.assert_close(leaf.grad, x.sum(0).expand_as(leaf).contiguous(), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        assert dense._use_onednn(x, leaf, bias)
-    assert not dense._use_onednn(x.double(), weight.double(), None)  # float64: F.linear (the exact references)
+        assert dense._cpu_inference(x, leaf, bias)
+    assert not dense._cpu_inference(x.double(), weight.double(), None)  # float64: F.linear (the exact references)
+
+
+def _streaming_kernel():
+    if not dense._CPU_KERNEL.available():
+        pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
+    return torch.ops.fwp_dense.linear_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,N,K", [(1, 37, 40), (1, 300, 129), (3, 43, 7)])  # N and K no multiples of 4 / 16
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_streaming_linear_matches_float64(dtype, rows, N, K, with_bias):
+    """csrc/decode_linear.cpp: x W^T + b with float32 accumulation, against float64, for the four-row blocks and the
+    tail rows, several rows of x, with and without bias; bfloat16 output rounded once (within one bf16 step)."""
+    linear_rows = _streaming_kernel()
+    x, weight, bias, _, _ = random_layer(dtype, N=rows, K=K, V=N, seed=rows + N)
+    bias = bias if with_bias else None
+    out = torch.full((rows, N), float("nan"), dtype=dtype)
+    linear_rows(x, weight, bias, out)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    else:  # the exact sum rounded to bf16 vs ours: at most one bf16 step (8 bits of mantissa) apart, plus fp32 sums
+        step = expected.abs().clamp_min(1e-3) * 2.0 ** -7
+        assert ((out.double() - expected).abs() <= step + 1e-4).all()
+
+
+def test_streaming_linear_refuses_bad_shapes_and_dtypes():
+    linear_rows = _streaming_kernel()
+    x, weight = torch.randn(1, 8), torch.randn(5, 8)
+    with pytest.raises(RuntimeError, match="weight"):
+        linear_rows(torch.randn(1, 7), weight, None, torch.empty(1, 5))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        linear_rows(x, weight.double(), None, torch.empty(1, 5))
+    with pytest.raises(RuntimeError, match="out"):
+        linear_rows(x, weight, None, torch.empty(2, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_streams_one_row_and_leaves_other_cases_to_matmuls(monkeypatch, dtype):
+    """One row outside autograd: the streaming kernel's result, bit for bit; two rows, a tracked weight, autocast:
+    not the kernel (checked by making it fail)."""
+    linear_rows = _streaming_kernel()
+    x, weight, bias, _, _ = random_layer(dtype, N=2, K=64, V=50)
+    one = x[:1].view(1, 1, 64)  # [B, T, K] of a decode step
+    expected = torch.empty(1, 50, dtype=dtype)
+    linear_rows(x[:1].contiguous(), weight, bias, expected)
+    with torch.no_grad():
+        assert torch.equal(dense_linear(one, weight, bias), expected.view(1, 1, 50))
+    monkeypatch.setattr(dense._CPU_KERNEL, "available", lambda: pytest.fail("the streaming kernel was asked"))
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    with torch.no_grad():
+        torch.testing.assert_close(dense_linear(x, weight, bias), F.linear(x, weight, bias), rtol=tol, atol=tol)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert dense_linear(one.float(), weight.float(), bias.float()).dtype == torch.bfloat16  # autocast's cast
+    leaf = weight.clone().requires_grad_(True)
+    dense_linear(one, leaf, bias).sum().backward()
+    assert leaf.grad is not None

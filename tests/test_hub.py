@@ -289,7 +289,7 @@ def test_export_contents(exports, name):
     files = hub.check_export(folder)
     for file in ("config.json", "model.safetensors", "README.md", "results.json", "tokenizer.json", "pretrained.py",
                  "fwp_kernels.py", "delta_rule_kernels.py", "dispatch.py", "remote_code.py", "rfwp_scan.py",
-                 "rfwp_scan.cpp", "rfwp_scan_csrc.py"):
+                 "rfwp_scan.cpp", "rfwp_scan_csrc.py", "dense.py", "decode_linear.cpp", "decode_linear_csrc.py"):
         assert file in files, file
     assert "hub.py" not in files and not any(f.endswith(".bin") for f in files)
     # The C++ source travels twice: as the file, and as the string transformers' module cache will hold.
@@ -529,7 +529,7 @@ def test_export_rewrites_kernel_imports_into_sibling_imports(tmp_path):
     assert set(remote_code_sources([source])) == {"modeling_z.py"}  # as transformers sees the unsaved file
     sources = remote_code_sources([source], rewrite_kernel_imports=True)
     assert sources["fwp_kernels.py"] == Path(fwp_kernels.__file__)
-    assert {"dispatch.py", "chunk.py", "chunk_delta_csrc.py", "rfwp_scan_csrc.py"} <= set(sources)
+    assert {"dispatch.py", "chunk.py", "chunk_delta_csrc.py", "rfwp_scan_csrc.py", "decode_linear_csrc.py"} <= set(sources)
     staging = tmp_path / "staged"
     staging.mkdir()
     staged = stage_remote_code(sources, staging)

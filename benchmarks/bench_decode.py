@@ -1,0 +1,176 @@
+"""The whole 1.3B Delta Net on CPU against this machine's bounds: decode ms/token and prefill tokens/s, at 1 and 2 threads.
+
+Issue 18 items 4-5. The model is fla-hub/delta_net-1.3B-100B's shape with random weights (``bench_pretrained``'s
+``build_model``: hidden 2048, 24 layers, 16 heads of 128, SwiGLU 5632, vocab 32000, untied), in float32 and bfloat16.
+For each dtype and thread count, measured side by side in one process (round-robin, a step of each in turn):
+
+- ``ours``: the model as shipped: its projections are ``modeling_fwp.fast_weight_layers.Linear``, whose inference
+  forward streams the weights once for a decode step (``fwp_kernels.dense_linear``: csrc/decode_linear.cpp) and
+  takes oneDNN's matmul for a prefill;
+- ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run).
+
+Bounds, from peaks measured in the same process just before: decode ms/token against "bytes read per token / read
+bandwidth" (every weight but the input embedding, of which one row, plus the recurrent state read and written once;
+the read bandwidth of ``x.sum()`` over 512 MB), and prefill tokens/s against "matmul FLOPs / matmul peak" (2 FLOPs per
+weight per token plus the chunkwise delta rule's, ``bench_kernels.chunk_flops``; the peak of a 2048^3 matmul in the
+model's dtype).
+
+    python benchmarks/bench_decode.py                 # about 10 minutes on an idle 2-core CPU, 8 GB of memory
+    python benchmarks/bench_decode.py --quick         # a toy model, seconds: checks that it runs
+
+Writes benchmarks/results/bench_decode.json (``--out``) with the command, versions and load average.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu import MODEL_1B3  # noqa: E402
+from bench_kernels import chunk_flops, timings  # noqa: E402
+from bench_pretrained import build_model  # noqa: E402
+from fwp_kernels import chunk  # noqa: E402
+from modeling_fwp import fast_weight_layers  # noqa: E402
+from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
+from training.result_file import RunRecord, summarize  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode.json"
+VARIANTS = ("ours", "f_linear")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear)."""
+    if name == "ours":
+        yield
+        return
+    fast_weight_layers.Linear.forward = torch.nn.Linear.forward
+    try:
+        yield
+    finally:
+        del fast_weight_layers.Linear.forward  # back to the class's own
+
+
+def machine_peaks(dtype: torch.dtype, quick: bool) -> dict:
+    """Matmul GFLOP/s in `dtype` (2048^3) and read bandwidth GB/s (x.sum() over 512 MB) at the current threads."""
+    n, mb = (256, 16) if quick else (2048, 512)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    x = torch.ones(mb * 2**20 // 4)
+    t = timings({"matmul": lambda: a @ b, "read": lambda: x.sum()}, 3 if quick else 5)
+    return {"matmul_gflops": 2 * n**3 / t["matmul"]["median"] / 1e9, "read_gbs": x.numel() * 4 / t["read"]["median"] / 1e9}
+
+
+def bytes_per_token(model, cache) -> int:
+    """Bytes a decode step must read: every weight but the input embedding (one row of it), the state read and written."""
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    return weights + embed.shape[1] * embed.element_size() + 2 * cache.nbytes()
+
+
+def prefill_flops(model, T: int) -> float:
+    """2 FLOPs per weight per token (all but the input embedding) plus the chunkwise delta rule's, all layers."""
+    config = model.config
+    embed = model.get_input_embeddings().weight.numel()
+    weights = sum(p.numel() for p in model.parameters()) - embed
+    D = config.hidden_size // config.num_attention_heads
+    C = chunk.auto_chunk_size(torch.device("cpu"), D, 64)
+    return 2 * weights * T + config.num_hidden_layers * chunk_flops("delta", 1, config.num_attention_heads, T, D, D, C)
+
+
+@torch.inference_mode()
+def measure(model, prefill: int, context: int, steps: int, quick: bool) -> dict:
+    """Both variants at the current thread count: prefill tokens/s, decode ms/token after `context`, their bounds."""
+    dtype = next(model.parameters()).dtype
+    peak = machine_peaks(dtype, quick)
+    ids = torch.randint(3, model.config.vocab_size, (1, max(prefill, context)), generator=torch.Generator().manual_seed(0))
+    prefill_fns = {}
+    for name in VARIANTS:
+        def run(name=name):
+            with variant(name):
+                model(ids[:, :prefill], use_cache=True)
+        prefill_fns[name] = run
+    prefill_t = timings(prefill_fns, 1 if not quick else 2)
+    caches, tokens, logits = {}, {}, {}
+    for name in VARIANTS:
+        with variant(name):
+            out = model(ids[:, :context], use_cache=True)
+        caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
+        logits[name] = out.logits[:, -1].float()
+    step_times = {name: [] for name in VARIANTS}
+    for step in range(steps + 2):  # round-robin: a step of each in turn; the first two are warm-up
+        for name in VARIANTS:
+            with variant(name):
+                t0 = time.perf_counter()
+                out = model(tokens[name], use_cache=True, **{CACHE_ARGUMENT: caches[name]})
+                elapsed = time.perf_counter() - t0
+            caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
+            if step >= 2:
+                step_times[name].append(elapsed * 1e3)
+    bound_ms = bytes_per_token(model, caches["ours"]) / (peak["read_gbs"] * 1e9) * 1e3
+    bound_tokens_per_s = prefill / (prefill_flops(model, prefill) / (peak["matmul_gflops"] * 1e9))
+    result = {"peaks": peak, "decode_bound_ms": bound_ms, "prefill_bound_tokens_per_s": bound_tokens_per_s,
+              "prefill_logits_max_abs_difference": (logits["ours"] - logits["f_linear"]).abs().max().item()}
+    for name in VARIANTS:
+        decode = summarize(step_times[name])
+        rate = prefill / prefill_t[name]["median"]
+        result[name] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
+                        "prefill_tokens_per_s": rate, "prefill_of_bound": rate / bound_tokens_per_s}
+    result["decode_speedup"] = result["f_linear"]["decode_ms_per_token"]["median"] / result["ours"]["decode_ms_per_token"]["median"]
+    result["prefill_speedup"] = result["ours"]["prefill_tokens_per_s"] / result["f_linear"]["prefill_tokens_per_s"]
+    return result
+
+
+def print_table(results: dict) -> None:
+    for dtype, by_threads in results["models"].items():
+        print(f"\n1.3B Delta Net, {dtype}")
+        for th, r in by_threads.items():
+            o, f = r["ours"], r["f_linear"]
+            print(f"  {th} thread(s): read {r['peaks']['read_gbs']:.1f} GB/s, matmul {r['peaks']['matmul_gflops']:.0f} GFLOP/s")
+            print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x the "
+                  f"bound {r['decode_bound_ms']:.1f}), F.linear {f['decode_ms_per_token']['median']:.1f} "
+                  f"({f['decode_of_bound']:.2f}x); ours {r['decode_speedup']:.2f}x faster")
+            print(f"    prefill tokens/s: ours {o['prefill_tokens_per_s']:.0f} ({o['prefill_of_bound']:.2f} of the bound "
+                  f"{r['prefill_bound_tokens_per_s']:.0f}), F.linear {f['prefill_tokens_per_s']:.0f} "
+                  f"({f['prefill_of_bound']:.2f}); ours {r['prefill_speedup']:.2f}x faster")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a toy model: checks that the script runs")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--prefill", type=int, default=2048, help="prefill length (tokens)")
+    parser.add_argument("--context", type=int, default=64, help="tokens before the timed decode steps")
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per variant")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    if args.quick:
+        args.prefill, args.context, args.steps = 64, 16, 4
+    record = RunRecord.start("python benchmarks/bench_decode.py " + " ".join(sys.argv[1:]))
+    results = {"quick": args.quick, "prefill": args.prefill, "context": args.context, "steps": args.steps,
+               "shape": MODEL_1B3, "models": {}}
+    threads_before = torch.get_num_threads()
+    for dtype in args.dtypes:
+        model = build_model("delta_net", getattr(torch, dtype), args.quick)
+        results["models"][dtype] = {}
+        for th in args.threads:
+            torch.set_num_threads(th)
+            results["models"][dtype][th] = {**measure(model, args.prefill, args.context, args.steps, args.quick),
+                                            "load_average": os.getloadavg()}
+        del model
+    torch.set_num_threads(threads_before)
+    print_table(results)
+    path = record.write(args.out if not args.quick or args.out != str(RESULTS) else
+                        str(Path(os.environ.get("TMPDIR", "/tmp")) / "bench_decode_quick.json"), results)
+    print(f"\nwrote {path} (load average {os.getloadavg()[0]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
