@@ -336,6 +336,34 @@ def pretrained_rows(s: Source) -> List[Row]:
     return rows
 
 
+def decode_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_decode.py: the whole 1.3B Delta Net against the bandwidth and matmul bounds, ours vs F.linear."""
+    rows = []
+    for dtype, by_threads in (s.get("models") or {}).items():
+        for th, r in by_threads.items():
+            key = f"models.{dtype}.{th}"
+            ours = s.pair(f"{key}.ours.decode_ms_per_token.median", f"{key}.ours.decode_ms_per_token.best")
+            base = s.pair(f"{key}.f_linear.decode_ms_per_token.median", f"{key}.f_linear.decode_ms_per_token.best")
+            bound = s.get(f"{key}.decode_bound_ms")
+            rows.append([
+                fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s); bound = bytes read per token / read "
+                     "bandwidth ({:.1f} GB/s, same run)", dtype, th, s.get(f"{key}.peaks.read_gbs")),
+                both("{m:.1f} ({b:.2f}x the bound {d:.1f}; {r:.2f}x faster)", True, m=ours,
+                     b=pdiv(ours, (bound, bound)), d=(bound, bound), r=pdiv(base, ours)),
+                both("F.linear {m:.1f} ({b:.2f}x the bound)", m=base, b=pdiv(base, (bound, bound))),
+                "within 1.3x of the bound"])
+            rate = {v: s.get(f"{key}.{v}.prefill_tokens_per_s") for v in ("ours", "f_linear")}
+            rows.append([
+                fill("prefill tok/s at {:,} tokens, whole 1.3B Delta Net, {}, {} thread(s); bound = FLOPs / {} "
+                     "matmul peak ({:.0f} GFLOP/s, same run)", s.get("prefill"), dtype, th, dtype,
+                     s.get(f"{key}.peaks.matmul_gflops")),
+                fill("**{:.1f}** ({:.2f} of the bound {:.1f})", rate["ours"], s.get(f"{key}.ours.prefill_of_bound"),
+                     s.get(f"{key}.prefill_bound_tokens_per_s")) + " (one round)",
+                fill("F.linear {:.1f} ({:.2f} of the bound)", rate["f_linear"], s.get(f"{key}.f_linear.prefill_of_bound")),
+                "at least 0.6 of the bound"])
+    return rows
+
+
 def compile_rows(s: Source) -> List[Row]:
     """benchmarks/bench_compile.py: decode ms/token with the forward compiled (inductor) vs eager, same tokens."""
     rows = []
@@ -377,6 +405,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_synthetic_data.json", synthetic_data_rows),
     ("benchmarks/results/transfo_xl_transformers4_parity.json", parity_rows),
     ("benchmarks/results/bench_pretrained.json", pretrained_rows),
+    ("benchmarks/results/bench_decode.json", decode_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
 )
