@@ -250,20 +250,20 @@ def _op_beta(gates: Tuple[torch.Tensor, ...]) -> Optional[torch.Tensor]:
     return beta
 
 
-def _decode_cpu(q, k, v, gates, initial_state) -> Tuple[torch.Tensor, torch.Tensor]:
+def decode_cpu(q, k, v, gates, initial_state) -> Tuple[torch.Tensor, torch.Tensor]:
     """One position (T = 1) of every head in one C++ call that reads each row of the state once and writes it once
     (``decode_step`` in csrc/chunk_delta.cpp): ``[B, H, 1, D]`` inputs -> o ``[B, H, 1, Dv]``, state ``[B, H, Dv, Dk]``.
+    `gates`: ``()`` (sum rule), ``(beta,)`` (delta rule) or ``(beta, g)`` (gated delta rule, g the log-decay).
     """
     acc = acc_dtype(q, k, v, initial_state, *gates)
     B, H, _, Dk = q.shape
     Dv = v.shape[-1]
     q1, k1, v1 = (x.reshape(B * H, x.shape[-1]).to(acc).contiguous() for x in (q, k, v))
-    beta = _op_beta(gates)
-    beta = None if beta is None else beta.reshape(B * H).to(acc).contiguous()
+    beta, g = (None if x is None else x.reshape(B * H).to(acc).contiguous() for x in (tuple(gates) + (None, None))[:2])
     state = None if initial_state is None else initial_state.reshape(B * H, Dv, Dk).to(acc).contiguous()
     new_state = q.new_empty(B, H, Dv, Dk, dtype=acc)  # never written in place: the caller's state stays
     o = q.new_empty(B, H, 1, Dv, dtype=acc)
-    torch.ops.fwp_chunk.decode_step(q1, k1, v1, beta, state, new_state, o)
+    torch.ops.fwp_chunk.decode_step(q1, k1, v1, beta, g, state, new_state, o)
     return o.to(q.dtype), new_state
 
 
@@ -281,7 +281,7 @@ def compiled_forward_buffers(q, v, initial_state, acc: torch.dtype) -> Tuple[tor
 def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The C++ forward: ``[B, H, T, D]`` inputs -> o ``[B, H, T, Dv]`` (q's dtype), final state ``[B, H, Dv, Dk]``."""
     if q.shape[2] == 1:
-        return _decode_cpu(q, k, v, gates, initial_state)
+        return decode_cpu(q, k, v, gates, initial_state)
     acc = acc_dtype(q, k, v, initial_state, *gates)
     state, o = compiled_forward_buffers(q, v, initial_state, acc)
     flat = [_flat(x, acc) for x in (q, k, v, _op_beta(gates))]

@@ -120,6 +120,8 @@ class GatedDeltaRuleChunks(ChunkRule):
         return x.device.type == "cpu" and acc in (torch.float32, torch.float64) and cpu_kernel_available()
 
     def compiled_forward(self, q, k, v, gates, initial_state, chunk_size: int):
+        if q.shape[2] == 1 and chunk.cpu_kernel_available():  # a decode step: the delta rule's one-pass kernel, gated
+            return chunk.decode_cpu(q, k, v, gates, initial_state)
         acc = acc_dtype(q, k, v, initial_state, *gates)
         state, o = compiled_forward_buffers(q, v, initial_state, acc)
         torch.ops.fwp_gated_chunk.gated_forward(*[_flat(x, acc) for x in (q, k, v, *gates)], state, chunk_size, o)
@@ -260,16 +262,16 @@ def gated_delta_rule_chunk(
     return o, (final if output_final_state else None)
 
 
-_GATED_RECURRENT_MAX_T_CPP = 1  # the step loop up to here on CPU with the C++ chunk kernel (measured below)
-
-
 def gated_auto_mode(T: int, device: torch.device) -> str:
     """mode="auto": the delta rule's crossovers (``chunk.auto_mode``), with this rule's own C++ kernel deciding the
     CPU one. Measured (fp32, B*H = 8, D = 64, one thread, a busy machine): the C++ chunk kernel ties with the step loop
-    at T = 1 (46 vs 55 us) and is faster from T = 2 on (49 vs 303 us), as for the delta rule."""
-    if device.type == "cpu":  # no one-pass decode step for this rule (the delta rule's): a decode step is the loop
-        limit = _GATED_RECURRENT_MAX_T_CPP if cpu_kernel_available() else chunk._RECURRENT_MAX_T_CPU_PYTORCH
-        return "recurrent" if T <= limit else "chunk"
+    at T = 1 (46 vs 55 us) and is faster from T = 2 on (49 vs 303 us), as for the delta rule. A decode step (T = 1)
+    takes the delta rule's one-pass ``decode_step`` with the decay (csrc/chunk_delta.cpp) when both C++ kernels are
+    built: the 1.3B Gated DeltaNet layer shape (6 heads, 256 x 512), 21 layers, ``benchmarks/bench_pretrained.py``."""
+    if device.type == "cpu":
+        if not cpu_kernel_available():
+            return "recurrent" if T <= chunk._RECURRENT_MAX_T_CPU_PYTORCH else "chunk"
+        return "recurrent" if T == 1 and not chunk.cpu_kernel_available() else "chunk"
     return chunk.auto_mode(T, device)
 
 

@@ -374,9 +374,14 @@ def test_auto_mode_resolution(rule, monkeypatch):
     _resolve_mode = functools.partial(resolve_mode, RECURRENCES[RULE_FUNCTIONS[rule].__name__])
     cpu = torch.device("cpu")
     built = kernel_module.cpu_kernel_available()
-    # a decode step: the delta rule's C++ one-pass decode step (mode "chunk" with T = 1) when built, else the step
-    # loop (the gated rule has no decode step)
-    assert _resolve_mode("auto", 1, cpu) == ("chunk" if built and rule == "delta" else "recurrent")
+    # a decode step: the C++ one-pass decode step (mode "chunk" with T = 1; the gated rule's is the delta rule's with
+    # the decay, so it needs both kernels) when built, else the step loop
+    decode_built = built and chunk.cpu_kernel_available()
+    assert _resolve_mode("auto", 1, cpu) == ("chunk" if decode_built else "recurrent")
+    if rule == "gated" and built:  # its chunk kernel without the delta rule's: a decode step is the loop
+        with monkeypatch.context() as patch:
+            patch.setattr(chunk, "cpu_kernel_available", lambda: False)
+            assert _resolve_mode("auto", 1, cpu) == "recurrent" and _resolve_mode("auto", 2, cpu) == "chunk"
     assert _resolve_mode("auto", 512, cpu) == "chunk"
     assert _resolve_mode("auto", 1, torch.device("cuda")) == "recurrent"
     assert _resolve_mode("auto", 512, torch.device("cuda")) == "chunk"
@@ -436,10 +441,17 @@ def test_cpp_kernel_fewer_sequences_than_threads(rule, threads, dtype):
 def test_decode_step_matches_step_loop(rule, threads, dtype, state):
     """T = 1 through mode "auto" (the C++ decode step on CPU, one pass over the state): output, new state and every
     gradient (the backward is the chunk kernel's) against the float64 step loop; the caller's state is unchanged."""
+    from fwp_kernels import chunk
+
     inputs = make_inputs(rule, 2, 3, 1, 32, 24, dtype, seed=7, state=state)
     ref = reference(rule, inputs)
     before = None if not state else inputs["initial_state"].detach().clone()
-    got = _with_threads(threads, lambda: outputs_and_grads(rule, inputs, mode="auto"))
+    calls = []
+    decode = chunk.decode_cpu
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chunk, "decode_cpu", lambda *args: calls.append(1) or decode(*args))
+        got = _with_threads(threads, lambda: outputs_and_grads(rule, inputs, mode="auto"))
+    assert len(calls) == (1 if chunk.cpu_kernel_available() else 0)  # the one-pass kernel ran (where built)
     assert got["o"].dtype == dtype and got["o"].shape == inputs["v"].shape
     assert_close(got, ref, TOL[dtype])
     if state:

@@ -58,14 +58,14 @@ def test_cached_steps_equal_full_forward(config_cls, feature_map):
 @pytest.mark.parametrize("config_cls", RULES)
 def test_decode_steps_take_the_one_pass_decode_kernel(config_cls, monkeypatch):
     """On CPU with the C++ kernel, a one-token step is one ``decode_step`` call per layer (and per normaliser with
-    attention normalisation): fwp_kernels.chunk._decode_cpu; the logits equal the full forward's."""
+    attention normalisation): fwp_kernels.chunk.decode_cpu; the logits equal the full forward's."""
     from fwp_kernels import chunk
 
     if not chunk.cpu_kernel_available():
         pytest.skip(f"C++ chunk kernel: {chunk.cpu_kernel_status()}")
     calls = []
-    decode = chunk._decode_cpu
-    monkeypatch.setattr(chunk, "_decode_cpu", lambda *args: calls.append(args[0].shape) or decode(*args))
+    decode = chunk.decode_cpu
+    monkeypatch.setattr(chunk, "decode_cpu", lambda *args: calls.append(args[0].shape) or decode(*args))
     model = tiny_model(config_cls)
     ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(2))
     steps, _ = stepwise_logits(model, ids)

@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -499,15 +500,16 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 }
 
 // One position for every sequence (decoding), each row of the state read and written once. Row i of S [Dv, Dk]
-// (value i) with the key k, query q:
-//   delta rule (eqs. 20, 24, 25):  d_i = beta (v_i - S_i k),  S'_i = S_i + d_i k^T,  o_i = S'_i q = S_i q + d_i (k q)
+// (value i) with the key k, query q, and the decay a = exp(g) of the gated delta rule (a = 1 without g):
+//   delta rule (eqs. 20, 24, 25):  d_i = beta (v_i - a S_i k),  S'_i = a S_i + d_i k^T,
+//                                  o_i = S'_i q = a S_i q + d_i (k q)
 //   sum rule (eqs. 10-11):          d_i = v_i
-// q, k [BH, Dk], v [BH, Dv], beta [BH] or None (sum rule), S [BH, Dv, Dk] or None (zeros); writes S_out (may be S)
-// and o [BH, Dv]. Rows in parallel over threads; four rows of one head at a time, so that the dot products have eight
+// q, k [BH, Dk], v [BH, Dv], beta [BH] or None (sum rule), g [BH] or None, S [BH, Dv, Dk] or None (zeros); writes
+// S_out (may be S) and o [BH, Dv]. Rows in parallel over threads; four rows of one head at a time, so that the dot products have eight
 // independent sums (one row's two sums leave the vector unit waiting on the adds: 1.7x slower, measured).
 template <typename T>
-inline void decode_four_rows(int64_t Dk, const T* Si, const T* kk, const T* qq, const T* v, const T* beta, T kq,
-                             T* So, T* o) {
+inline void decode_four_rows(int64_t Dk, const T* Si, const T* kk, const T* qq, const T* v, const T* beta, T a,
+                             T kq, T* So, T* o) {
   T sk0 = 0, sk1 = 0, sk2 = 0, sk3 = 0, sq0 = 0, sq1 = 0, sq2 = 0, sq3 = 0;
   if (Si != nullptr) {
     const T *S0 = Si, *S1 = Si + Dk, *S2 = Si + 2 * Dk, *S3 = Si + 3 * Dk;
@@ -525,34 +527,35 @@ inline void decode_four_rows(int64_t Dk, const T* Si, const T* kk, const T* qq, 
   }
   const T sk[4] = {sk0, sk1, sk2, sk3}, sq[4] = {sq0, sq1, sq2, sq3};
   for (int r = 0; r < 4; ++r) {
-    const T d = beta != nullptr ? *beta * (v[r] - sk[r]) : v[r];
+    const T d = beta != nullptr ? *beta * (v[r] - a * sk[r]) : v[r];
     T* out = So + r * Dk;
     if (Si != nullptr) {
       const T* in = Si + r * Dk;
 #pragma omp simd
-      for (int64_t j = 0; j < Dk; ++j) out[j] = in[j] + d * kk[j];
+      for (int64_t j = 0; j < Dk; ++j) out[j] = a * in[j] + d * kk[j];
     } else {
 #pragma omp simd
       for (int64_t j = 0; j < Dk; ++j) out[j] = d * kk[j];
     }
-    o[r] = sq[r] + d * kq;
+    o[r] = a * sq[r] + d * kq;
   }
 }
 
 template <typename T>
 void decode_rows(int64_t r0, int64_t r1, int64_t Dv, int64_t Dk, const T* q, const T* k, const T* v, const T* beta,
-                 const T* S, T* S_out, T* o) {
+                 const T* g, const T* S, T* S_out, T* o) {
   for (int64_t r = r0; r < r1;) {
     const int64_t bh = r / Dv;
     const T* kk = k + bh * Dk;
     const T* qq = q + bh * Dk;
     const T* bb = beta != nullptr ? beta + bh : nullptr;
+    const T a = g != nullptr ? std::exp(g[bh]) : T(1);
     T kq = 0;
 #pragma omp simd reduction(+ : kq)
     for (int64_t j = 0; j < Dk; ++j) kq += kk[j] * qq[j];
     const int64_t head_end = std::min(r1, (bh + 1) * Dv);
     for (; r + 4 <= head_end; r += 4)
-      decode_four_rows<T>(Dk, S != nullptr ? S + r * Dk : nullptr, kk, qq, v + r, bb, kq, S_out + r * Dk, o + r);
+      decode_four_rows<T>(Dk, S != nullptr ? S + r * Dk : nullptr, kk, qq, v + r, bb, a, kq, S_out + r * Dk, o + r);
     for (; r < head_end; ++r) {  // the last rows of a task (fewer than four)
       T sk = 0, sq = 0;
       if (S != nullptr) {
@@ -563,17 +566,18 @@ void decode_rows(int64_t r0, int64_t r1, int64_t Dv, int64_t Dk, const T* q, con
           sq += Si[j] * qq[j];
         }
       }
-      const T d = bb != nullptr ? *bb * (v[r] - sk) : v[r];
+      const T d = bb != nullptr ? *bb * (v[r] - a * sk) : v[r];
       T* So = S_out + r * Dk;
 #pragma omp simd
-      for (int64_t j = 0; j < Dk; ++j) So[j] = (S != nullptr ? S[r * Dk + j] : T(0)) + d * kk[j];
-      o[r] = sq + d * kq;
+      for (int64_t j = 0; j < Dk; ++j) So[j] = (S != nullptr ? a * S[r * Dk + j] : T(0)) + d * kk[j];
+      o[r] = a * sq + d * kq;
     }
   }
 }
 
 void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& beta,
-                 const std::optional<at::Tensor>& S, const at::Tensor& S_out, const at::Tensor& o) {
+                 const std::optional<at::Tensor>& g, const std::optional<at::Tensor>& S, const at::Tensor& S_out,
+                 const at::Tensor& o) {
   TORCH_CHECK(q.dim() == 2 && k.sizes() == q.sizes() && v.dim() == 2 && v.size(0) == q.size(0),
               "fwp_chunk.decode_step: q, k must be [BH, Dk] and v [BH, Dv]");
   const int64_t BH = q.size(0), Dk = q.size(1), Dv = v.size(1);
@@ -587,13 +591,18 @@ void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     check(*beta, q, "beta");
     TORCH_CHECK(beta->numel() == BH, "fwp_chunk.decode_step: beta must be [BH]");
   }
+  if (g.has_value()) {
+    check(*g, q, "g");
+    TORCH_CHECK(g->numel() == BH && beta.has_value(), "fwp_chunk.decode_step: g must be [BH], with beta");
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_step", [&] {
     const scalar_t* Sp = S.has_value() ? S->data_ptr<scalar_t>() : nullptr;
     const scalar_t* bp = beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gp = g.has_value() ? g->data_ptr<scalar_t>() : nullptr;
     // about 16K state elements per task: a task's rows stay in L1/L2, small states run in the calling thread
     at::parallel_for(0, BH * Dv, std::max<int64_t>(1, 16384 / std::max<int64_t>(Dk, 1)), [&](int64_t r0, int64_t r1) {
       decode_rows<scalar_t>(r0, r1, Dv, Dk, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                            bp, Sp, S_out.data_ptr<scalar_t>(), o.data_ptr<scalar_t>());
+                            bp, gp, Sp, S_out.data_ptr<scalar_t>(), o.data_ptr<scalar_t>());
     });
   });
 }
@@ -607,7 +616,9 @@ TORCH_LIBRARY(fwp_chunk, m) {
   m.def(
       "chunk_backward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor s0, int chunk_size, Tensor dout, "
       "Tensor(a!) dS, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv, Tensor(e!)? dbeta) -> ()");
-  m.def("decode_step(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor? S, Tensor(a!) S_out, Tensor(b!) o) -> ()");
+  m.def(
+      "decode_step(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor? g, Tensor? S, Tensor(a!) S_out, Tensor(b!) o) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(fwp_chunk, CPU, m) {
