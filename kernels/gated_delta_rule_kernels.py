@@ -306,8 +306,8 @@ def gated_delta_rule(
         g: ``[B, H, T]``, the log of the decay (normally <= 0; Gated DeltaNet: ``-exp(A_log) softplus(.)``).
         initial_state: ``[B, H, Dv, Dk]`` or None (zeros).
         output_final_state: return the final ``[B, H, Dv, Dk]`` float32 state.
-        mode: "recurrent" (step loop), "chunk" (chunkwise-parallel) or "auto" (the step loop for a decode step,
-            else chunkwise).
+        mode: "recurrent" (step loop), "chunk" (chunkwise-parallel) or "auto" (on CPU with the C++ kernels a
+            decode step is the one-pass ``decode_step``, longer inputs chunkwise).
         chunk_size: chunk length for the chunkwise modes (any T works).
         mask: ``[B, T]`` or None; 0 marks padding, where k, beta and g are zeroed, so that the state neither
             decays nor is written (the outputs there are of no use).
