@@ -31,6 +31,7 @@ LAYERS, RFWP_LAYERS, FWL_PY = "modeling_fwp/fast_weight_layers.py", "modeling_fw
 CACHE, FEATURES = "modeling_fwp/cache_fwp.py", "modeling_fwp/feature_maps.py"
 TXL_PY = "modeling_fwp/modeling_transfo_xl.py"
 GATED = "kernels/gated_delta_rule_kernels.py"
+DECODE_LINEAR_CPP, DENSE = "kernels/csrc/decode_linear.cpp", ("tests/test_dense.py",)
 
 MUTATIONS: Tuple[Mutation, ...] = (
     # --- fwp_kernels: chunked delta rule, PyTorch path and C++ kernel
@@ -134,9 +135,26 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "        v_old",
              KERNELS, "gated step loop: the decay a_t never applied to W_{t-1}"),
     Mutation("short_conv_cache_not_carried", LAYERS,
-             "            return F.conv1d(window, self.weight, groups=self.groups).transpose(1, 2), window[..., T:]",
-             "            return F.conv1d(window, self.weight, groups=self.groups).transpose(1, 2), torch.zeros_like(window[..., T:])",
+             "            return y.transpose(1, 2), window[..., T:]",
+             "            return y.transpose(1, 2), torch.zeros_like(window[..., T:])",
              ("tests/test_fla.py", "tests/test_model.py"), "short convolution: the next call starts from an empty window"),
+    Mutation("short_conv_decode_taps_reversed", LAYERS,
+             "y = (window.float() * self.weight[:, 0].float()).sum(-1, keepdim=True).to(x.dtype)",
+             "y = (window.float() * self.weight[:, 0].flip(-1).float()).sum(-1, keepdim=True).to(x.dtype)",
+             ("tests/test_fla.py", "tests/test_model.py"), "a decode step's short convolution applies its taps reversed"),
+    # --- session 26: the decode step's decay, the streaming matrix-vector kernel
+    Mutation("decode_cpp_gated_decay_left_out_of_v_old", CHUNK_CPP,
+             "const T d = beta != nullptr ? *beta * (v[r] - a * sk[r]) : v[r];",
+             "const T d = beta != nullptr ? *beta * (v[r] - sk[r]) : v[r];",
+             KERNELS, "gated decode step: the value read back from W_{t-1} k, not from the decayed a W_{t-1} k"),
+    Mutation("decode_linear_fp32_tail_dropped", DECODE_LINEAR_CPP,
+             "  for (; j < K; ++j) tail += w[j] * x[j];",
+             "  for (; j < K; ++j) tail += 0;",
+             DENSE, "streaming fp32 matrix-vector product: the last K % 16 columns left out"),
+    Mutation("decode_linear_bias_dropped", DECODE_LINEAR_CPP,
+             "+ (bias ? widen(bias[n]) : 0.f));",
+             "+ 0.f);",
+             DENSE, "streaming matrix-vector product: the bias never added"),
     Mutation("rollback_skips_replay", CACHE,
              "                    checkpoint.replay(checkpoint.num_tokens - remove)",
              "                    pass",
