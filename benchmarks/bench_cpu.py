@@ -17,7 +17,10 @@ versions, machine, load average before and after), for each thread count side by
    the fp32 peak), and decode (ms/token: 24 layers of one-token ``delta_rule(mode="auto")``, each with its own state)
    against the bandwidth bound (each layer's fp32 state read and written once, at the read bandwidth). The bound of the
    whole model's decode (1.3e9 fp32 weights read per token, plus the states) is printed beside it.
-4. ``auto_table``: the chunk size with the least forward + (forward + backward) time per head width (64, 128), B*H = 8,
+4. ``linear_rows``: x W^T for one and two rows of x against eight 5632 x 2048 weights (the 1.3B shape's feed-forward,
+   more than the cache), float32 and bfloat16: GB/s of the streaming kernel (``fwp_dense.linear_rows``,
+   csrc/decode_linear.cpp), ``F.linear`` and oneDNN's matmul, beside ``x.sum()``'s read rate over the same weights.
+5. ``auto_table``: the chunk size with the least forward + (forward + backward) time per head width (64, 128), B*H = 8,
    and the T = 1 decode step against the step loop: the rows of ``fwp_kernels.chunk._CPU_AUTO`` (printed as code).
 
 Times are medians over the rounds (best beside them in the file); every function runs once per round.
@@ -35,7 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import chunk_flops, hf_delta_rule, make_inputs, timings  # noqa: E402
-from fwp_kernels import chunk, delta_rule, linear_attention  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from fwp_kernels import chunk, delta_rule, dense, linear_attention  # noqa: E402
 from fwp_kernels.delta_rule_kernels import delta_rule_recurrent  # noqa: E402
 from training.result_file import RunRecord  # noqa: E402
 
@@ -48,8 +52,10 @@ MODEL_1B3 = {"hidden": 2048, "heads": 16, "head_dim": 128, "layers": 24, "params
 def sizes(quick: bool) -> dict:
     """Problem sizes: the real ones, or tiny ones for --quick."""
     if quick:
-        return {"matmul": 256, "bandwidth_mb": 16, "T": 256, "prefill_T": 128, "table_T": 128, "repeats": 2}
-    return {"matmul": 2048, "bandwidth_mb": 512, "T": 4096, "prefill_T": 2048, "table_T": 2048, "repeats": 5}
+        return {"matmul": 256, "bandwidth_mb": 16, "T": 256, "prefill_T": 128, "table_T": 128, "repeats": 2,
+                "linear": (64, 128)}
+    return {"matmul": 2048, "bandwidth_mb": 512, "T": 4096, "prefill_T": 2048, "table_T": 2048, "repeats": 5,
+            "linear": (5632, 2048)}
 
 
 def median_ms(summary: dict) -> float:
@@ -154,6 +160,29 @@ def delta_net_1b3(size: dict, peak: dict) -> dict:
     }
 
 
+def linear_rows(size: dict) -> dict:
+    """GB/s of the weight reads of x W^T with one and two rows of x: the streaming kernel, F.linear, oneDNN, and
+    x.sum() over the same weights (the read bound), per dtype."""
+    if not dense._CPU_KERNEL.available():
+        return {"skipped": dense._CPU_KERNEL.describe()}
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(*size["linear"]).to(dtype) for _ in range(8)]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        fns = {"sum": lambda: [w.sum() for w in weights]}
+        for rows in (1, 2):
+            x = torch.randn(rows, size["linear"][1]).to(dtype)
+            y = torch.empty(rows, size["linear"][0], dtype=dtype)
+            fns[f"streaming_{rows}"] = lambda x=x, y=y: [torch.ops.fwp_dense.linear_rows(x, w, None, y) for w in weights]
+            fns[f"f_linear_{rows}"] = lambda x=x: [F.linear(x, w) for w in weights]
+            if dense.onednn_linear_available():
+                fns[f"onednn_{rows}"] = lambda x=x: [
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in weights]
+        t = timings(fns, size["repeats"])
+        out[str(dtype).split(".")[1]] = {name: nbytes / v["median"] / 1e9 for name, v in t.items()}
+    return out
+
+
 def auto_table(size: dict) -> dict:
     """Per head width: forward and fwd + bwd ms per chunk size (delta rule, B*H = 8), the best size; T = 1."""
     out = {}
@@ -203,6 +232,13 @@ def print_side_by_side(results: dict) -> None:
     for key in ("prefill_tokens_per_s", "prefill_matmul_bound_tokens_per_s", "decode_ms_per_token",
                 "decode_bandwidth_bound_ms", "whole_model_decode_bound_ms"):
         print(f"  {key:<42}" + "".join(f"{r['delta_net_1b3'][key]:>24.3f}" for r in runs.values()))
+    print(f"\n{'x W^T, 8 weights, GB/s of weight reads (median)':<44}{head}")
+    for dtype, rates in runs[THREADS[0]]["linear_rows"].items():
+        if not isinstance(rates, dict):  # {"skipped": why}
+            print(f"  skipped: {rates}")
+            continue
+        for name in rates:
+            print(f"  {dtype + ' ' + name:<42}" + "".join(f"{r['linear_rows'][dtype][name]:>24.1f}" for r in runs.values()))
     print("\nmode='auto' table (fwp_kernels/chunk.py _CPU_AUTO), from this run:")
     for th, r in runs.items():
         widths = tuple((int(D[1:]), row["best_chunk_size"]) for D, row in r["auto_table"].items())
@@ -227,7 +263,8 @@ def main() -> None:
         start = time.perf_counter()
         peak = peaks(size)
         results[f"threads_{th}"] = {"peaks": peak, "kernels": kernels(size, hf, peak),
-                                    "delta_net_1b3": delta_net_1b3(size, peak), "auto_table": auto_table(size),
+                                    "delta_net_1b3": delta_net_1b3(size, peak), "linear_rows": linear_rows(size),
+                                    "auto_table": auto_table(size),
                                     "wall_s": time.perf_counter() - start, "load_average": os.getloadavg()}
     torch.set_num_threads(threads_before)
     print_side_by_side(results)

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import sys
 import threading
@@ -48,23 +49,19 @@ OPENMP_CFLAGS = ("-O3", "-fopenmp")
 # The kernels' own loops (dot products, updates, forward substitution: everything not in BLAS) are compiled for the
 # vector units of the CPU that builds them (AVX-512 on this project's machine, where -O3 alone emits SSE2), on x86-64
 # only; the CPU's identity is part of the build key (a cache shared by machines keeps one build per CPU kind).
-# Measured (benchmarks/bench_cpu.py, 2026-11-26): the decode step of the 1.3B Delta Net shape, 16 heads of 128,
-# 169 -> 100 us on 1 thread and 90 -> 48 us on 2.
+# Measured by hand (2026-11-26): the decode step of the 1.3B Delta Net shape, 16 heads of 128, 169 -> 100 us on 1
+# thread and 90 -> 48 us on 2; benchmarks/bench_cpu.py times the decode of all 24 layers.
 NATIVE_ARCH_FLAG = "-march=native"
 
 
 def native_arch_flags() -> Tuple[str, ...]:
     """``("-march=native",)`` where the compiler targets the building CPU's vector units (x86-64), else ``()``."""
-    import platform
-
     return (NATIVE_ARCH_FLAG,) if platform.machine().lower() in ("x86_64", "amd64") else ()
 
 
 def cpu_identity() -> str:
     """The building CPU's model and instruction-set flags (Linux: /proc/cpuinfo), what a -march=native build
     depends on; the platform's processor string elsewhere."""
-    import platform
-
     try:
         lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
     except OSError:

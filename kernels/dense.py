@@ -9,9 +9,9 @@ the input's dtype; two things make them cheap on CPU:
   instruction sets the CPU reports. Measured here (2-core AMD EPYC with AVX-512, T=4096, D=576, V=49152): 1.2 s with
   MKL, 0.6 s with oneDNN, same fp32 result up to summation order. Used for CPU float32 / bfloat16 tensors outside
   autograd (the op has no backward); ``FWP_KERNELS_NO_ONEDNN=1`` turns it off.
-- **One weight read per token.** With one or two rows of input (decoding), the product is bound by reading the
-  weight from memory; ``csrc/decode_linear.cpp`` streams it once over all threads (float32, or bfloat16 widened to
-  float32 on the fly), where F.linear reached about half the read bandwidth here in float32 and oneDNN in bfloat16
+- **One weight read per token.** With one row of input (decoding), the product is bound by reading the weight from
+  memory; ``csrc/decode_linear.cpp`` streams it once over all threads (float32 FMA, or bfloat16 dot products, float32
+  sums), where F.linear reached about half the read bandwidth here in float32 and less in bfloat16
   (``benchmarks/bench_cpu.py``, "linear_rows": measured side by side).
 - **Row blocks.** Outside autograd ``linear_cross_entropy_input_gradient`` runs over blocks of rows whose logits fit in
   the cache (about 30 MB), so no ``[N, V]`` tensor is allocated (page faults on 800 MB cost 0.2-0.3 s here) and the
@@ -51,10 +51,12 @@ except ImportError:  # the installed package: the source is csrc/decode_linear.c
 _CPU_KERNEL = register_cpu_kernel(
     "decode_linear", _EMBEDDED_SOURCE, "fwp_dense", "linear_rows", KERNEL_CFLAGS, "oneDNN's or torch's matmul",
 )
-# Rows of input up to which the weight-streaming kernel runs (decoding); above, oneDNN's matmul reuses each weight
-# block over the rows and is faster. Measured (benchmarks/bench_cpu.py "linear_rows", 2 threads, 8 weights of
-# 5632 x 2048): float32 1 row 22.9 GB/s (oneDNN 22.8, F.linear 13.0), 2 rows 14.8 vs 15.6 ms (oneDNN); bfloat16
-# 1 row 18.9 GB/s (oneDNN 12.9, F.linear 13.6), 2 rows 11.8 vs 10.6 ms, 4 rows 14.1 vs 11.9 ms.
+# Rows of input up to which the weight-streaming kernel runs (decoding); above, oneDNN's matmul, which reuses each
+# weight block over the rows. Chosen with an earlier version of the kernel (four rows of W side by side), by hand:
+# 2 rows 14.8 vs 15.6 ms (oneDNN) in float32, 11.8 vs 10.6 ms in bfloat16, 4 rows 14.1 vs 11.9 ms. The kernel as it
+# is now (benchmarks/bench_cpu.py "linear_rows", 2026-11-26, GB/s at 1 / 2 threads, 8 weights of 5632 x 2048):
+# 1 row float32 21.5 / 43.6 (oneDNN 19.0 / 38.6, F.linear 17.3 / 18.3), bfloat16 24.9 / 44.3 (oneDNN 10.4 / 15.6);
+# 2 rows float32 14.1 / 28.7 (oneDNN 13.3 / 23.6), bfloat16 23.8 / 43.2 (oneDNN 12.4 / 20.1): 2 would now pay too.
 STREAMING_MAX_ROWS = 1
 
 

@@ -97,7 +97,8 @@ class CausalConv1d(nn.Conv1d):
         if token_mask is None:
             window = torch.cat([cache, x], dim=-1)  # [B, C, K - 1 + T]
             if T == 1:  # a decode step: one weighted sum per channel (a conv1d call costs ~10x more here, measured)
-                y = (window.float() * self.weight[:, 0].float()).sum(-1, keepdim=True).to(x.dtype)
+                acc = torch.promote_types(x.dtype, torch.float32)  # float32 sums for bf16, float64 stays float64
+                y = (window.to(acc) * self.weight[:, 0].to(acc)).sum(-1, keepdim=True).to(x.dtype)
             else:
                 y = F.conv1d(window, self.weight, groups=self.groups)
             return y.transpose(1, 2), window[..., T:]

@@ -2,7 +2,8 @@
 //
 // Decoding a language model is memory-bound: each token reads every weight once, and time per token is bounded by
 // "bytes of weights / memory bandwidth". torch's F.linear with one row of input reaches about half of this machine's
-// read bandwidth in float32 (MKL's sgemm on an AMD CPU) and less in bfloat16 (benchmarks/bench_cpu.py prints both).
+// read bandwidth in float32 (MKL's sgemm on an AMD CPU) and less in bfloat16 (benchmarks/bench_cpu.py, "linear_rows",
+// prints both beside this kernel and x.sum()).
 // Here the rows of W are split over the threads; every task streams its rows once, each with independent sums for
 // the vector unit, with x (a few KB) in L1. float32 W accumulates in float32;
 // bfloat16 W is widened to float32 on the fly (a shift: bf16 is the upper half of a float32), or multiplied in pairs

@@ -139,8 +139,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "            return y.transpose(1, 2), torch.zeros_like(window[..., T:])",
              ("tests/test_fla.py", "tests/test_model.py"), "short convolution: the next call starts from an empty window"),
     Mutation("short_conv_decode_taps_reversed", LAYERS,
-             "y = (window.float() * self.weight[:, 0].float()).sum(-1, keepdim=True).to(x.dtype)",
-             "y = (window.float() * self.weight[:, 0].flip(-1).float()).sum(-1, keepdim=True).to(x.dtype)",
+             "y = (window.to(acc) * self.weight[:, 0].to(acc)).sum(-1, keepdim=True).to(x.dtype)",
+             "y = (window.to(acc) * self.weight[:, 0].flip(-1).to(acc)).sum(-1, keepdim=True).to(x.dtype)",
              ("tests/test_fla.py", "tests/test_model.py"), "a decode step's short convolution applies its taps reversed"),
     # --- session 26: the decode step's decay, the streaming matrix-vector kernel
     Mutation("decode_cpp_gated_decay_left_out_of_v_old", CHUNK_CPP,
