@@ -8,7 +8,10 @@ every method's seconds (best / median / all) and its ratio to the base model (of
 computation with the FWL's output-layer matmul (``fwp_kernels.dense_linear``, oneDNN), which on this AMD CPU is faster
 than the MKL sgemm transformers' LM head runs; ``test_time_fwl`` over it is the fast update's own cost.
 ``test_time_fwl_bf16`` is the test-time FWL with ``fwl_gradient_dtype="bfloat16"`` (the per-token gradients'
-vocabulary-sized part in bf16: an approximation, faster on CPUs with bf16 matrix units). ``dynamic_output`` is dynamic
+vocabulary-sized part in bf16: an approximation, faster on CPUs with bf16 matrix units). ``test_time_fwl_embedding``
+(and its ``_bf16``) makes only the output embedding and the output bias fast, not the final norm's gain: the fast
+pass then reads the slow pass's o, so its logits are the slow logits plus the output layer's corrections and one
+product with E serves both (``FWLHead``'s shared z), where a fast gain needs two more vocabulary-sized products. ``dynamic_output`` is dynamic
 evaluation of the test-time FWL's fast part (final norm and an untied copy of the output embedding,
 ``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
 
@@ -36,7 +39,12 @@ from training.dynamic_eval import DynamicEvaluation  # noqa: E402
 from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 
 
-METHODS = ("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "dynamic_output", "dynamic")
+METHODS = (
+    "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_embedding",
+    "test_time_fwl_embedding_bf16", "dynamic_output", "dynamic",
+)
+# The fast parameters of the ``test_time_fwl_embedding`` methods.
+EMBEDDING_FAST_PARAMETERS = ("output_embedding.weight", "output_bias")
 
 
 def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Optional[DynamicEvaluation], Callable]]:
@@ -57,9 +65,11 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
     runs = {"base": lambda: (base, None, none), "dynamic": lambda: (base, DynamicEvaluation(args.dynamic_lr), none),
             "test_time_fwl": lambda: (fwl, None, none), "test_time_fwl_off": lambda: (fwl, None, fwl.fwl_head.slow_only)}
 
-    def bf16():
-        model = build_test_time_fwl(args.model, args.fwl_step_size, args.fwl_fast_parameters, gradient_dtype="bfloat16")
-        return model, None, none
+    def variant(fast_parameters, gradient_dtype):
+        def build():
+            model = build_test_time_fwl(args.model, args.fwl_step_size, fast_parameters, gradient_dtype=gradient_dtype)
+            return model, None, none
+        return build
 
     def dynamic_output():
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()
@@ -67,7 +77,12 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
         parameters = output_side_parameter_names(model)
         return model, DynamicEvaluation(args.dynamic_output_lr, parameters=parameters), none
 
-    runs.update(test_time_fwl_bf16=bf16, dynamic_output=dynamic_output)
+    runs.update(
+        test_time_fwl_bf16=variant(args.fwl_fast_parameters, "bfloat16"),
+        test_time_fwl_embedding=variant(EMBEDDING_FAST_PARAMETERS, None),
+        test_time_fwl_embedding_bf16=variant(EMBEDDING_FAST_PARAMETERS, "bfloat16"),
+        dynamic_output=dynamic_output,
+    )
     return {method: runs[method]() for method in args.methods}
 
 
@@ -110,15 +125,16 @@ def main(argv=None):
             seconds[method].append(time.perf_counter() - started)
     timings = {m: summarize(s) for m, s in seconds.items()}
     ratios = {m: ratio(timings[m], timings["base"]) for m in timings if "base" in timings and m != "base"}
-    if "test_time_fwl" in timings and "test_time_fwl_off" in timings:
-        ratios["test_time_fwl_vs_off"] = ratio(timings["test_time_fwl"], timings["test_time_fwl_off"])
-    for fwl_method in ("test_time_fwl", "test_time_fwl_bf16"):  # against its nearest, cheaper-or-not rival
+    for fwl_method in METHODS[2:6]:  # the fast update's own cost: against the wrapped model with it off
+        if fwl_method in timings and "test_time_fwl_off" in timings:
+            ratios[f"{fwl_method}_vs_off"] = ratio(timings[fwl_method], timings["test_time_fwl_off"])
+    for fwl_method in METHODS[2:6]:  # against its nearest, cheaper-or-not rival
         if fwl_method in timings and "dynamic_output" in timings:
             ratios[f"{fwl_method}_vs_dynamic_output"] = ratio(timings[fwl_method], timings["dynamic_output"])
     for method, summary in timings.items():
         extra = f"  {ratios[method]['of_medians']:.2f}x base (of medians)" if method in ratios else ""
         print(f"{method:<20} median {summary['median']:.2f} s for {ids.numel() - 1} tokens{extra}")
-    for name in ("test_time_fwl_vs_dynamic_output", "test_time_fwl_bf16_vs_dynamic_output"):
+    for name in [f"{m}_vs_dynamic_output" for m in METHODS[2:6]]:
         if name in ratios:
             print(f"{name}: {ratios[name]['of_medians']:.2f}x (of medians)")
     if not args.quick:

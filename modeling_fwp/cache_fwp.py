@@ -10,7 +10,7 @@ records (``activate_past_recording``, see :class:`RollbackMixin`).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,7 +38,13 @@ def output_cache(outputs: Mapping) -> Optional[Cache]:
 
 
 class FastWeightCacheLayer(CacheLayerMixin):
-    """One layer's recurrent state: a dict of batch-first tensors and a count of seen tokens."""
+    """One layer's recurrent state: a dict of batch-first tensors and a count of seen tokens.
+
+    ``writable`` names the state tensors that nothing but this layer references, so that their producer may update
+    them in place in its next call (the FWL's vocabulary-sized running sum, whose fresh allocation would cost more
+    than its update). The producer declares them in ``set_states`` and reads them back with ``producer_states``;
+    anything else that reads ``states`` may keep references, so reading it (or replacing it) empties the set.
+    """
 
     supports_early_init = False
     # A constant-size state: a compiled decode step sees the same shapes at every token.
@@ -46,11 +52,28 @@ class FastWeightCacheLayer(CacheLayerMixin):
 
     def __init__(self, **kwargs) -> None:
         super().__init__()
-        self.states: Dict[str, torch.Tensor] = {}
+        self._states: Dict[str, torch.Tensor] = {}
         self.seen_tokens = 0
+        self.writable: FrozenSet[str] = frozenset()
+
+    @property
+    def states(self) -> Dict[str, torch.Tensor]:
+        """The state tensors by name (the reader may keep references: nothing writes them in place afterwards)."""
+        self.writable = frozenset()
+        return self._states
+
+    @states.setter
+    def states(self, states: Dict[str, torch.Tensor]) -> None:
+        self._states = states
+        self.writable = frozenset()
+
+    def producer_states(self) -> Tuple[Dict[str, torch.Tensor], FrozenSet[str]]:
+        """``(a copy of the state dict, the names of its tensors only this layer references)``, for the module that
+        wrote them with ``set_states`` and keeps no reference between calls; ``writable`` is left as it is."""
+        return dict(self._states), self.writable
 
     def __repr__(self) -> str:
-        shapes = {name: tuple(t.shape) for name, t in self.states.items()}
+        shapes = {name: tuple(t.shape) for name, t in self._states.items()}
         return f"{self.__class__.__name__}(seen_tokens={self.seen_tokens}, states={shapes})"
 
     # The key/value interface of attention caches does not apply to fast weights.
@@ -63,10 +86,12 @@ class FastWeightCacheLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0
 
-    def set_states(self, states: Dict[str, torch.Tensor], num_new_tokens: int) -> None:
-        """Replaces the state by the one after `num_new_tokens` more tokens."""
-        self.states = dict(states)
+    def set_states(self, states: Dict[str, torch.Tensor], num_new_tokens: int, writable: Iterable[str] = ()) -> None:
+        """Replaces the state by the one after `num_new_tokens` more tokens; `writable`: the names of tensors only
+        this layer references (see the class docstring)."""
+        self._states = dict(states)
         self.seen_tokens += num_new_tokens
+        self.writable = frozenset(name for name in writable if name in self._states)
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -76,12 +101,12 @@ class FastWeightCacheLayer(CacheLayerMixin):
 
     @property
     def batch_size(self) -> int:
-        for tensor in self.states.values():
+        for tensor in self._states.values():
             return tensor.shape[0]
         return -1
 
     def _map(self, fn) -> None:
-        self.states = {name: fn(t) for name, t in self.states.items()}
+        self.states = {name: fn(t) for name, t in self._states.items()}
 
     def offload(self) -> None:
         self._map(lambda t: t.to("cpu", non_blocking=True))
@@ -111,7 +136,7 @@ class FastWeightCacheLayer(CacheLayerMixin):
 class StateCheckpoint(NamedTuple):
     """What a recording cache keeps of one forward pass: the state before it and how to redo part of it."""
 
-    states: List[Dict[str, torch.Tensor]]  # each layer's state dict (references: layers replace, never write in place)
+    states: List[Dict[str, torch.Tensor]]  # each layer's state dict (references: nothing writes them in place after)
     seen_tokens: List[int]
     attributes: Dict[str, Any]  # the cache's own per-row bookkeeping (``token_counts``...), also references
     num_tokens: int  # tokens the forward pass wrote
@@ -127,8 +152,9 @@ class RollbackMixin:
     intermediate states, or the verification run token by token, which forfeits the one-pass verification that makes
     assisted decoding fast), or a snapshot and a replay. We take the second, generic over whatever tensors a layer
     holds: while recording, each forward pass that writes the cache first calls :meth:`checkpoint`, which keeps
-    references to every layer's state dict (a snapshot for free: layers replace their tensors, they never write in
-    place) and to the attributes named in ``_rollback_attributes``, with a ``replay`` function from the model.
+    references to every layer's state dict (a snapshot for free: layers replace their tensors, and reading them
+    empties a layer's ``writable``, so nothing writes them in place afterwards) and to the attributes named in
+    ``_rollback_attributes``, with a ``replay`` function from the model.
     ``crop(-n)`` restores the checkpoint of the forward pass that holds the n-th last token and replays that pass's
     tokens before it (one batched forward over the accepted tokens, at most one per verification); ``crop(0)``
     (after each verification) drops the checkpoints. Reordering rows (beam search) drops them as well.
@@ -154,7 +180,7 @@ class RollbackMixin:
         if not self.record_past or self._replaying:
             return
         self._checkpoints.append(StateCheckpoint(
-            states=[dict(layer.states) for layer in self.layers],
+            states=[dict(layer.states) for layer in self.layers],  # reading `states` ends in-place updates
             seen_tokens=[layer.seen_tokens for layer in self.layers],
             attributes={name: getattr(self, name) for name in self._rollback_attributes},
             num_tokens=num_tokens,
@@ -261,7 +287,7 @@ class FastWeightCache(RollbackMixin, Cache):
 
     def nbytes(self) -> int:
         """Bytes held by all state tensors (constant in the number of tokens seen)."""
-        total = sum(t.numel() * t.element_size() for layer in self.layers for t in layer.states.values())
+        total = sum(t.numel() * t.element_size() for layer in self.layers for t in layer._states.values())
         if self.token_counts is not None:
             total += self.token_counts.numel() * self.token_counts.element_size()
         return total

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
+from typing import Dict, FrozenSet, Iterable, Iterator, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,15 @@ GRADIENT_TERMS: Dict[str, Tuple[Optional[str], str]] = {
     "output_embedding.bias": (None, "logits"),
     "output_bias": (None, "logits"),  # c
 }
+# The output-layer parameters whose per-token gradient is dCE/dz (the value "logits"): E (key o) and two biases.
+OUTPUT_LAYER_TERMS = ("output_embedding.weight", "output_embedding.bias", "output_bias")
+# Vocabulary rows per block when E's running sum is read and updated with bfloat16 products (a block of the sum stays in
+# cache for both; by hand, 2 threads, SmolLM2's S of 49,152 x 576, 128 positions: 57 ms in blocks of 2,048 rows, 62
+# in 4,096, 79 in 1,024, against 108 ms for the two float32 products).
+_SUM_UPDATE_BLOCK_ROWS = 2048
+# The state key of that sum's copy in the products' precision (not a "sum." key: a segment decay leaves it alone, and
+# it is used only while the cache layer holds it untouched since it was written, with its sum).
+LOW_PRECISION_SUM = "low_precision_sum.output_embedding.weight"
 # How deep the analytic backward must go for each upstream gradient.
 _GRADIENT_DEPTH = {"logits": 0, "f": 1, "gain": 1, "z2": 2, "z1": 3}
 
@@ -442,11 +451,16 @@ class _FastUpdates:
     the sums exclusive: position t sees the gradients of positions < t only) and the sums carried in from the cache.
     """
 
-    def __init__(self, head: "FWLHead", keys: Dict[str, torch.Tensor], values: Dict[str, torch.Tensor], state: State, output_final_state: bool):
+    def __init__(
+        self, head: "FWLHead", keys: Dict[str, torch.Tensor], values: Dict[str, torch.Tensor], state: State,
+        output_final_state: bool, writable: FrozenSet[str] = frozenset(),
+    ):
         self.head = head
         self.keys, self.values, self.state = keys, values, state or {}
         self.output_final_state = output_final_state
         self.final_state: Dict[str, torch.Tensor] = {}
+        self.writable = writable  # carried sums that only the cache layer references (may be updated in place)
+        self.final_writable: Set[str] = set()
 
     def subtract(
         self, x: torch.Tensor, name: str, query: Optional[torch.Tensor] = None, keep: Union[slice, torch.Tensor] = slice(None)
@@ -485,6 +499,102 @@ class _FastUpdates:
                 self.final_state[f"sum.{name}"] = final[:, 0].detach()
             correction = out[:, 0]
         return self.head.step_size(name).to(correction.dtype) * correction
+
+    def subtract_output_layer_(self, z: torch.Tensor, query: torch.Tensor, keep: Union[slice, torch.Tensor]) -> torch.Tensor:
+        """Outside autograd: the fast output layer in one pass. ``z [B, T', V]``, the slow preactivation of the kept
+        positions (a tensor the caller owns), minus the corrections of the fast E and output biases c, in place:
+
+            z_t -= alpha_E q_t S^T + sum_c alpha_c s_c + sum_{i <= t} (alpha_E q_t . k_i + sum_c alpha_c) v_i    (eq. 2)
+
+        with query q = o (fast pass), keys k = o and values v = dCE/dz of this call (entry i holds position i - 1), S
+        ``[B, V, D]`` and s_c ``[B, V]`` the carried sums: one ``T' x T`` mixing matrix times the values and one
+        product with S, where ``subtract`` runs a linear attention and cumulative sums over ``[B, T, V]`` tensors. The
+        running sums are then updated in place where the cache layer allows it (``FastWeightCacheLayer.writable``):
+        SmolLM2's S is 113 MB, whose fresh allocation costs more in page faults than its update. Equal to ``subtract``
+        up to float32 summation order (tests/test_fwl.py)."""
+        names = [name for name in OUTPUT_LAYER_TERMS if name in self.head._active]
+        if not names:
+            return z
+        value = self.values["logits"]  # [B, T, V]
+        T = value.shape[1]
+        work = torch.promote_types(query.dtype, torch.float32)  # of the small T' x T products
+        alpha = {name: self.head.step_size(name).to(work) for name in names}
+        biases = [name for name in names if name != "output_embedding.weight"]
+        steps = torch.arange(T, device=z.device)
+        causal = (steps <= steps[keep][:, None]).to(work)  # [T', T]: entry i (position i - 1) teaches t if i <= t
+        mixing = causal * sum(alpha[name] for name in biases) if biases else torch.zeros_like(causal)
+        mixing = mixing.expand(value.shape[0], -1, -1)
+        matrix = "output_embedding.weight" in names
+        if matrix:  # alpha_E (q_t . k_i) for i <= t
+            keys = self.keys["o"]
+            scores = torch.bmm(query.to(work), keys.to(work).transpose(1, 2))
+            mixing = mixing + alpha["output_embedding.weight"] * scores * causal
+        if value.dtype == z.dtype:
+            z.baddbmm_(mixing.to(z.dtype), value, alpha=-1)
+        else:
+            z.sub_(torch.bmm(mixing.to(value.dtype), value))
+        carried = [alpha[name] * self.state[f"sum.{name}"] for name in biases if f"sum.{name}" in self.state]
+        if carried:
+            z.sub_(sum(carried)[:, None].to(z.dtype))
+        if self.output_final_state and biases:
+            total = value.sum(1, dtype=torch.promote_types(value.dtype, torch.float32))
+            for name in biases:
+                carried_sum = self.state.get(f"sum.{name}")
+                self.final_state[f"sum.{name}"] = total if carried_sum is None else carried_sum + total
+        if matrix:
+            scaled = alpha["output_embedding.weight"] * query
+            S = self._read_and_accumulate_sum(z, scaled, self.state.get("sum.output_embedding.weight"), value, keys)
+            if S is not None:
+                self.final_state["sum.output_embedding.weight"] = S
+                self.final_writable.add("sum.output_embedding.weight")
+        return z
+
+    def _read_and_accumulate_sum(
+        self, z: torch.Tensor, scaled_query: torch.Tensor, S: Optional[torch.Tensor], value: torch.Tensor, keys: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """``z -= (alpha q) S^T`` in place, then (when the final state is wanted) ``S + sum_i v_i k_i^T`` ``[B, V, D]``:
+        into S itself when the cache layer allows it, else into a fresh tensor. S stays float32 (float64 for float64
+        values). Values in a lower precision (``gradient_dtype``) take both products in that precision, in blocks of
+        vocabulary rows (each block of S in cache for both), and the state keeps a copy of S in that precision
+        (``LOW_PRECISION_SUM``, written while the block is in cache) for the next call's product."""
+        B, _, V = value.shape
+        dtype = torch.promote_types(value.dtype, torch.float32)
+        lower_precision = value.dtype != dtype
+        writable = S is not None and "sum.output_embedding.weight" in self.writable
+        copy = self.state.get(LOW_PRECISION_SUM) if writable and LOW_PRECISION_SUM in self.writable else None
+        if copy is not None and copy.dtype != value.dtype:
+            copy = None
+        target = copy_target = None
+        if self.output_final_state:
+            target = S if writable else torch.empty(B, V, keys.shape[-1], dtype=dtype, device=value.device)
+            if lower_precision:
+                copy_target = copy if copy is not None else torch.empty_like(target, dtype=value.dtype)
+        step = _SUM_UPDATE_BLOCK_ROWS if lower_precision else V
+        for b in range(B):
+            q, k = scaled_query[b].to(value.dtype), keys[b].to(value.dtype)
+            for start in range(0, V, step):
+                rows = slice(start, start + step)
+                if S is not None:  # one row: the streaming matrix-vector kernel; more: oneDNN's matmul
+                    weight = copy[b, rows] if copy is not None else S[b, rows].to(value.dtype)
+                    z[b, :, rows].sub_(dense_linear(q, weight))
+                if target is None:
+                    continue
+                block, out = value[b, :, rows].t(), target[b, rows]  # sum_i v_i k_i^T = block @ k, [rows, D]
+                if lower_precision:  # the block's product, added in float32 (out may be S itself)
+                    product = block @ k
+                    if S is None:
+                        out.copy_(product)
+                    else:
+                        torch.add(S[b, rows], product, out=out)
+                    copy_target[b, rows].copy_(out)
+                elif S is None:
+                    torch.mm(block, k, out=out)
+                else:
+                    torch.addmm(S[b, rows], block, k, out=out)
+        if copy_target is not None:
+            self.final_state[LOW_PRECISION_SUM] = copy_target
+            self.final_writable.add(LOW_PRECISION_SUM)
+        return target
 
 
 class FWLHead(nn.Module):
@@ -642,9 +752,10 @@ class FWLHead(nn.Module):
         Returns:
             ``logits [B, T', V]`` (or ``o [B, T', D]``).
         """
-        state, count = self._read_state(cache_layer)
-        out, new_state = self._forward(
-            hidden_states, input_ids, attention_mask, state, logits_to_keep, cache_layer is not None, return_hidden
+        state, count, writable = self._read_state(cache_layer)
+        out, new_state, new_writable = self._forward(
+            hidden_states, input_ids, attention_mask, state, logits_to_keep, cache_layer is not None, return_hidden,
+            writable,
         )
         if cache_layer is not None:
             T = hidden_states.shape[1]
@@ -652,21 +763,27 @@ class FWLHead(nn.Module):
                 new_state["segment.tokens"] = (count + T) if count is not None else torch.full(
                     (hidden_states.shape[0],), T, dtype=torch.long, device=hidden_states.device
                 )
-            cache_layer.set_states(new_state, T)
+            cache_layer.set_states(new_state, T, new_writable)
         return out
 
-    def _read_state(self, cache_layer: Optional[FastWeightCacheLayer]) -> Tuple[State, Optional[torch.Tensor]]:
+    def _read_state(self, cache_layer: Optional[FastWeightCacheLayer]) -> Tuple[State, Optional[torch.Tensor], FrozenSet[str]]:
         """(the state to continue from, decayed if a segment boundary was passed; the tokens of the current segment
-        seen so far [B] or None)."""
-        state = dict(cache_layer.states) if cache_layer is not None and cache_layer.states else None
+        seen so far [B] or None; the names of its tensors that nothing else references, which may be updated in
+        place: none once decayed, the decay makes copies)."""
+        if cache_layer is None:
+            return None, None, frozenset()
+        state, writable = cache_layer.producer_states()
+        state = state or None
         if self.decay is None:
-            return state, None
-        return self.decay(state)
+            return state, None, writable
+        return (*self.decay(state), frozenset())
 
     def _forward(
-        self, hidden_states, input_ids, attention_mask, state: State, logits_to_keep, output_state: bool, return_hidden: bool
-    ) -> Tuple[torch.Tensor, State]:
-        """``(logits or o, state after these positions or None)``: slow pass, per-token gradients, fast pass."""
+        self, hidden_states, input_ids, attention_mask, state: State, logits_to_keep, output_state: bool,
+        return_hidden: bool, writable: FrozenSet[str] = frozenset(),
+    ) -> Tuple[torch.Tensor, State, Set[str]]:
+        """``(logits or o, state after these positions or None, the names of its tensors that nothing else
+        references)``: slow pass, per-token gradients, fast pass."""
         B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
         active_output = [name for name in self._active if name not in HIDDEN_PARAMETERS]
         if return_hidden and active_output:
@@ -680,13 +797,22 @@ class FWLHead(nn.Module):
         # The slow logits of every position exist only where they are needed as such: as the output when only
         # output-side parameters are fast, or as the value of a fast output bias / embedding (dCE/dz; outside
         # autograd computed in place). Otherwise the per-token gradients go straight to dCE/df in row blocks.
-        in_place = fast_output and not torch.is_grad_enabled() and (compute_dtype or hidden_states.dtype) in (torch.float32, torch.float64)
+        # Outside autograd with a slow hidden layer the fast pass reads the same o as the slow one: its z is the slow
+        # z plus the output layer's corrections, so one product with E serves both (``subtract_output_layer_``).
+        shared_z = fast_output and not self._fast_hidden and not return_hidden and not torch.is_grad_enabled()
+        in_place = (
+            fast_output and not shared_z and not torch.is_grad_enabled()
+            and (compute_dtype or hidden_states.dtype) in (torch.float32, torch.float64)
+        )
         preactivation = None
-        if not fast_output and not return_hidden:
+        if (not fast_output or shared_z) and not return_hidden:
             preactivation = slow.output_preactivation(inter["o"])  # every position's slow z
             inter["logits"] = slow.transform_logits(preactivation)
-        keys, values = self._gradient_terms(inter, input_ids, mask, state, compute_dtype, in_place)
-        updates = _FastUpdates(self, keys, values, state, output_state)
+        # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
+        keys, values = self._gradient_terms(inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place)
+        if shared_z and compute_dtype is not None and "logits" in values:
+            values["logits"] = values["logits"].to(compute_dtype)
+        updates = _FastUpdates(self, keys, values, state, output_state, writable)
 
         # Fast pass: every parameter replaced by its fast value.
         o = self._fast_hidden_layer(hidden_states, updates) if self._fast_hidden else inter["o"]
@@ -702,7 +828,7 @@ class FWLHead(nn.Module):
             if last_slow_logits is not None:
                 new_state["prev.logits"] = last_slow_logits.detach()
             new_state["prev.mask"] = mask[:, -1:].detach() if mask is not None else hidden_states.new_ones(B, 1)
-        return out, new_state
+        return out, new_state, updates.final_writable
 
     def _gradient_terms(self, inter, input_ids, mask, state: State, compute_dtype, in_place: bool):
         """Per-token gradients (the grad L_i of eqs. 1-2) of the positions whose label is known: the previous call's
@@ -734,7 +860,7 @@ class FWLHead(nn.Module):
             )
             for name in self.fast_parameter_names:
                 key_name, value_name = GRADIENT_TERMS[name]
-                values.setdefault(value_name, grads[value_name].to(dtype))
+                values.setdefault(value_name, _as_value(value_name, grads[value_name], dtype))
                 if key_name is not None:
                     keys.setdefault(key_name, shifted[key_name])
             return keys, values
@@ -751,7 +877,10 @@ class FWLHead(nn.Module):
         for name in self.fast_parameter_names:
             key_name, value_name = GRADIENT_TERMS[name]
             if value_name not in values:
-                values[value_name] = _shift_in(grads[value_name].to(dtype), prev_grads and prev_grads[value_name])
+                values[value_name] = _shift_in(
+                    _as_value(value_name, grads[value_name], dtype),
+                    prev_grads and _as_value(value_name, prev_grads[value_name], dtype),
+                )
             if key_name is not None and key_name not in keys:
                 keys[key_name] = _shift_in(inter[key_name][:, :-1], prev and prev[key_name])
         return keys, values
@@ -789,10 +918,14 @@ class FWLHead(nn.Module):
                 z = slow.output_preactivation(o_keep)
                 if output_state:  # the last position's slow logits, for its gradient in the next call
                     last_slow_logits = slow.output_logits(inter["o"][:, -1:])
-            z = updates.subtract(z, "output_embedding.weight", o, keep)
         else:
             z = preactivation[:, keep]
             last_slow_logits = inter["logits"][:, -1:]
+            if not torch.is_grad_enabled():  # z is written in place below: keep the last slow logits as they are
+                last_slow_logits = last_slow_logits.clone()
+        if not torch.is_grad_enabled():  # every output-layer correction in one pass, running sums in place
+            return slow.transform_logits(updates.subtract_output_layer_(z, o[:, keep], keep)), last_slow_logits
+        z = updates.subtract(z, "output_embedding.weight", o, keep)
         z = updates.subtract(updates.subtract(z, "output_embedding.bias", keep=keep), "output_bias", keep=keep)
         return slow.transform_logits(z), last_slow_logits
 
@@ -837,6 +970,12 @@ def init_fwl_weights(module: nn.Module) -> None:
     whose output layer is shared), which would leave a residual head's LayerNorm gain at 1."""
     if isinstance(module, (FWLSlowHead, FWLHead, SegmentDecay)):
         module.reset_parameters()
+
+
+def _as_value(value_name: str, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A per-token gradient as a value of the linear attentions: in `dtype` (the hidden states'), except dCE/dz outside
+    autograd, which stays in the dtype it was computed in (``gradient_dtype``) for ``subtract_output_layer_``."""
+    return grad if value_name == "logits" and not torch.is_grad_enabled() else grad.to(dtype)
 
 
 def _shift_in(new: torch.Tensor, first: Optional[torch.Tensor]) -> torch.Tensor:

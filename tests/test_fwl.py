@@ -62,7 +62,8 @@ def tiny_fwl(base="llama", seed=0, **fwl):
     model = FWLForCausalLM(FWLConfig(text_config=text_config, **fwl)).eval()
     with torch.no_grad():  # a non-trivial LayerNorm, so every fast parameter's gradient is non-zero
         model.fwl_head.slow.norm.weight.normal_(1.0, 0.3)
-        model.fwl_head.slow.norm.bias.normal_(0.0, 0.3)
+        if getattr(model.fwl_head.slow.norm, "bias", None) is not None:  # (an output-side head's RMSNorm has none)
+            model.fwl_head.slow.norm.bias.normal_(0.0, 0.3)
     return model
 
 
@@ -161,6 +162,118 @@ def test_cached_steps_equal_parallel_forward(base, mode):
     size = sum(t.numel() for t in cache.fwl_layer.states.values())
     model(ids[:, :1], past_key_values=cache, use_cache=True)
     assert sum(t.numel() for t in cache.fwl_layer.states.values()) == size
+
+
+OUTPUT_SUM = "sum.output_embedding.weight"
+
+
+def segments_with_cache(model, ids, lengths, mask=None, logits_to_keep=0):
+    """Logits and FWL states after each of several cached calls over `ids` split into `lengths`."""
+    cache, logits, states, start = None, [], [], 0
+    for length in lengths:
+        part = slice(start, start + length)
+        kwargs = {} if mask is None else {"attention_mask": mask[:, : start + length]}
+        out = model(ids[:, part], past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+        cache = out.past_key_values
+        logits.append(out.logits)
+        states.append({k: t.clone() for k, t in cache.fwl_layer.producer_states()[0].items()})
+        start += length
+    return logits, states, cache
+
+
+@pytest.mark.parametrize(
+    "fast_parameters,head_type,padded",
+    [
+        (ALL_FAST, "mlp", False), (ALL_FAST, "mlp", True), (["output_embedding.weight"], "mlp", False),
+        (["output_bias"], "mlp", False), (["output_embedding.weight", "output_bias"], "mlp", True),
+        (None, "output", False), (None, "output", True),
+    ],
+)
+def test_output_layer_outside_autograd_equals_the_differentiable_path(fast_parameters, head_type, padded):
+    """Outside autograd the fast E and output biases take one fused pass (``subtract_output_layer_``: a T' x T mixing
+    matrix, the carried sum read once, the sums updated in place); with autograd, the linear attention and cumulative
+    sums of ``subtract``. Segments with a cache (lengths 5, 1, 4, 1), a left-padded batch, logits of every position
+    and of the last only: the same logits and the same running sums."""
+    model = tiny_fwl(fwl_fast_parameters=fast_parameters, fwl_head_type=head_type, fwl_kernel_mode="chunk",
+                     fwl_chunk_size=4, **({"fwl_step_size_init": 0.05} if head_type == "output" else {}))
+    ids = random_ids(2, 11)
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+    lengths = [5, 1, 4, 1]
+    reference, reference_states, _ = segments_with_cache(model, ids, lengths, mask)  # parameters require grad
+    assert reference[0].requires_grad
+    with torch.no_grad():
+        fused, fused_states, _ = segments_with_cache(model, ids, lengths, mask)
+        last, _, _ = segments_with_cache(model, ids, lengths, mask, logits_to_keep=1)
+    for got, want, got_last in zip(fused, reference, last):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_last, want.detach()[:, -1:], rtol=1e-5, atol=1e-5)
+    for got, want in zip(fused_states, reference_states):
+        assert got.keys() == want.keys()
+        for key in got:
+            torch.testing.assert_close(got[key], want[key].detach(), rtol=1e-5, atol=1e-5, msg=key)
+    # the fast weights do act (the slow head alone gives other logits)
+    with torch.no_grad(), model.fwl_head.slow_only():
+        slow, _, _ = segments_with_cache(model, ids, lengths, mask)
+    assert not torch.allclose(torch.cat(slow, 1)[:, 2:], torch.cat(fused, 1)[:, 2:], atol=1e-4)
+
+
+def test_bf16_output_layer_reads_and_updates_the_running_sum_in_blocks(monkeypatch):
+    """With ``fwl_gradient_dtype="bfloat16"`` E's running sum stays float32 and is read and updated with bf16
+    products in blocks of vocabulary rows: blocks of 16 rows (4 blocks of the tiny vocabulary) give what one block
+    gives, and both stay within a few percent of the exact fast-weight correction over cached segments."""
+    from modeling_fwp import fwl
+
+    exact = tiny_fwl(fwl_fast_parameters=["output_embedding.weight", "output_bias"], fwl_head_type="mlp")
+    approx = tiny_fwl(fwl_fast_parameters=["output_embedding.weight", "output_bias"], fwl_gradient_dtype="bfloat16")
+    approx.load_state_dict(exact.state_dict())
+    ids, lengths = random_ids(2, 11), [5, 1, 4, 1]
+    with torch.no_grad():
+        reference, reference_states, _ = segments_with_cache(exact, ids, lengths)
+        one_block, _, _ = segments_with_cache(approx, ids, lengths)
+        monkeypatch.setattr(fwl, "_SUM_UPDATE_BLOCK_ROWS", 16)
+        blocks, states, _ = segments_with_cache(approx, ids, lengths)
+        with exact.fwl_head.slow_only():
+            slow, _, _ = segments_with_cache(exact, ids, lengths)
+    torch.testing.assert_close(torch.cat(blocks, 1), torch.cat(one_block, 1), rtol=1e-5, atol=1e-5)
+    reference, slow, blocks = torch.cat(reference, 1), torch.cat(slow, 1), torch.cat(blocks, 1)
+    error = (blocks - reference).abs().max() / (reference - slow).abs().max()
+    assert error < 0.05, error
+    assert states[-1][OUTPUT_SUM].dtype == torch.float32
+    sum_error = (states[-1][OUTPUT_SUM] - reference_states[-1][OUTPUT_SUM]).abs().max()
+    assert sum_error < 0.02 * reference_states[-1][OUTPUT_SUM].abs().max(), sum_error
+
+
+def test_output_layer_running_sum_is_updated_in_place_only_when_nothing_else_holds_it():
+    """Outside autograd E's running sum is written in place from the second call on, unless its tensor was handed out
+    (``FastWeightCacheLayer.states``, a rollback checkpoint) since the last write: what was read stays as it was."""
+    model = tiny_fwl(fwl_fast_parameters=ALL_FAST)
+    ids = random_ids(1, 12)
+    with torch.no_grad():
+        out = model(ids[:, :4], use_cache=True)
+        cache = out.past_key_values
+        first = cache.fwl_layer.producer_states()[0][OUTPUT_SUM]
+        assert OUTPUT_SUM in cache.fwl_layer.writable
+        model(ids[:, 4:6], past_key_values=cache, use_cache=True)
+        second = cache.fwl_layer.producer_states()[0][OUTPUT_SUM]
+        assert second is first  # updated in place
+        snapshot = dict(cache.fwl_layer.states)  # a reader keeps references: no more in-place writes to them
+        assert cache.fwl_layer.writable == frozenset()
+        kept = snapshot[OUTPUT_SUM].clone()
+        model(ids[:, 6:8], past_key_values=cache, use_cache=True)
+        third = cache.fwl_layer.producer_states()[0][OUTPUT_SUM]
+        assert third is not second and torch.equal(snapshot[OUTPUT_SUM], kept)
+        assert not torch.equal(third, kept)
+        cache.activate_past_recording()  # a checkpoint before each forward keeps references too
+        model(ids[:, 8:10], past_key_values=cache, use_cache=True)
+        fourth = cache.fwl_layer.producer_states()[0][OUTPUT_SUM]
+        assert fourth is not third
+        before_crop = fourth.clone()
+        model(ids[:, 10:12], past_key_values=cache, use_cache=True)
+        cache.crop(-2)  # rolls back to the state after 10 tokens, which nothing overwrote
+        torch.testing.assert_close(cache.fwl_layer.producer_states()[0][OUTPUT_SUM], before_crop, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("base", ["llama", "delta_net", "gpt2"])
