@@ -8,10 +8,10 @@ every method's seconds (best / median / all) and its ratio to the base model (of
 computation with the FWL's output-layer matmul (``fwp_kernels.dense_linear``, oneDNN), which on this AMD CPU is faster
 than the MKL sgemm transformers' LM head runs; ``test_time_fwl`` over it is the fast update's own cost.
 ``test_time_fwl_bf16`` is the test-time FWL with ``fwl_gradient_dtype="bfloat16"`` (the per-token gradients'
-vocabulary-sized part in bf16: an approximation, faster on CPUs with bf16 matrix units). ``test_time_fwl_embedding``
-(and its ``_bf16``) makes only the output embedding and the output bias fast, not the final norm's gain: the fast
-pass then reads the slow pass's o, so its logits are the slow logits plus the output layer's corrections and one
-product with E serves both (``FWLHead``'s shared z), where a fast gain needs two more vocabulary-sized products. ``dynamic_output`` is dynamic
+vocabulary-sized part in bf16: an approximation, faster on CPUs with bf16 matrix units). The test-time FWL makes the
+output embedding and the output bias fast (``training.test_time_fwl.TEST_TIME_FAST_PARAMETERS``, or
+``--fwl_fast_parameters``); ``test_time_fwl_with_gain`` (and its ``_bf16``) makes the final norm's gain fast too,
+which costs two more vocabulary-sized products per position (the fast pass then reads another o than the slow one). ``dynamic_output`` is dynamic
 evaluation of the test-time FWL's fast part (final norm and an untied copy of the output embedding,
 ``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
 
@@ -40,11 +40,11 @@ from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 
 
 METHODS = (
-    "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_embedding",
-    "test_time_fwl_embedding_bf16", "dynamic_output", "dynamic",
+    "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
+    "test_time_fwl_with_gain_bf16", "dynamic_output", "dynamic",
 )
-# The fast parameters of the ``test_time_fwl_embedding`` methods.
-EMBEDDING_FAST_PARAMETERS = ("output_embedding.weight", "output_bias")
+# The fast parameters of the ``test_time_fwl_with_gain`` methods.
+WITH_GAIN_FAST_PARAMETERS = ("norm.weight", "output_embedding.weight", "output_bias")
 
 
 def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Optional[DynamicEvaluation], Callable]]:
@@ -79,8 +79,8 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
 
     runs.update(
         test_time_fwl_bf16=variant(args.fwl_fast_parameters, "bfloat16"),
-        test_time_fwl_embedding=variant(EMBEDDING_FAST_PARAMETERS, None),
-        test_time_fwl_embedding_bf16=variant(EMBEDDING_FAST_PARAMETERS, "bfloat16"),
+        test_time_fwl_with_gain=variant(WITH_GAIN_FAST_PARAMETERS, None),
+        test_time_fwl_with_gain_bf16=variant(WITH_GAIN_FAST_PARAMETERS, "bfloat16"),
         dynamic_output=dynamic_output,
     )
     return {method: runs[method]() for method in args.methods}
@@ -93,7 +93,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--fwl_step_size", type=float, default=1e-5)
-    p.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="default: norm, output embedding, bias")
+    p.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="default: output embedding, output bias")
     p.add_argument("--dynamic_lr", type=float, default=3e-3)
     p.add_argument("--dynamic_output_lr", type=float, default=1e-2, help="chosen on valid in "
                    "docs/results/document_eval_wiki_2048.json")

@@ -381,6 +381,25 @@ def compile_rows(s: Source) -> List[Row]:
     return rows
 
 
+def test_time_fwl_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_test_time_fwl.py: scoring time of the test-time-only FWL on an untouched model, interleaved with
+    the base model and dynamic evaluation."""
+    t = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
+         for m in ("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
+                   "test_time_fwl_with_gain_bf16", "dynamic_output", "dynamic")}
+    what = fill("test-time-only FWL, scoring time of one {k}-token document in segments of 128 with the cache carried, "
+                "{m} ({th} threads, {r} interleaved rounds)", k=s.get("tokens"), m=s.get("settings.model"),
+                th=s.get("settings.threads"), r=s.get("settings.repeats"))
+    ours = both("output embedding + output bias fast: {a:.2f}x the base (`fwl_gradient_dtype=\"bfloat16\"` {b:.2f}x); "
+                "the final norm's gain fast too: {c:.2f}x ({d:.2f}x)", True,
+                a=pdiv(t["test_time_fwl"], t["base"]), b=pdiv(t["test_time_fwl_bf16"], t["base"]),
+                c=pdiv(t["test_time_fwl_with_gain"], t["base"]), d=pdiv(t["test_time_fwl_with_gain_bf16"], t["base"]))
+    baseline = both("base {m:.2f} s; the same wrapped model, update off {o:.2f}x; dynamic evaluation of the output side "
+                    "{p:.2f}x, of every parameter {q:.2f}x", m=t["base"], o=pdiv(t["test_time_fwl_off"], t["base"]),
+                    p=pdiv(t["dynamic_output"], t["base"]), q=pdiv(t["dynamic"], t["base"]))
+    return [[what, ours, baseline, "<= 1.15x the base"]]
+
+
 def assisted_rows(s: Source) -> List[Row]:
     """benchmarks/bench_assisted.py: prompt-lookup decoding with the recording cache's rollback vs greedy."""
     greedy = s.pair(None, None, "modes.greedy.ms_per_token_all")
@@ -401,6 +420,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_rfwp.json", rfwp_rows),
     ("benchmarks/results/bench_transfo_xl.json", transfo_xl_rows),
     ("benchmarks/results/bench_fwl.json", fwl_rows),
+    ("benchmarks/results/bench_test_time_fwl.json", test_time_fwl_rows),
     ("docs/results/finetune_fwl.json", demo_rows),
     ("benchmarks/results/bench_synthetic_data.json", synthetic_data_rows),
     ("benchmarks/results/transfo_xl_transformers4_parity.json", parity_rows),

@@ -63,11 +63,9 @@ GRADIENT_TERMS: Dict[str, Tuple[Optional[str], str]] = {
 OUTPUT_LAYER_TERMS = ("output_embedding.weight", "output_embedding.bias", "output_bias")
 # Vocabulary rows per block when E's running sum is read and updated with bfloat16 products (a block of the sum stays in
 # cache for both; by hand, 2 threads, SmolLM2's S of 49,152 x 576, 128 positions: 57 ms in blocks of 2,048 rows, 62
-# in 4,096, 79 in 1,024, against 108 ms for the two float32 products).
+# in 4,096, 79 in 1,024, against 108 ms for the two float32 products; in the whole model the conversions of S and of
+# the values take most of that back: benchmarks/bench_test_time_fwl.py).
 _SUM_UPDATE_BLOCK_ROWS = 2048
-# The state key of that sum's copy in the products' precision (not a "sum." key: a segment decay leaves it alone, and
-# it is used only while the cache layer holds it untouched since it was written, with its sum).
-LOW_PRECISION_SUM = "low_precision_sum.output_embedding.weight"
 # How deep the analytic backward must go for each upstream gradient.
 _GRADIENT_DEPTH = {"logits": 0, "f": 1, "gain": 1, "z2": 2, "z1": 3}
 
@@ -555,28 +553,23 @@ class _FastUpdates:
         """``z -= (alpha q) S^T`` in place, then (when the final state is wanted) ``S + sum_i v_i k_i^T`` ``[B, V, D]``:
         into S itself when the cache layer allows it, else into a fresh tensor. S stays float32 (float64 for float64
         values). Values in a lower precision (``gradient_dtype``) take both products in that precision, in blocks of
-        vocabulary rows (each block of S in cache for both), and the state keeps a copy of S in that precision
-        (``LOW_PRECISION_SUM``, written while the block is in cache) for the next call's product."""
+        vocabulary rows, each block of S converted once while in cache."""
         B, _, V = value.shape
         dtype = torch.promote_types(value.dtype, torch.float32)
         lower_precision = value.dtype != dtype
-        writable = S is not None and "sum.output_embedding.weight" in self.writable
-        copy = self.state.get(LOW_PRECISION_SUM) if writable and LOW_PRECISION_SUM in self.writable else None
-        if copy is not None and copy.dtype != value.dtype:
-            copy = None
-        target = copy_target = None
+        target = None
         if self.output_final_state:
-            target = S if writable else torch.empty(B, V, keys.shape[-1], dtype=dtype, device=value.device)
-            if lower_precision:
-                copy_target = copy if copy is not None else torch.empty_like(target, dtype=value.dtype)
+            if S is not None and "sum.output_embedding.weight" in self.writable:
+                target = S
+            else:
+                target = torch.empty(B, V, keys.shape[-1], dtype=dtype, device=value.device)
         step = _SUM_UPDATE_BLOCK_ROWS if lower_precision else V
         for b in range(B):
             q, k = scaled_query[b].to(value.dtype), keys[b].to(value.dtype)
             for start in range(0, V, step):
                 rows = slice(start, start + step)
                 if S is not None:  # one row: the streaming matrix-vector kernel; more: oneDNN's matmul
-                    weight = copy[b, rows] if copy is not None else S[b, rows].to(value.dtype)
-                    z[b, :, rows].sub_(dense_linear(q, weight))
+                    z[b, :, rows].sub_(dense_linear(q, S[b, rows].to(value.dtype)))
                 if target is None:
                     continue
                 block, out = value[b, :, rows].t(), target[b, rows]  # sum_i v_i k_i^T = block @ k, [rows, D]
@@ -586,14 +579,10 @@ class _FastUpdates:
                         out.copy_(product)
                     else:
                         torch.add(S[b, rows], product, out=out)
-                    copy_target[b, rows].copy_(out)
                 elif S is None:
                     torch.mm(block, k, out=out)
                 else:
                     torch.addmm(S[b, rows], block, k, out=out)
-        if copy_target is not None:
-            self.final_state[LOW_PRECISION_SUM] = copy_target
-            self.final_writable.add(LOW_PRECISION_SUM)
         return target
 
 

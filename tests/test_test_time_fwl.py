@@ -14,7 +14,7 @@ from transformers import Gemma2Config, LlamaConfig, LlamaForCausalLM
 from modeling_fwp import FWLConfig, FWLForCausalLM
 from training.document_eval import TokenScores, prior_occurrences, score_document
 from training.dynamic_eval import DynamicEvaluation, untie_output_embedding
-from training.test_time_fwl import build_test_time_fwl, set_global_step_size
+from training.test_time_fwl import TEST_TIME_FAST_PARAMETERS, build_test_time_fwl, set_global_step_size
 
 VOCAB = 40
 
@@ -34,7 +34,7 @@ def ids_of(length, seed=1, batch=1):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def reference_logits(base, ids, alpha):
+def reference_logits(base, ids, alpha, fast=("g", "E", "c")):
     """Clark et al. 2022 sec. 2 (eq. 1) one position at a time: theta_t = theta - alpha sum_{j<t} grad CE_j(theta)
     for theta = (final RMSNorm gain g, output embedding E (untied), output bias c = 0), gradients at the slow theta,
     logits_t = RMSNorm_{g_t}(h_t) E_t^T + c_t on the base's pre-norm hidden states h_t."""
@@ -54,7 +54,7 @@ def reference_logits(base, ids, alpha):
     total = {k: torch.zeros_like(v) for k, v in slow.items()}
     out = []
     for t in range(ids.shape[1]):
-        out.append(logits({k: slow[k] - alpha * total[k] for k in slow}, h[t]))
+        out.append(logits({k: slow[k] - alpha * total[k] if k in fast else slow[k] for k in slow}, h[t]))
         if t + 1 < ids.shape[1]:
             theta = {k: v.clone().requires_grad_(True) for k, v in slow.items()}
             loss = F.cross_entropy(logits(theta, h[t])[None], ids[0, t + 1 : t + 2])
@@ -64,12 +64,17 @@ def reference_logits(base, ids, alpha):
 
 
 @pytest.mark.parametrize("alpha", [0.05, 0.5])
-def test_test_time_fwl_equals_the_step_by_step_reference(alpha):
+@pytest.mark.parametrize("gain", [False, True])
+def test_test_time_fwl_equals_the_step_by_step_reference(alpha, gain):
+    """By default E and c are fast (``TEST_TIME_FAST_PARAMETERS``); with ``norm.weight`` the final norm's gain too."""
     base = tiny_llama()
     ids = ids_of(14)
-    expected = reference_logits(base, ids, alpha)
-    model = build_test_time_fwl(copy.deepcopy(base), step_size=alpha)
-    assert [float(model.fwl_head.step_size(n)) for n in model.fwl_head.fast_parameter_names] == pytest.approx([alpha] * 3)
+    expected = reference_logits(base, ids, alpha, ("g", "E", "c") if gain else ("E", "c"))
+    names = ["norm.weight", "output_embedding.weight", "output_bias"] if gain else None
+    model = build_test_time_fwl(copy.deepcopy(base), step_size=alpha, fast_parameters=names)
+    assert model.fwl_head.fast_parameter_names == (tuple(names) if gain else TEST_TIME_FAST_PARAMETERS)
+    assert [float(model.fwl_head.step_size(n)) for n in model.fwl_head.fast_parameter_names] == pytest.approx(
+        [alpha] * (3 if gain else 2))
     with torch.no_grad():
         fast = model(ids).logits[0].double()
         with model.fwl_head.slow_only():

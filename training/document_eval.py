@@ -10,11 +10,12 @@ documents of it), then used on ``--split``:
 
 - ``base``: the model as it is;
 - ``test_time_fwl``: the test-time-only FWL (Clark et al. Table 2; ``training.test_time_fwl``): the untouched model's
-  output side (final norm, an untied copy of the output embedding, an output bias) made fast, one global step size;
+  output side made fast (an untied copy of the output embedding and an output bias; ``--fwl_fast_parameters`` adds
+  the final norm's gain), one global step size;
 - ``dynamic``: dynamic evaluation (Krause et al. 2019; ``training.dynamic_eval``) of every parameter (or those of
   ``--dynamic_eval_params``), SGD or RMS steps after every segment;
-- ``dynamic_output``: dynamic evaluation of the same parameters as ``test_time_fwl`` (final norm and an untied copy
-  of the output embedding), the FWL's slower, sequential counterpart;
+- ``dynamic_output``: dynamic evaluation of the output side (final norm and an untied copy of the output embedding),
+  the test-time FWL's slower, sequential counterpart;
 
 and on two more model folders, for issue 17 item 4's one table (``--one_table``: exactly its rows, ``ONE_TABLE``):
 ``finetuned`` (2), the base fine-tuned without FWL (``--finetuned_model``), with ``finetuned_dynamic`` (dynamic
@@ -398,8 +399,8 @@ class StepSizeArguments:
     fwl_step_sizes: Optional[List[float]] = field(default=None, metadata={
         "help": "test-time FWL: global alphas to try; unset: training.test_time_fwl's"})
     fwl_fast_parameters: Optional[List[str]] = field(default=None, metadata={
-        "help": "test-time FWL: fast output-side parameters; unset: norm.weight output_embedding.weight output_bias "
-                "(without output_embedding.weight no vocabulary-sized linear attention runs)"})
+        "help": "test-time FWL: fast output-side parameters; unset: output_embedding.weight output_bias "
+                "(training.test_time_fwl.TEST_TIME_FAST_PARAMETERS; norm.weight adds the final norm's gain)"})
     dynamic_lr: Optional[List[float]] = field(default=None, metadata={
         "help": "dynamic evaluation: step sizes to try; unset: training.dynamic_eval's for the update chosen"})
     dynamic_method: Literal["sgd", "rms"] = field(default="sgd", metadata={"help": "dynamic evaluation's update"})
