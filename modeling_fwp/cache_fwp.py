@@ -43,7 +43,8 @@ class FastWeightCacheLayer(CacheLayerMixin):
     ``writable`` names the state tensors that nothing but this layer references, so that their producer may update
     them in place in its next call (the FWL's vocabulary-sized running sum, whose fresh allocation would cost more
     than its update). The producer declares them in ``set_states`` and reads them back with ``producer_states``;
-    anything else that reads ``states`` may keep references, so reading it (or replacing it) empties the set.
+    anything else that reads ``states`` may keep references, so reading it (or replacing it) empties the set. (A call
+    interrupted by an exception may leave such a tensor partly updated: start a new cache then.)
     """
 
     supports_early_init = False
