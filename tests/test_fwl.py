@@ -477,6 +477,22 @@ def tiny_finetune_setup(tmp_path, word_tokenizer, batch_size=2):
     ]
 
 
+def test_finetune_script_passes_the_head_options_to_the_new_fwl_model(tmp_path, word_tokenizer):
+    """--fwl_decay_init / --fwl_segment_length (and the other --fwl_* options) reach stage (3)'s fresh FWL head."""
+    from training import finetune_fwl
+
+    argv = tiny_finetune_setup(tmp_path, word_tokenizer)
+    args = finetune_fwl.parse_args(argv + ["--fwl_decay_init", "0.5", "--fwl_segment_length", "8",
+                                           "--fwl_step_size_init", "0.02"])
+    head = finetune_fwl.new_fwl_model(args).fwl_head
+    assert head.decay is not None and head.decay.segment_length == 8
+    assert all(head.decay.gamma(n).item() == pytest.approx(0.5) for n in head.fast_parameter_names)
+    assert all(head.step_size(n).item() == pytest.approx(0.02) for n in head.fast_parameter_names)
+    assert finetune_fwl.new_fwl_model(finetune_fwl.parse_args(argv)).fwl_head.decay is None
+    with pytest.raises(ValueError, match="fwl_decay_init"):
+        finetune_fwl.new_fwl_model(finetune_fwl.parse_args(argv + ["--fwl_decay_init", "1.5"]))
+
+
 def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     """training/finetune_fwl.py end to end on a tiny Llama: three stages, the breakdown, then a resumed rerun."""
     import json

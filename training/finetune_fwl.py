@@ -74,6 +74,10 @@ class ModelArguments:
     fwl_residual: bool = field(default=True, metadata={
         "help": "the head reads h + f(h), which starts exactly at the base model (--no_fwl_residual: the paper's "
                 "logits = f(h) E^T + c, trained from scratch)"})
+    fwl_decay_init: Optional[float] = field(default=None, metadata={
+        "help": "a decaying carried update (Clark et al. sec. 3): its initial gamma in (0, 1); unset: no decay"})
+    fwl_segment_length: Optional[int] = field(default=None, metadata={
+        "help": "with --fwl_decay_init: tokens between decays; unset: at every forward pass that continues a cache"})
     freeze_base: bool = field(default=False, metadata={"help": "train the FWL head only in stage (3)"})
     fwl_head_type: str = field(default="mlp", metadata={
         "choices": ["mlp", "output"],
@@ -397,8 +401,9 @@ def new_fwl_model(args: ParsedArguments) -> PreTrainedModel:
                   "fwl_residual": args.fwl_residual and args.fwl_head_type == "mlp"}
     if args.fwl_fast_parameters is not None:
         fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
-    if args.fwl_intermediate_size is not None:
-        fwl_config["fwl_intermediate_size"] = args.fwl_intermediate_size
+    for name in ("fwl_intermediate_size", "fwl_decay_init", "fwl_segment_length"):
+        if getattr(args, name) is not None:
+            fwl_config[name] = getattr(args, name)
     return FWLForCausalLM.from_base_pretrained(args.model_name_or_path, freeze_base=args.freeze_base, **fwl_config)
 
 
