@@ -43,6 +43,8 @@ METHODS = (
     "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
     "test_time_fwl_with_gain_bf16", "dynamic_output", "dynamic",
 )
+# The test-time FWL's own methods (each compared with the update off and with dynamic_output).
+FWL_METHODS = METHODS[2:6]
 # The fast parameters of the ``test_time_fwl_with_gain`` methods.
 WITH_GAIN_FAST_PARAMETERS = ("norm.weight", "output_embedding.weight", "output_bias")
 
@@ -125,16 +127,16 @@ def main(argv=None):
             seconds[method].append(time.perf_counter() - started)
     timings = {m: summarize(s) for m, s in seconds.items()}
     ratios = {m: ratio(timings[m], timings["base"]) for m in timings if "base" in timings and m != "base"}
-    for fwl_method in METHODS[2:6]:  # the fast update's own cost: against the wrapped model with it off
+    for fwl_method in FWL_METHODS:  # the fast update's own cost: against the wrapped model with it off
         if fwl_method in timings and "test_time_fwl_off" in timings:
             ratios[f"{fwl_method}_vs_off"] = ratio(timings[fwl_method], timings["test_time_fwl_off"])
-    for fwl_method in METHODS[2:6]:  # against its nearest, cheaper-or-not rival
+    for fwl_method in FWL_METHODS:  # against its nearest, cheaper-or-not rival
         if fwl_method in timings and "dynamic_output" in timings:
             ratios[f"{fwl_method}_vs_dynamic_output"] = ratio(timings[fwl_method], timings["dynamic_output"])
     for method, summary in timings.items():
         extra = f"  {ratios[method]['of_medians']:.2f}x base (of medians)" if method in ratios else ""
         print(f"{method:<20} median {summary['median']:.2f} s for {ids.numel() - 1} tokens{extra}")
-    for name in [f"{m}_vs_dynamic_output" for m in METHODS[2:6]]:
+    for name in [f"{m}_vs_dynamic_output" for m in FWL_METHODS]:
         if name in ratios:
             print(f"{name}: {ratios[name]['of_medians']:.2f}x (of medians)")
     if not args.quick:

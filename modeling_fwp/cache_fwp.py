@@ -100,6 +100,10 @@ class FastWeightCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def nbytes(self) -> int:
+        """Bytes held by the state tensors."""
+        return sum(t.numel() * t.element_size() for t in self._states.values())
+
     @property
     def batch_size(self) -> int:
         for tensor in self._states.values():
@@ -288,7 +292,7 @@ class FastWeightCache(RollbackMixin, Cache):
 
     def nbytes(self) -> int:
         """Bytes held by all state tensors (constant in the number of tokens seen)."""
-        total = sum(t.numel() * t.element_size() for layer in self.layers for t in layer._states.values())
+        total = sum(layer.nbytes() for layer in self.layers)
         if self.token_counts is not None:
             total += self.token_counts.numel() * self.token_counts.element_size()
         return total

@@ -60,7 +60,7 @@ GRADIENT_TERMS: Dict[str, Tuple[Optional[str], str]] = {
     "output_bias": (None, "logits"),  # c
 }
 # The output-layer parameters whose per-token gradient is dCE/dz (the value "logits"): E (key o) and two biases.
-OUTPUT_LAYER_TERMS = ("output_embedding.weight", "output_embedding.bias", "output_bias")
+OUTPUT_LAYER_TERMS = tuple(name for name, (_, value) in GRADIENT_TERMS.items() if value == "logits")
 # Vocabulary rows per block when E's running sum is read and updated with bfloat16 products (a block of the sum stays in
 # cache for both; by hand, 2 threads, SmolLM2's S of 49,152 x 576, 128 positions: 57 ms in blocks of 2,048 rows, 62
 # in 4,096, 79 in 1,024, against 108 ms for the two float32 products; in the whole model the conversions of S and of
