@@ -173,7 +173,8 @@ def linear_rows(size: dict) -> dict:
         for rows in (1, 2):
             x = torch.randn(rows, size["linear"][1]).to(dtype)
             y = torch.empty(rows, size["linear"][0], dtype=dtype)
-            fns[f"streaming_{rows}"] = lambda x=x, y=y: [torch.ops.fwp_dense.linear_rows(x, w, None, y) for w in weights]
+            fns[f"streaming_{rows}"] = lambda x=x, y=y: [
+                dense._CPU_KERNEL.ops.linear_rows(x, w, None, y) for w in weights]
             fns[f"f_linear_{rows}"] = lambda x=x: [F.linear(x, w) for w in weights]
             if dense.onednn_linear_available():
                 fns[f"onednn_{rows}"] = lambda x=x: [

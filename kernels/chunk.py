@@ -263,7 +263,7 @@ def decode_cpu(q, k, v, gates, initial_state) -> Tuple[torch.Tensor, torch.Tenso
     state = None if initial_state is None else initial_state.reshape(B * H, Dv, Dk).to(acc).contiguous()
     new_state = q.new_empty(B, H, Dv, Dk, dtype=acc)  # never written in place: the caller's state stays
     o = q.new_empty(B, H, 1, Dv, dtype=acc)
-    torch.ops.fwp_chunk.decode_step(q1, k1, v1, beta, g, state, new_state, o)
+    _CPU_KERNEL.ops.decode_step(q1, k1, v1, beta, g, state, new_state, o)
     return o.to(q.dtype), new_state
 
 
@@ -285,7 +285,7 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
     acc = acc_dtype(q, k, v, initial_state, *gates)
     state, o = compiled_forward_buffers(q, v, initial_state, acc)
     flat = [_flat(x, acc) for x in (q, k, v, _op_beta(gates))]
-    torch.ops.fwp_chunk.chunk_forward(*flat, state, chunk_size, o, None, None)
+    _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None)
     return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
 
@@ -303,7 +303,7 @@ def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):
         dS.copy_(d_final.reshape(B * H, Dv, Dk))
     dq, dk, dv = torch.empty_like(flat[0]), torch.empty_like(flat[1]), torch.empty_like(flat[2])
     dbeta = None if beta is None else torch.empty_like(flat[3])
-    torch.ops.fwp_chunk.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta)
+    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta)
     dq, dk, dv = (g.view(x.shape).to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
     dgates = () if beta is None else (dbeta.view(beta.shape).to(beta.dtype),)
     ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)

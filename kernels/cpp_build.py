@@ -95,7 +95,10 @@ class CompiledCpuKernel:
     Args:
         source: ``csrc/<stem>.cpp`` of the package (the stem names the build).
         embedded_source: the same text from ``<stem>_csrc.py`` inside a saved model folder, else None.
-        namespace, op: a ``torch.ops.<namespace>.<op>`` the built library registers (checked after loading).
+        namespace, op: the library registers ``<op>`` in ``torch.ops.<namespace>_<build key hash>`` (checked after
+            loading; :attr:`ops` is that namespace): every build has its own, so that two builds of different
+            sources (the package's and a saved model folder's older copy) can be loaded in one process, where two
+            registrations of one namespace would abort it.
         extra_cflags: compiler flags.
         fallback: what runs instead, for the warning ("the PyTorch step loop (much slower)").
     """
@@ -112,6 +115,7 @@ class CompiledCpuKernel:
         self.source_path = source
         self.embedded_source = embedded_source
         self.namespace, self.op = namespace, op
+        self.ops = None  # torch.ops.<namespace>_<build key hash> once available() is True
         self.extra_cflags = list(extra_cflags)
         self.fallback = fallback
         self.status = "not tried yet"
@@ -141,12 +145,20 @@ class CompiledCpuKernel:
                if NATIVE_ARCH_FLAG in self.extra_cflags else {}),
         }
 
+    def build_key_hash(self, source: str) -> str:
+        """12 hex digits of :meth:`build_key`'s hash: names the build directory and the ops' namespace."""
+        return hashlib.sha1(json.dumps(self.build_key(source), sort_keys=True).encode("utf-8")).hexdigest()[:12]
+
     def build_directory(self, source: str) -> Path:
-        """``$FWP_KERNELS_BUILD_DIR/torch<version>/<stem>_<hash of build_key>``."""
-        key = json.dumps(self.build_key(source), sort_keys=True)
-        key_hash = hashlib.sha1(key.encode("utf-8")).hexdigest()[:12]
+        """``$FWP_KERNELS_BUILD_DIR/torch<version>/<stem>_<build_key_hash>``."""
         root = os.environ.get(BUILD_DIR_ENV) or Path.home() / ".cache" / "fwp_kernels"
-        return Path(root) / f"torch{torch.__version__.replace('+', '_')}" / f"{self.source_path.stem}_{key_hash}"
+        stem = f"{self.source_path.stem}_{self.build_key_hash(source)}"
+        return Path(root) / f"torch{torch.__version__.replace('+', '_')}" / stem
+
+    def op_namespace(self, source: str) -> str:
+        """``<namespace>_<build_key_hash>``, the namespace the build of `source` registers its ops in (the source
+        reads it from ``-DFWP_OP_NAMESPACE``; one source, flags and torch, one namespace and one library)."""
+        return f"{self.namespace}_{self.build_key_hash(source)}"
 
     def describe(self) -> str:
         """Which CPU path runs, for reports: ``"built"`` (the C++ kernel), ``"disabled (...)"``, ``"unavailable (...)"``
@@ -156,7 +168,7 @@ class CompiledCpuKernel:
 
     def reset(self) -> None:
         """Forget the outcome of an earlier attempt (the next ``available()`` tries again)."""
-        self._available, self.status = None, "not tried yet"
+        self._available, self.status, self.ops = None, "not tried yet", None
 
     @torch.compiler.assume_constant_result
     def available(self) -> bool:
@@ -171,7 +183,7 @@ class CompiledCpuKernel:
                 self._available, self.status = self._build()
         return self._available
 
-    def _compile(self, source: str, build_dir: Path) -> None:
+    def _compile(self, source: str, build_dir: Path, op_namespace: str) -> None:
         """Compiles and loads ``source`` in ``build_dir`` (torch's JIT extension builder, ninja), with a notice."""
         from torch.utils.cpp_extension import load
 
@@ -190,7 +202,7 @@ class CompiledCpuKernel:
             name=f"fwp_{build_dir.name}",
             sources=[str(build_source)],
             build_directory=str(build_dir),
-            extra_cflags=self.extra_cflags,
+            extra_cflags=self.extra_cflags + [f"-DFWP_OP_NAMESPACE={op_namespace}"],
             # -fopenmp links the OpenMP runtime too: the libgomp.so.1 torch ships and has already loaded (one pool)
             extra_ldflags=[flag for flag in self.extra_cflags if flag == "-fopenmp"],
             is_python_module=False,
@@ -203,7 +215,7 @@ class CompiledCpuKernel:
         source, origin = self.source()
         if source is None:
             return False, f"unavailable (no {self.source_path.name} next to this copy of fwp_kernels)"
-        build_dir = self.build_directory(source)
+        build_dir, op_namespace = self.build_directory(source), self.op_namespace(source)
         library = build_dir / f"fwp_{build_dir.name}.so"
         cached = (build_dir / BUILT_MARKER).is_file() and library.is_file()
         missing = None if cached else missing_toolchain()  # a cached build needs no compiler
@@ -213,9 +225,11 @@ class CompiledCpuKernel:
             if cached:  # built before, by this or another environment with the same torch
                 torch.ops.load_library(str(library))
             else:
-                self._compile(source, build_dir)
-            if not hasattr(getattr(torch.ops, self.namespace), self.op):
-                return False, f"failed (the built library registers no {self.namespace}.{self.op})"
+                self._compile(source, build_dir, op_namespace)
+            ops = getattr(torch.ops, op_namespace)
+            if not hasattr(ops, self.op):
+                return False, f"failed (the built library registers no {op_namespace}.{self.op})"
+            self.ops = ops
             if not cached:
                 (build_dir / BUILT_MARKER).write_text(json.dumps(self.build_key(source), indent=1), encoding="utf-8")
             return True, "built"

@@ -84,7 +84,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     streaming = rows.shape[0] <= STREAMING_MAX_ROWS and weight.is_contiguous()
     if streaming and not torch.compiler.is_compiling() and _CPU_KERNEL.available():  # (no fake kernel to trace)
         out = rows.new_empty(rows.shape[0], weight.shape[0])
-        torch.ops.fwp_dense.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
+        _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
     elif _ONEDNN:
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
     else:

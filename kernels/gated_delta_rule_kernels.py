@@ -124,7 +124,7 @@ class GatedDeltaRuleChunks(ChunkRule):
             return chunk.decode_cpu(q, k, v, gates, initial_state)
         acc = acc_dtype(q, k, v, initial_state, *gates)
         state, o = compiled_forward_buffers(q, v, initial_state, acc)
-        torch.ops.fwp_gated_chunk.gated_forward(*[_flat(x, acc) for x in (q, k, v, *gates)], state, chunk_size, o)
+        _CPU_KERNEL.ops.gated_forward(*[_flat(x, acc) for x in (q, k, v, *gates)], state, chunk_size, o)
         return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
     def compiled_backward(self, do, d_final, q, k, v, gates, initial_state, chunk_size: int):
@@ -138,7 +138,7 @@ class GatedDeltaRuleChunks(ChunkRule):
         if d_final is not None:
             dS.copy_(d_final.reshape(B * H, Dv, Dk))
         grads = [torch.empty_like(x) for x in flat]  # dq, dk, dv, dbeta, dg
-        torch.ops.fwp_gated_chunk.gated_backward(*flat, s0, chunk_size, do, dS, *grads)
+        _CPU_KERNEL.ops.gated_backward(*flat, s0, chunk_size, do, dS, *grads)
         dq, dk, dv, dbeta, dg = (d.view(x.shape).to(x.dtype) for d, x in zip(grads, (q, k, v, *gates)))
         ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)
         return dq, dk, dv, (dbeta, dg), ds0

@@ -104,7 +104,7 @@ def _backend(device: torch.device):
     """The fused backend for `device` (the C++ ops on CPU, the Triton wrappers with their signatures on CUDA), or
     None where there is none."""
     if device.type == "cpu" and cpu_kernel_available():
-        return torch.ops.fwp_rfwp
+        return _CPU_KERNEL.ops
     if device.type == "cuda" and _triton_available():
         return _triton_ops()
     return None

@@ -352,7 +352,7 @@ def _rdn_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# wrappers with the signatures of the C++ ops (torch.ops.fwp_rfwp.*): outputs are written in place
+# wrappers with the signatures of the C++ ops (`rfwp_scan._CPU_KERNEL.ops`): outputs are written in place
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -371,7 +371,7 @@ def fast_rnn_forward(
     y0: torch.Tensor, c0: torch.Tensor, mask: Optional[torch.Tensor], cell: int,
     y: torch.Tensor, c: torch.Tensor, act: torch.Tensor, v_old: torch.Tensor,
 ) -> None:
-    """``torch.ops.fwp_rfwp.fast_rnn_forward`` on CUDA (or the interpreter); outputs are written in place.
+    """The C++ op ``fast_rnn_forward`` on CUDA (or the interpreter); outputs are written in place.
 
     Shapes: z, k, v ``[B, H, G, T, D]``, beta ``[B, H, G, T]``, R ``[B, H, G, D, D]`` (in: initial, out: final fast
     weights), y0, c0 ``[B, H, D]``, mask ``[B, T]`` or None, cell the index into ``CELLS``; out: y, c ``[B, H, T, D]``,
@@ -392,7 +392,7 @@ def fast_rnn_backward(
     y: torch.Tensor, c: torch.Tensor, act: torch.Tensor, v_old: torch.Tensor, cell: int,
     gz: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, gbeta: torch.Tensor, gy0: torch.Tensor, gc0: torch.Tensor,
 ) -> None:
-    """``torch.ops.fwp_rfwp.fast_rnn_backward``: the gradients of :func:`fast_rnn_forward`, written in place.
+    """The C++ op ``fast_rnn_backward``: the gradients of :func:`fast_rnn_forward`, written in place.
 
     In: gy, gc ``[B, H, T, D]`` the gradients of y and c (gc None for the RNN cells), the forward's inputs and saved
     outputs, R the final fast weights (undone to the initial ones), dR ``[B, H, G, D, D]`` the final fast weights'
@@ -414,7 +414,7 @@ def rdn_forward(
     W: torch.Tensor, y0: torch.Tensor, mask: Optional[torch.Tensor],
     y: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, bs: torch.Tensor, v_old: torch.Tensor,
 ) -> None:
-    """``torch.ops.fwp_rfwp.rdn_forward`` (the Recurrent Delta Net scan); outputs are written in place.
+    """The C++ op ``rdn_forward`` (the Recurrent Delta Net scan); outputs are written in place.
 
     Shapes: q, k, v ``[B, H, T, D]``, beta ``[B, H, T]``, Rq, Rk, Rv ``[H, D, D]``, rb ``[H, D]``, W ``[B, H, D, D]``
     (in: initial, out: final fast weights), y0 ``[B, H, D]``, mask ``[B, T]`` or None; out: y, and the activated
@@ -435,7 +435,7 @@ def rdn_backward(
     gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, gbeta: torch.Tensor,
     gRq: torch.Tensor, gRk: torch.Tensor, gRv: torch.Tensor, grb: torch.Tensor, gy0: torch.Tensor,
 ) -> None:
-    """``torch.ops.fwp_rfwp.rdn_backward``: the gradients of :func:`rdn_forward`, written in place.
+    """The C++ op ``rdn_backward``: the gradients of :func:`rdn_forward`, written in place.
 
     In: gy ``[B, H, T, D]``, W the final fast weights (undone to the initial ones), dW ``[B, H, D, D]`` their
     gradient (out: the initial ones'), the forward's inputs and saved outputs. Out: gq, gk, gv ``[B, H, T, D]``,

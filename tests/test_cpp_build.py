@@ -2,13 +2,14 @@
 what the binary depends on (source, torch version, compiler flags) and of nothing about where Python or torch lie,
 and a cached build loaded without the compiler, as a second environment with the same torch does."""
 import logging
+import os
 import sys
 
 import pytest
 import torch
 import torch.utils.cpp_extension
 
-from fwp_kernels import build, chunk, cpp_build
+from fwp_kernels import build, chunk, cpp_build, dense
 from fwp_kernels.cpp_build import BUILT_MARKER, CompiledCpuKernel, missing_toolchain
 
 
@@ -120,3 +121,43 @@ def test_kernels_are_built_with_openmp(stem):
     directory = kernel.build_directory(kernel.source()[0])
     library = directory / f"fwp_{directory.name}.so"
     assert b"GOMP_parallel" in library.read_bytes()
+
+
+
+_TWO_COPIES_SCRIPT = """
+import os, sys
+from pathlib import Path
+import torch
+from fwp_kernels import dense
+from fwp_kernels.cpp_build import CompiledCpuKernel
+installed = dense._CPU_KERNEL
+assert installed.available(), installed.describe()
+os.environ["FWP_KERNELS_BUILD_DIR"] = sys.argv[1]  # the other copy is built in the test's directory
+source = installed.source()[0] + "\\n// another version of the source, as a saved model folder may carry\\n"
+other = CompiledCpuKernel(Path("/nowhere/csrc/decode_linear.cpp"), source, installed.namespace, installed.op,
+                          installed.extra_cflags)
+assert other.available(), other.describe()
+x, w = torch.randn(1, 64), torch.randn(32, 64)
+for kernel in (installed, other):
+    out = torch.empty(1, 32)
+    kernel.ops.linear_rows(x, w, None, out)
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
+print(installed.ops.name, other.ops.name)
+"""
+
+
+def test_builds_of_two_sources_load_in_one_process(tmp_path):
+    """The package's kernel and a saved model folder's copy of another version of its source, both loaded in one
+    process (a folder loaded with trust_remote_code beside the installed package): each build registers its ops in a
+    namespace of its own. With one fixed namespace the second library's registration aborted the process
+    (c10::Error thrown while dlopen ran its static initialisers: std::terminate), hence a subprocess here."""
+    import subprocess
+
+    if missing_toolchain() is not None or not dense._CPU_KERNEL.available():
+        pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
+    env = {k: v for k, v in os.environ.items() if k != "FWP_KERNELS_NO_BUILD"}
+    run = subprocess.run([sys.executable, "-c", _TWO_COPIES_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    names = run.stdout.split()
+    assert len(names) == 2 and names[0] != names[1] and all(n.startswith("fwp_dense_") for n in names), names

@@ -94,7 +94,7 @@ def test_dense_linear_uses_onednn_only_outside_autograd():
 def _streaming_kernel():
     if not dense._CPU_KERNEL.available():
         pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
-    return torch.ops.fwp_dense.linear_rows
+    return dense._CPU_KERNEL.ops.linear_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,6 +29,16 @@
 #include <limits>
 #include <vector>
 
+// The ops' namespace: fwp_chunk_<build key> when cpp_build compiles this file (-DFWP_OP_NAMESPACE), one
+// per build, so that builds of different sources (the package's, a saved model folder's older copy) load side by
+// side in one process (two TORCH_LIBRARY blocks of one namespace abort it).
+#ifndef FWP_OP_NAMESPACE
+#define FWP_OP_NAMESPACE fwp_chunk
+#endif
+// TORCH_LIBRARY pastes its argument unexpanded: one more macro level expands FWP_OP_NAMESPACE first.
+#define FWP_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define FWP_TORCH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
 extern "C" {
 // Fortran BLAS, LP64 (32-bit integers), as exported by the BLAS that libtorch_cpu links.
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
@@ -609,7 +619,7 @@ void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
 }  // namespace
 
-TORCH_LIBRARY(fwp_chunk, m) {
+FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def(
       "chunk_forward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor(a!) S, int chunk_size, Tensor(b!)? o, "
       "Tensor(c!)? entering, Tensor(d!)? u_new) -> ()");
@@ -621,7 +631,7 @@ TORCH_LIBRARY(fwp_chunk, m) {
       "-> ()");
 }
 
-TORCH_LIBRARY_IMPL(fwp_chunk, CPU, m) {
+FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("chunk_forward", &chunk_forward);
   m.impl("chunk_backward", &chunk_backward);
   m.impl("decode_step", &decode_step);

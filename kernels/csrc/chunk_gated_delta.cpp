@@ -28,6 +28,16 @@
 #include <limits>
 #include <vector>
 
+// The ops' namespace: fwp_gated_chunk_<build key> when cpp_build compiles this file (-DFWP_OP_NAMESPACE), one
+// per build, so that builds of different sources (the package's, a saved model folder's older copy) load side by
+// side in one process (two TORCH_LIBRARY blocks of one namespace abort it).
+#ifndef FWP_OP_NAMESPACE
+#define FWP_OP_NAMESPACE fwp_gated_chunk
+#endif
+// TORCH_LIBRARY pastes its argument unexpanded: one more macro level expands FWP_OP_NAMESPACE first.
+#define FWP_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define FWP_TORCH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
@@ -396,7 +406,7 @@ void gated_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY(fwp_gated_chunk, m) {
+FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def("gated_forward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor g, Tensor(a!) S, int chunk_size, "
         "Tensor(b!) o) -> ()");
   m.def("gated_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor g, Tensor s0, int chunk_size, "
@@ -404,7 +414,7 @@ TORCH_LIBRARY(fwp_gated_chunk, m) {
         "Tensor(f!) dg) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fwp_gated_chunk, CPU, m) {
+FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("gated_forward", &gated_forward);
   m.impl("gated_backward", &gated_backward);
 }

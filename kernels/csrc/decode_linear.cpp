@@ -19,6 +19,16 @@
 #include <type_traits>
 #include <vector>
 
+// The ops' namespace: fwp_dense_<build key> when cpp_build compiles this file (-DFWP_OP_NAMESPACE), one
+// per build, so that builds of different sources (the package's, a saved model folder's older copy) load side by
+// side in one process (two TORCH_LIBRARY blocks of one namespace abort it).
+#ifndef FWP_OP_NAMESPACE
+#define FWP_OP_NAMESPACE fwp_dense
+#endif
+// TORCH_LIBRARY pastes its argument unexpanded: one more macro level expands FWP_OP_NAMESPACE first.
+#define FWP_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define FWP_TORCH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -147,8 +157,8 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
 
 }  // namespace
 
-TORCH_LIBRARY(fwp_dense, m) {
+FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fwp_dense, CPU, m) { m.impl("linear_rows", &linear_rows); }
+FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) { m.impl("linear_rows", &linear_rows); }

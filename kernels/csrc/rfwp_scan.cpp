@@ -23,6 +23,16 @@
 #include <cstdint>
 #include <vector>
 
+// The ops' namespace: fwp_rfwp_<build key> when cpp_build compiles this file (-DFWP_OP_NAMESPACE), one
+// per build, so that builds of different sources (the package's, a saved model folder's older copy) load side by
+// side in one process (two TORCH_LIBRARY blocks of one namespace abort it).
+#ifndef FWP_OP_NAMESPACE
+#define FWP_OP_NAMESPACE fwp_rfwp
+#endif
+// TORCH_LIBRARY pastes its argument unexpanded: one more macro level expands FWP_OP_NAMESPACE first.
+#define FWP_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define FWP_TORCH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
 namespace {
 
 // Cells of the fast RNN scan (keep in sync with CELLS in kernels/rfwp_scan.py).
@@ -501,7 +511,7 @@ void rdn_backward(const at::Tensor& gy, const at::Tensor& W, const at::Tensor& d
 // Outputs are preallocated by the caller (zero-filled where a position may be skipped) and written
 // in place; R / W go in as the initial fast weights and come out as the final ones (forward), or go
 // in as the final ones and come out as the initial ones (backward).
-TORCH_LIBRARY(fwp_rfwp, m) {
+FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def(
       "fast_rnn_forward(Tensor z, Tensor k, Tensor v, Tensor beta, Tensor(a!) R, Tensor y0, Tensor c0, "
       "Tensor? mask, int cell, Tensor(b!) y, Tensor(c!) c, Tensor(d!) act, Tensor(e!) v_old) -> ()");
@@ -520,7 +530,7 @@ TORCH_LIBRARY(fwp_rfwp, m) {
       "Tensor(i!) gRv, Tensor(j!) grb, Tensor(k!) gy0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fwp_rfwp, CPU, m) {
+FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("fast_rnn_forward", &fast_rnn_forward);
   m.impl("fast_rnn_backward", &fast_rnn_backward);
   m.impl("rdn_forward", &rdn_forward);
