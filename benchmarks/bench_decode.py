@@ -7,7 +7,10 @@ For each dtype and thread count, measured side by side in one process (round-rob
 - ``ours``: the model as shipped: its projections are ``modeling_fwp.fast_weight_layers.Linear``, whose inference
   forward streams the weights once for a decode step (``fwp_kernels.dense_linear``: csrc/decode_linear.cpp) and
   takes oneDNN's matmul for a prefill;
-- ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run).
+- ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run);
+- with ``--batch_size 2`` (a decode step of two sequences: two rows per projection), also ``one_row_streaming``: the
+  model as shipped with ``fwp_kernels.dense.STREAMING_MAX_ROWS = 1`` (oneDNN's matmul from two rows, the setting
+  before 2026-11-26), against the shipped 2 (the weight-streaming kernel for one and two rows).
 
 Bounds, from peaks measured in the same process just before: decode ms/token against "bytes read per token / read
 bandwidth" (every weight but the input embedding, of which one row, plus the recurrent state read and written once;
@@ -17,6 +20,7 @@ model's dtype).
 
     python benchmarks/bench_decode.py                 # about 10 minutes on an idle 2-core CPU, 8 GB of memory
     python benchmarks/bench_decode.py --quick         # a toy model, seconds: checks that it runs
+    python benchmarks/bench_decode.py --batch_size 2 --prefill 128   # -> bench_decode_batch2.json, a few minutes
 
 Writes benchmarks/results/bench_decode.json (``--out``) with the command, versions and load average.
 """
@@ -36,20 +40,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import MODEL_1B3  # noqa: E402
 from bench_kernels import chunk_flops, timings  # noqa: E402
 from bench_pretrained import build_model  # noqa: E402
-from fwp_kernels import chunk  # noqa: E402
+from fwp_kernels import chunk, dense  # noqa: E402
 from modeling_fwp import fast_weight_layers  # noqa: E402
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
 from training.result_file import RunRecord, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode.json"
 VARIANTS = ("ours", "f_linear")
+BATCH_VARIANTS = VARIANTS + ("one_row_streaming",)  # --batch_size > 1
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear)."""
+    """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear);
+    ``one_row_streaming``: as shipped, the weight-streaming kernel for one row of input only."""
     if name == "ours":
         yield
+        return
+    if name == "one_row_streaming":
+        shipped, dense.STREAMING_MAX_ROWS = dense.STREAMING_MAX_ROWS, 1
+        try:
+            yield
+        finally:
+            dense.STREAMING_MAX_ROWS = shipped
         return
     own = fast_weight_layers.Linear.forward
     fast_weight_layers.Linear.forward = torch.nn.Linear.forward
@@ -86,27 +99,30 @@ def prefill_flops(model, T: int) -> float:
 
 
 @torch.inference_mode()
-def measure(model, prefill: int, context: int, steps: int, quick: bool) -> dict:
-    """Both variants at the current thread count: prefill tokens/s, decode ms/token after `context`, their bounds."""
+def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_size: int = 1) -> dict:
+    """The variants at the current thread count, `batch_size` sequences: prefill tokens/s, decode ms/token (per step
+    of the batch) after `context`, their bounds."""
     dtype = next(model.parameters()).dtype
     peak = machine_peaks(dtype, quick)
-    ids = torch.randint(3, model.config.vocab_size, (1, max(prefill, context)), generator=torch.Generator().manual_seed(0))
+    variants = VARIANTS if batch_size == 1 else BATCH_VARIANTS
+    ids = torch.randint(3, model.config.vocab_size, (batch_size, max(prefill, context)),
+                        generator=torch.Generator().manual_seed(0))
     prefill_fns = {}
-    for name in VARIANTS:
+    for name in variants:
         def run(name=name):
             with variant(name):
                 model(ids[:, :prefill], use_cache=True)
         prefill_fns[name] = run
     prefill_t = timings(prefill_fns, 1 if not quick else 2)
     caches, tokens, logits = {}, {}, {}
-    for name in VARIANTS:
+    for name in variants:
         with variant(name):
             out = model(ids[:, :context], use_cache=True)
         caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
         logits[name] = out.logits[:, -1].float()
-    step_times = {name: [] for name in VARIANTS}
+    step_times = {name: [] for name in variants}
     for step in range(steps + 2):  # round-robin: a step of each in turn; the first two are warm-up
-        for name in VARIANTS:
+        for name in variants:
             with variant(name):
                 t0 = time.perf_counter()
                 out = model(tokens[name], use_cache=True, **{CACHE_ARGUMENT: caches[name]})
@@ -114,18 +130,22 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool) -> dict:
             caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
             if step >= 2:
                 step_times[name].append(elapsed * 1e3)
-    bound_ms = bytes_per_token(model, caches["ours"]) / (peak["read_gbs"] * 1e9) * 1e3
+    bound_ms = bytes_per_token(model, caches["ours"]) / (peak["read_gbs"] * 1e9) * 1e3  # a step reads the weights once
     bound_tokens_per_s = prefill / (prefill_flops(model, prefill) / (peak["matmul_gflops"] * 1e9))
     assert fast_weight_layers.Linear.forward is not torch.nn.Linear.forward, "the variants got mixed up"
+    assert dense.STREAMING_MAX_ROWS >= batch_size or batch_size == 1, "the shipped setting streams this batch's rows"
     result = {"peaks": peak, "decode_bound_ms": bound_ms, "prefill_bound_tokens_per_s": bound_tokens_per_s,
               "prefill_logits_max_abs_difference": (logits["ours"] - logits["f_linear"]).abs().max().item()}
-    for name in VARIANTS:
+    for name in variants:
         decode = summarize(step_times[name])
-        rate = prefill / prefill_t[name]["median"]
+        rate = batch_size * prefill / prefill_t[name]["median"]
         result[name] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
                         "prefill_tokens_per_s": rate, "prefill_of_bound": rate / bound_tokens_per_s}
     result["decode_speedup"] = result["f_linear"]["decode_ms_per_token"]["median"] / result["ours"]["decode_ms_per_token"]["median"]
     result["prefill_speedup"] = result["ours"]["prefill_tokens_per_s"] / result["f_linear"]["prefill_tokens_per_s"]
+    if "one_row_streaming" in variants:
+        result["decode_speedup_vs_one_row_streaming"] = (result["one_row_streaming"]["decode_ms_per_token"]["median"]
+                                                         / result["ours"]["decode_ms_per_token"]["median"])
     return result
 
 
@@ -135,6 +155,11 @@ def print_table(results: dict) -> None:
         for th, r in by_threads.items():
             o, f = r["ours"], r["f_linear"]
             print(f"  {th} thread(s): read {r['peaks']['read_gbs']:.1f} GB/s, matmul {r['peaks']['matmul_gflops']:.0f} GFLOP/s")
+            if "one_row_streaming" in r:
+                print(f"    decode ms/step of {results['batch_size']} sequences: streaming up to "
+                      f"{results['streaming_max_rows']} rows {o['decode_ms_per_token']['median']:.1f}, one row "
+                      f"{r['one_row_streaming']['decode_ms_per_token']['median']:.1f}: "
+                      f"{r['decode_speedup_vs_one_row_streaming']:.2f}x faster")
             print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x the "
                   f"bound {r['decode_bound_ms']:.1f}), F.linear {f['decode_ms_per_token']['median']:.1f} "
                   f"({f['decode_of_bound']:.2f}x); ours {r['decode_speedup']:.2f}x faster")
@@ -151,12 +176,17 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048, help="prefill length (tokens)")
     parser.add_argument("--context", type=int, default=64, help="tokens before the timed decode steps")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per variant")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--batch_size", type=int, default=1, choices=[1, 2],
+                        help="sequences decoded together (2: also the one-row streaming variant)")
+    parser.add_argument("--out", default=None, help="default: results/bench_decode.json (batch 2: _batch2.json)")
     args = parser.parse_args()
     if args.quick:
         args.prefill, args.context, args.steps = 64, 16, 4
-    record = RunRecord.start("python benchmarks/bench_decode.py")
+    default_out = RESULTS if args.batch_size == 1 else RESULTS.with_name(f"bench_decode_batch{args.batch_size}.json")
+    args.out = args.out or str(default_out)
+    record = RunRecord.start("python benchmarks/bench_decode.py")  # (with the arguments given)
     results = {"quick": args.quick, "prefill": args.prefill, "context": args.context, "steps": args.steps,
+               "batch_size": args.batch_size, "streaming_max_rows": dense.STREAMING_MAX_ROWS,
                "shape": MODEL_1B3, "models": {}}
     threads_before = torch.get_num_threads()
     for dtype in args.dtypes:
@@ -164,12 +194,13 @@ def main() -> None:
         results["models"][dtype] = {}
         for th in args.threads:
             torch.set_num_threads(th)
-            results["models"][dtype][th] = {**measure(model, args.prefill, args.context, args.steps, args.quick),
+            results["models"][dtype][th] = {**measure(model, args.prefill, args.context, args.steps, args.quick,
+                                                      args.batch_size),
                                             "load_average": os.getloadavg()}
         del model
     torch.set_num_threads(threads_before)
     print_table(results)
-    path = record.write(args.out if not args.quick or args.out != str(RESULTS) else
+    path = record.write(args.out if not args.quick or args.out != str(default_out) else
                         str(Path(os.environ.get("TMPDIR", "/tmp")) / "bench_decode_quick.json"), results)
     print(f"\nwrote {path} (load average {os.getloadavg()[0]:.2f})")
 

@@ -364,6 +364,26 @@ def decode_rows(s: Source) -> List[Row]:
     return rows
 
 
+def decode_batch_rows(s: Source) -> List[Row]:
+    """bench_decode.py --batch_size 2: a decode step of two sequences, the weight-streaming kernel for two rows
+    (STREAMING_MAX_ROWS = 2, shipped) vs for one row only (oneDNN's matmul from two rows, the earlier setting)."""
+    rows = []
+    for dtype, by_threads in (s.get("models") or {}).items():
+        for th, r in by_threads.items():
+            key = f"models.{dtype}.{th}"
+            ours = s.pair(f"{key}.ours.decode_ms_per_token.median", f"{key}.ours.decode_ms_per_token.best")
+            one = s.pair(f"{key}.one_row_streaming.decode_ms_per_token.median",
+                         f"{key}.one_row_streaming.decode_ms_per_token.best")
+            bound = s.get(f"{key}.decode_bound_ms")
+            rows.append([
+                fill("decode ms per step of {} sequences, whole 1.3B Delta Net, {}, {} thread(s): weight streaming for "
+                     "up to {} rows", s.get("batch_size"), dtype, th, s.get("streaming_max_rows")),
+                both("{m:.1f} ({b:.2f}x the bound {d:.1f}; {r:.2f}x faster)", True, m=ours,
+                     b=pdiv(ours, (bound, bound)), d=(bound, bound), r=pdiv(one, ours)),
+                both("streaming for one row only (oneDNN for two) {m:.1f}", m=one), "not slower"])
+    return rows
+
+
 def compile_rows(s: Source) -> List[Row]:
     """benchmarks/bench_compile.py: decode ms/token with the forward compiled (inductor) vs eager, same tokens."""
     rows = []
@@ -426,6 +446,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/transfo_xl_transformers4_parity.json", parity_rows),
     ("benchmarks/results/bench_pretrained.json", pretrained_rows),
     ("benchmarks/results/bench_decode.json", decode_rows),
+    ("benchmarks/results/bench_decode_batch2.json", decode_batch_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
 )

@@ -51,13 +51,13 @@ except ImportError:  # the installed package: the source is csrc/decode_linear.c
 _CPU_KERNEL = register_cpu_kernel(
     "decode_linear", _EMBEDDED_SOURCE, "fwp_dense", "linear_rows", KERNEL_CFLAGS, "oneDNN's or torch's matmul",
 )
-# Rows of input up to which the weight-streaming kernel runs (decoding); above, oneDNN's matmul, which reuses each
-# weight block over the rows. Chosen with an earlier version of the kernel (four rows of W side by side), by hand:
-# 2 rows 14.8 vs 15.6 ms (oneDNN) in float32, 11.8 vs 10.6 ms in bfloat16, 4 rows 14.1 vs 11.9 ms. The kernel as it
-# is now (benchmarks/bench_cpu.py "linear_rows", 2026-11-26, GB/s at 1 / 2 threads, 8 weights of 5632 x 2048):
+# Rows of input up to which the weight-streaming kernel runs (decoding one or two sequences, assisted decoding's
+# one-token drafts); above, oneDNN's matmul, which reuses each weight block over the rows. Measured side by side
+# (benchmarks/bench_cpu.py "linear_rows", 2026-11-26, GB/s of weights at 1 / 2 threads, 8 weights of 5632 x 2048):
 # 1 row float32 21.5 / 43.6 (oneDNN 19.0 / 38.6, F.linear 17.3 / 18.3), bfloat16 24.9 / 44.3 (oneDNN 10.4 / 15.6);
-# 2 rows float32 14.1 / 28.7 (oneDNN 13.3 / 23.6), bfloat16 23.8 / 43.2 (oneDNN 12.4 / 20.1): 2 would now pay too.
-STREAMING_MAX_ROWS = 1
+# 2 rows float32 14.1 / 28.7 (oneDNN 13.3 / 23.6), bfloat16 23.8 / 43.2 (oneDNN 12.4 / 20.1). Whole-model effect at
+# two rows: benchmarks/bench_decode.py --batch_size 2 (bench_decode_batch2.json; was 1 until then).
+STREAMING_MAX_ROWS = 2
 
 
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
@@ -75,9 +75,9 @@ def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [*, K] @ weight [N, K]^T + bias [N]`` -> ``[*, N]``, as ``F.linear``. On CPU for float32 / bfloat16 outside
-    autograd: a single row of input (decoding) streams the weight once (``csrc/decode_linear.cpp``), more rows go
-    through oneDNN's matmul (``weight`` may be a transposed view, e.g. ``E.t()`` for ``P @ E``); F.linear otherwise.
-    The same product up to summation order (float32 accumulation in every path)."""
+    autograd: up to ``STREAMING_MAX_ROWS`` rows of input (decoding) stream the weight (``csrc/decode_linear.cpp``),
+    more rows go through oneDNN's matmul (``weight`` may be a transposed view, e.g. ``E.t()`` for ``P @ E``); F.linear
+    otherwise. The same product up to summation order (float32 accumulation in every path)."""
     if not _cpu_inference(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])

@@ -128,16 +128,18 @@ def test_streaming_linear_refuses_bad_shapes_and_dtypes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_linear_streams_one_row_and_leaves_other_cases_to_matmuls(monkeypatch, dtype):
-    """One row outside autograd: the streaming kernel's result, bit for bit; two rows, a tracked weight, autocast:
-    not the kernel (checked by making it fail)."""
+def test_dense_linear_streams_up_to_two_rows_and_leaves_other_cases_to_matmuls(monkeypatch, dtype):
+    """One or two rows outside autograd (a decode step of one or two sequences: STREAMING_MAX_ROWS = 2): the streaming
+    kernel's result, bit for bit; three rows, a tracked weight, autocast: not the kernel (checked by making it fail)."""
     linear_rows = _streaming_kernel()
-    x, weight, bias, _, _ = random_layer(dtype, N=2, K=64, V=50)
+    assert dense.STREAMING_MAX_ROWS == 2
+    x, weight, bias, _, _ = random_layer(dtype, N=3, K=64, V=50)
     one = x[:1].view(1, 1, 64)  # [B, T, K] of a decode step
-    expected = torch.empty(1, 50, dtype=dtype)
-    linear_rows(x[:1].contiguous(), weight, bias, expected)
-    with torch.no_grad():
-        assert torch.equal(dense_linear(one, weight, bias), expected.view(1, 1, 50))
+    for rows in (1, 2):
+        expected = torch.empty(rows, 50, dtype=dtype)
+        linear_rows(x[:rows].contiguous(), weight, bias, expected)
+        with torch.no_grad():
+            assert torch.equal(dense_linear(x[:rows].view(rows, 1, 64), weight, bias), expected.view(rows, 1, 50))
     monkeypatch.setattr(dense._CPU_KERNEL, "available", lambda: pytest.fail("the streaming kernel was asked"))
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     with torch.no_grad():
