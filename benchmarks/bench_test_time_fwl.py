@@ -11,7 +11,9 @@ than the MKL sgemm transformers' LM head runs; ``test_time_fwl`` over it is the 
 vocabulary-sized part in bf16: an approximation, faster on CPUs with bf16 matrix units). The test-time FWL makes the
 output embedding and the output bias fast (``training.test_time_fwl.TEST_TIME_FAST_PARAMETERS``, or
 ``--fwl_fast_parameters``); ``test_time_fwl_with_gain`` (and its ``_bf16``) makes the final norm's gain fast too,
-which costs two more vocabulary-sized products per position (the fast pass then reads another o than the slow one). ``dynamic_output`` is dynamic
+which costs two more vocabulary-sized products per position (the fast pass then reads another o than the slow one).
+``test_time_fwl_seen`` restricts the fast update to the rows of the document's tokens so far
+(``fwl_fast_vocabulary="seen"``): its products cover those rows only. ``dynamic_output`` is dynamic
 evaluation of the test-time FWL's fast part (final norm and an untied copy of the output embedding,
 ``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
 
@@ -41,10 +43,10 @@ from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 
 METHODS = (
     "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
-    "test_time_fwl_with_gain_bf16", "dynamic_output", "dynamic",
+    "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic",
 )
 # The test-time FWL's own methods (each compared with the update off and with dynamic_output).
-FWL_METHODS = METHODS[2:6]
+FWL_METHODS = tuple(m for m in METHODS if m.startswith("test_time_fwl") and m != "test_time_fwl_off")
 # The fast parameters of the ``test_time_fwl_with_gain`` methods.
 WITH_GAIN_FAST_PARAMETERS = ("norm.weight", "output_embedding.weight", "output_bias")
 
@@ -67,9 +69,10 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
     runs = {"base": lambda: (base, None, none), "dynamic": lambda: (base, DynamicEvaluation(args.dynamic_lr), none),
             "test_time_fwl": lambda: (fwl, None, none), "test_time_fwl_off": lambda: (fwl, None, fwl.fwl_head.slow_only)}
 
-    def variant(fast_parameters, gradient_dtype):
+    def variant(fast_parameters, gradient_dtype, fast_vocabulary="full"):
         def build():
-            model = build_test_time_fwl(args.model, args.fwl_step_size, fast_parameters, gradient_dtype=gradient_dtype)
+            model = build_test_time_fwl(args.model, args.fwl_step_size, fast_parameters, gradient_dtype=gradient_dtype,
+                                        fast_vocabulary=fast_vocabulary)
             return model, None, none
         return build
 
@@ -83,6 +86,7 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
         test_time_fwl_bf16=variant(args.fwl_fast_parameters, "bfloat16"),
         test_time_fwl_with_gain=variant(WITH_GAIN_FAST_PARAMETERS, None),
         test_time_fwl_with_gain_bf16=variant(WITH_GAIN_FAST_PARAMETERS, "bfloat16"),
+        test_time_fwl_seen=variant(args.fwl_fast_parameters, None, "seen"),
         dynamic_output=dynamic_output,
     )
     return {method: runs[method]() for method in args.methods}

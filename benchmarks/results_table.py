@@ -406,14 +406,16 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
     the base model and dynamic evaluation."""
     t = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
          for m in ("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
-                   "test_time_fwl_with_gain_bf16", "dynamic_output", "dynamic")}
+                   "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic")}
     what = fill("test-time-only FWL, scoring time of one {k}-token document in segments of 128 with the cache carried, "
                 "{m} ({th} threads, {r} interleaved rounds)", k=s.get("tokens"), m=s.get("settings.model"),
                 th=s.get("settings.threads"), r=s.get("settings.repeats"))
     ours = both("output embedding + output bias fast: {a:.2f}x the base (`fwl_gradient_dtype=\"bfloat16\"` {b:.2f}x); "
-                "the final norm's gain fast too: {c:.2f}x ({d:.2f}x)", True,
+                "the final norm's gain fast too: {c:.2f}x ({d:.2f}x); the update on the document's tokens only "
+                "(`fwl_fast_vocabulary=\"seen\"`) {e:.2f}x", True,
                 a=pdiv(t["test_time_fwl"], t["base"]), b=pdiv(t["test_time_fwl_bf16"], t["base"]),
-                c=pdiv(t["test_time_fwl_with_gain"], t["base"]), d=pdiv(t["test_time_fwl_with_gain_bf16"], t["base"]))
+                c=pdiv(t["test_time_fwl_with_gain"], t["base"]), d=pdiv(t["test_time_fwl_with_gain_bf16"], t["base"]),
+                e=pdiv(t["test_time_fwl_seen"], t["base"]))
     baseline = both("base {m:.2f} s; the same wrapped model, update off {o:.2f}x; dynamic evaluation of the output side "
                     "{p:.2f}x, of every parameter {q:.2f}x", m=t["base"], o=pdiv(t["test_time_fwl_off"], t["base"]),
                     p=pdiv(t["dynamic_output"], t["base"]), q=pdiv(t["dynamic"], t["base"]))

@@ -15,6 +15,8 @@ from .configuration_fwp import check_sizes
 
 KERNEL_MODES = ("auto", "recurrent", "chunk")
 GRADIENT_DTYPES = (None, "bfloat16", "float16", "float32", "float64")
+# Which vocabulary rows the output layer's fast update may change: all (the paper), or those of the tokens seen so far.
+FAST_VOCABULARIES = ("full", "seen")
 
 # The parameters of the FWL's MLP and LayerNorm (everything before the output layer).
 HIDDEN_PARAMETERS = (
@@ -67,6 +69,13 @@ class FWLHeadConfigMixin:
         fwl_gradient_dtype: None (exact) or a dtype name ("bfloat16") in which the vocabulary-sized part of the
             per-token gradients is computed (slow logits, softmax, dlogits E): an approximation of the fast weight
             update that runs about 2.5x faster on CPUs with bf16 matrix units (dense output layers only).
+        fwl_fast_vocabulary: "full" (the paper: dCE/dz over the whole vocabulary) or "seen": the output layer's
+            per-token gradient kept on the rows of the tokens seen so far only (position j, whose label is
+            x_{j+1}, updates the rows of x_0 .. x_{j+1}; padding counts as no token): the fast E and output biases
+            then change only where the text has been, and their products touch only those rows (a few thousand of
+            a 49,152-token vocabulary in a long document). Not in Clark et al.: an approximation that keeps the
+            update's push towards repeated tokens and drops its push away from unseen ones. The hidden layer's
+            gradients stay exact.
     """
 
     fwl_intermediate_size: Optional[int] = None
@@ -80,6 +89,7 @@ class FWLHeadConfigMixin:
     fwl_kernel_mode: str = "auto"
     fwl_chunk_size: int = 256
     fwl_gradient_dtype: Optional[str] = None
+    fwl_fast_vocabulary: str = "full"
 
     def resolve_fwl_fields(self, hidden_size: int) -> None:
         """Fills the None defaults that depend on the model (``fwl_intermediate_size``, ``fwl_fast_parameters``) and
@@ -109,6 +119,7 @@ class FWLHeadConfigMixin:
             "fwl_kernel_mode": (self.fwl_kernel_mode in KERNEL_MODES, f"one of {KERNEL_MODES}"),
             "fwl_chunk_size": (self.fwl_chunk_size >= 1, ">= 1"),
             "fwl_gradient_dtype": (self.fwl_gradient_dtype in GRADIENT_DTYPES, f"one of {GRADIENT_DTYPES}"),
+            "fwl_fast_vocabulary": (self.fwl_fast_vocabulary in FAST_VOCABULARIES, f"one of {FAST_VOCABULARIES}"),
         }
         for field, (valid, requirement) in checks.items():
             if not valid:

@@ -44,7 +44,7 @@ from transformers.cache_utils import Cache
 
 from .cache_fwp import FastWeightCacheLayer, RollbackMixin
 from .pretrained import logits_to_keep_index
-from .configuration_fwl import DEFAULT_FAST_PARAMETERS, HIDDEN_PARAMETERS, FWLHeadConfigMixin
+from .configuration_fwl import DEFAULT_FAST_PARAMETERS, FAST_VOCABULARIES, HIDDEN_PARAMETERS, FWLHeadConfigMixin
 
 # For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
 # its upstream gradient = the value). Names are those of `FWLSlowHead.named_parameters()`.
@@ -442,6 +442,46 @@ class SegmentDecay(nn.Module):
         return state, count
 
 
+SEEN_TOKENS = "seen.tokens"  # state key of fast_vocabulary="seen": [B, V] bool, the tokens of the text so far
+
+
+class SeenVocabulary:
+    """``fast_vocabulary="seen"`` for one forward call: which vocabulary rows each per-token gradient may change.
+
+    Entry t of the gradient values (position t - 1, label ``input_ids[:, t]``; ``_FastUpdates``' layout) keeps the
+    rows of the tokens seen before this call (``state["seen.tokens"]``) and of ``input_ids[:, :t + 1]``, padded
+    positions (mask 0) excluded. Every row such an entry keeps is a token that position t's own input or an earlier
+    one was, so the restriction is causal and the same with and without padding.
+
+    Args:
+        state: the FWL state this call continues from (None: the start of a text).
+        input_ids: ``[B, T]``; mask: ``[B, T]`` (1 = token) or None; vocab_size: V.
+    """
+
+    def __init__(self, state: State, input_ids: torch.Tensor, mask: Optional[torch.Tensor], vocab_size: int) -> None:
+        B, T = input_ids.shape
+        before = (state or {}).get(SEEN_TOKENS)
+        self.before = before if before is not None else input_ids.new_zeros(B, vocab_size, dtype=torch.bool)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        if mask is not None:
+            positions = positions.masked_fill(mask == 0, T)  # padding: never seen
+        # first[b, r]: the first position of this call where token r occurs (T: nowhere)
+        self.first = torch.full((B, vocab_size), T, dtype=torch.long, device=input_ids.device)
+        self.first.scatter_reduce_(1, input_ids.clamp(0, vocab_size - 1).long(), positions, "amin")
+        self.seen_after = self.before | (self.first < T)  # [B, V]: the state after this call
+        self.columns = self.seen_after.any(0).nonzero().squeeze(1)  # rows any sequence of the batch may change
+        self.T = T
+
+    def restrict(self, values: torch.Tensor) -> torch.Tensor:
+        """``values [B, T, V]`` (dCE/dz) with the rows each entry may not change set to zero: in place outside
+        autograd, else a new tensor."""
+        steps = torch.arange(self.T, device=values.device)
+        kept = self.before[:, None, :] | (self.first[:, None, :] <= steps[None, :, None])  # [B, T, V]
+        if torch.is_grad_enabled() and values.requires_grad:
+            return values * kept
+        return values.masked_fill_(~kept, 0)
+
+
 class _FastUpdates:
     """The fast weight corrections ``alpha * sum_{j<t} grad_j`` of one forward call, for every fast parameter.
 
@@ -451,9 +491,12 @@ class _FastUpdates:
 
     def __init__(
         self, head: "FWLHead", keys: Dict[str, torch.Tensor], values: Dict[str, torch.Tensor], state: State,
-        output_final_state: bool, writable: FrozenSet[str] = frozenset(),
+        output_final_state: bool, writable: FrozenSet[str] = frozenset(), columns: Optional[torch.Tensor] = None,
     ):
         self.head = head
+        # fast_vocabulary="seen" outside autograd: the only vocabulary rows whose values and carried sums may be
+        # nonzero (the output layer's products skip the others), or None
+        self.columns = columns
         self.keys, self.values, self.state = keys, values, state or {}
         self.output_final_state = output_final_state
         self.final_state: Dict[str, torch.Tensor] = {}
@@ -509,11 +552,14 @@ class _FastUpdates:
         product with S, where ``subtract`` runs a linear attention and cumulative sums over ``[B, T, V]`` tensors. The
         running sums are then updated in place where the cache layer allows it (``FastWeightCacheLayer.writable``):
         SmolLM2's S is 113 MB, whose fresh allocation costs more in page faults than its update. Equal to ``subtract``
-        up to float32 summation order (tests/test_fwl.py)."""
+        up to float32 summation order (tests/test_fwl.py). With ``columns`` (``fast_vocabulary="seen"``) the products
+        read and write only those vocabulary rows, the others' values and sums being zero."""
         names = [name for name in OUTPUT_LAYER_TERMS if name in self.head._active]
         if not names:
             return z
         value = self.values["logits"]  # [B, T, V]
+        cols = self.columns
+        used = value if cols is None else value.index_select(2, cols)  # [B, T, n]: the rows that may change
         T = value.shape[1]
         work = torch.promote_types(query.dtype, torch.float32)  # of the small T' x T products
         alpha = {name: self.head.step_size(name).to(work) for name in names}
@@ -527,7 +573,9 @@ class _FastUpdates:
             keys = self.keys["o"]
             scores = torch.bmm(query.to(work), keys.to(work).transpose(1, 2))
             mixing = mixing + alpha["output_embedding.weight"] * scores * causal
-        if value.dtype == z.dtype:
+        if cols is not None:
+            z.index_add_(2, cols, torch.bmm(mixing.to(used.dtype), used).to(z.dtype), alpha=-1)
+        elif value.dtype == z.dtype:
             z.baddbmm_(mixing.to(z.dtype), value, alpha=-1)
         else:
             z.sub_(torch.bmm(mixing.to(value.dtype), value))
@@ -541,7 +589,11 @@ class _FastUpdates:
                 self.final_state[f"sum.{name}"] = total if carried_sum is None else carried_sum + total
         if matrix:
             scaled = alpha["output_embedding.weight"] * query
-            S = self._read_and_accumulate_sum(z, scaled, self.state.get("sum.output_embedding.weight"), value, keys)
+            carried_S = self.state.get("sum.output_embedding.weight")
+            if cols is None:
+                S = self._read_and_accumulate_sum(z, scaled, carried_S, value, keys)
+            else:
+                S = self._read_and_accumulate_rows(z, scaled, carried_S, used, keys, cols)
             if S is not None:
                 self.final_state["sum.output_embedding.weight"] = S
                 self.final_writable.add("sum.output_embedding.weight")
@@ -585,6 +637,33 @@ class _FastUpdates:
                     torch.addmm(S[b, rows], block, k, out=out)
         return target
 
+    def _read_and_accumulate_rows(
+        self, z: torch.Tensor, scaled_query: torch.Tensor, S: Optional[torch.Tensor], used: torch.Tensor,
+        keys: torch.Tensor, cols: torch.Tensor,
+    ) -> Optional[torch.Tensor]:
+        """``_read_and_accumulate_sum`` on the vocabulary rows `cols` only (``fast_vocabulary="seen"``: S and the
+        values are zero on every other row): ``z[..., cols] -= (alpha q) S[cols]^T``, then ``S[cols] += used^T k``
+        with ``used [B, T, n]`` the values of those rows; S in place when the cache layer allows it."""
+        B, V, D = z.shape[0], z.shape[-1], keys.shape[-1]
+        dtype = torch.promote_types(used.dtype, torch.float32)
+        target = None
+        if self.output_final_state:
+            if S is not None and "sum.output_embedding.weight" in self.writable:
+                target = S
+            elif S is not None:
+                target = S.clone()
+            else:
+                target = torch.zeros(B, V, D, dtype=dtype, device=used.device)
+        for b in range(B):
+            rows = None if S is None else S[b].index_select(0, cols)  # [n, D]
+            if rows is not None:
+                q = scaled_query[b].to(used.dtype)
+                z[b].index_add_(1, cols, dense_linear(q, rows.to(used.dtype)).to(z.dtype), alpha=-1)
+            if target is not None:
+                update = (used[b].t() @ keys[b].to(used.dtype)).to(dtype)  # sum_i v_i k_i^T on those rows
+                target[b].index_copy_(0, cols, update if rows is None else rows + update)
+        return target
+
 
 class FWLHead(nn.Module):
     r"""Fast Weight Layer head (Clark et al. 2022): the FWL contract of DESIGN.md.
@@ -607,6 +686,9 @@ class FWLHead(nn.Module):
         kernel_mode, chunk_size: ``fwp_kernels.linear_attention`` options.
         gradient_dtype: dtype of the per-token gradients' vocabulary-sized part (slow logits, softmax, ``dz E``):
             None (exact, the hidden states' dtype) or e.g. ``torch.bfloat16`` (approximate; fast on CPU matrix units).
+        fast_vocabulary: "full" (the paper) or "seen": the output layer's per-token gradient dCE/dz kept on the rows
+            of the tokens seen so far (``FWLHeadConfigMixin.fwl_fast_vocabulary``; needs a fast output-layer
+            parameter); the state then carries the seen tokens (``seen.tokens`` ``[B, V]``).
     """
 
     def __init__(
@@ -620,6 +702,7 @@ class FWLHead(nn.Module):
         kernel_mode: str = "auto",
         chunk_size: int = 256,
         gradient_dtype: Optional[Union[torch.dtype, str]] = None,
+        fast_vocabulary: str = "full",
     ) -> None:
         super().__init__()
         if not isinstance(slow, FWLSlowHead):
@@ -645,6 +728,14 @@ class FWLHead(nn.Module):
         if gradient_dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"`gradient_dtype` must be None or a floating point dtype, got {gradient_dtype!r}")
         self.gradient_dtype = dtype
+        if fast_vocabulary not in FAST_VOCABULARIES:
+            raise ValueError(f"`fast_vocabulary` must be one of {FAST_VOCABULARIES}, got {fast_vocabulary!r}")
+        if fast_vocabulary == "seen" and not set(OUTPUT_LAYER_TERMS) & set(fast_parameters):
+            raise ValueError(
+                f"`fast_vocabulary='seen'` restricts the fast output layer's update, but none of {list(OUTPUT_LAYER_TERMS)}"
+                f" is fast (`fast_parameters` = {fast_parameters})"
+            )
+        self.fast_vocabulary = fast_vocabulary
         # alpha = softplus(raw), one per fast parameter tensor
         self.raw_step_size = nn.Parameter(torch.empty(len(fast_parameters)))
         self.decay = None
@@ -682,6 +773,7 @@ class FWLHead(nn.Module):
             kernel_mode=config.fwl_kernel_mode,
             chunk_size=config.fwl_chunk_size,
             gradient_dtype=config.fwl_gradient_dtype,
+            fast_vocabulary=config.fwl_fast_vocabulary,
         )
 
     @torch.no_grad()
@@ -799,9 +891,15 @@ class FWLHead(nn.Module):
             inter["logits"] = slow.transform_logits(preactivation)
         # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
         keys, values = self._gradient_terms(inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place)
+        seen = None
+        if self.fast_vocabulary == "seen":
+            seen = SeenVocabulary(state, input_ids, mask, self.slow.vocab_size)
+            if "logits" in values:
+                values["logits"] = seen.restrict(values["logits"])
         if shared_z and compute_dtype is not None and "logits" in values:
             values["logits"] = values["logits"].to(compute_dtype)
-        updates = _FastUpdates(self, keys, values, state, output_state, writable)
+        columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
+        updates = _FastUpdates(self, keys, values, state, output_state, writable, columns)
 
         # Fast pass: every parameter replaced by its fast value.
         o = self._fast_hidden_layer(hidden_states, updates) if self._fast_hidden else inter["o"]
@@ -817,6 +915,8 @@ class FWLHead(nn.Module):
             if last_slow_logits is not None:
                 new_state["prev.logits"] = last_slow_logits.detach()
             new_state["prev.mask"] = mask[:, -1:].detach() if mask is not None else hidden_states.new_ones(B, 1)
+            if seen is not None:
+                new_state[SEEN_TOKENS] = seen.seen_after
         return out, new_state, updates.final_writable
 
     def _gradient_terms(self, inter, input_ids, mask, state: State, compute_dtype, in_place: bool):

@@ -112,6 +112,66 @@ def test_contract_fast_logits_are_one_gradient_step_on_earlier_losses(fast_param
         torch.testing.assert_close(head(hidden, ids, torch.ones_like(ids)), fast, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("fast_parameters", [["output_embedding.weight", "output_bias"], ALL_FAST])
+def test_seen_vocabulary_is_the_gradient_step_on_the_rows_of_the_tokens_so_far(fast_parameters):
+    """``fwl_fast_vocabulary="seen"``: position t == head.slow at theta - alpha * sum_{j<t} g_j, where g_j is the
+    autograd gradient of CE(head.slow(h_j), x_{j+1}) with the output layer's rows (E's rows, c's entries) of tokens
+    outside x_0 .. x_{j+1} set to zero, the hidden layer's gradients untouched; and not the full-vocabulary head."""
+    model = tiny_fwl(fwl_fast_parameters=fast_parameters, fwl_fast_vocabulary="seen")
+    head = model.fwl_head.double()
+    B, T = 2, 11
+    ids = random_ids(B, T)
+    hidden = torch.randn(B, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    fast = head(hidden, ids)
+    params = dict(head.slow.named_parameters())
+    names = head.fast_parameter_names
+    for b in range(B):
+        grad_sum = {name: torch.zeros_like(params[name]) for name in names}
+        for t in range(T):
+            theta = {name: params[name] - head.step_size(name) * grad_sum[name] for name in names}
+            expected = functional_call(head.slow, theta, (hidden[b, t][None, None],))[0, 0]
+            torch.testing.assert_close(fast[b, t], expected, rtol=1e-10, atol=1e-10)
+            if t + 1 < T:
+                loss = F.cross_entropy(head.slow(hidden[b, t][None]), ids[b, t + 1][None])
+                grads = torch.autograd.grad(loss, [params[name] for name in names])
+                seen = torch.zeros(VOCAB, dtype=torch.float64)
+                seen[ids[b, : t + 2]] = 1
+                for name, g in zip(names, grads):
+                    if name in ("output_embedding.weight", "output_bias"):
+                        g = g * (seen[:, None] if g.dim() == 2 else seen)
+                    grad_sum[name] = grad_sum[name] + g
+    head.fast_vocabulary = "full"
+    assert not torch.allclose(head(hidden, ids), fast)
+    with torch.no_grad():  # outside autograd (the products on the seen rows only): the same logits
+        head.fast_vocabulary = "seen"
+        torch.testing.assert_close(head(hidden, ids), fast, rtol=1e-12, atol=1e-12)
+
+
+def test_seen_vocabulary_in_cached_steps_padded_batches_and_its_state():
+    """``fwl_fast_vocabulary="seen"``: cached one-token steps give the parallel forward's logits; a left-padded row
+    gives its logits alone (padding is no token); the state carries the tokens seen, [B, V]; a head without a fast
+    output-layer parameter refuses the option."""
+    model = tiny_fwl(fwl_head_type="output", fwl_fast_vocabulary="seen", fwl_step_size_init=0.05)
+    ids = random_ids(2, 13)
+    with torch.no_grad():
+        full = model(ids).logits
+        logits, states, _ = segments_with_cache(model, ids, [6] + [1] * 7)
+        torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-5, atol=1e-5)
+        seen = states[-1]["seen.tokens"]
+        expected = torch.zeros(2, VOCAB, dtype=torch.bool).scatter_(1, ids, True)
+        assert seen.dtype == torch.bool and torch.equal(seen, expected)
+        short = random_ids(1, 5, seed=4)
+        batch = torch.cat([ids[:1, :8], torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+        mask = torch.ones_like(batch)
+        mask[1, :3] = 0
+        together = model(batch, attention_mask=mask).logits
+        torch.testing.assert_close(together[1, 3:], model(short).logits[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fast_vocabulary"):
+        tiny_fwl(fwl_fast_parameters=["up_proj.weight"], fwl_fast_vocabulary="seen")
+    with pytest.raises(ValueError, match="fwl_fast_vocabulary"):
+        tiny_fwl(fwl_fast_vocabulary="document")
+
+
 @pytest.mark.parametrize("fast_parameters", [None, ALL_FAST])
 def test_float32_scoring_outside_autograd_equals_the_differentiable_forward(monkeypatch, fast_parameters):
     """Outside autograd the per-token gradients run in row blocks through oneDNN (fwp_kernels.dense) with no slow
@@ -182,20 +242,23 @@ def segments_with_cache(model, ids, lengths, mask=None, logits_to_keep=0):
 
 
 @pytest.mark.parametrize(
-    "fast_parameters,head_type,padded",
+    "fast_parameters,head_type,padded,vocabulary",
     [
-        (ALL_FAST, "mlp", False), (ALL_FAST, "mlp", True), (["output_embedding.weight"], "mlp", False),
-        (["output_bias"], "mlp", False), (["output_embedding.weight", "output_bias"], "mlp", True),
-        (None, "output", False), (None, "output", True),
+        (ALL_FAST, "mlp", False, "full"), (ALL_FAST, "mlp", True, "full"), (["output_embedding.weight"], "mlp", False, "full"),
+        (["output_bias"], "mlp", False, "full"), (["output_embedding.weight", "output_bias"], "mlp", True, "full"),
+        (None, "output", False, "full"), (None, "output", True, "full"),
+        (ALL_FAST, "mlp", True, "seen"), (None, "output", False, "seen"), (None, "output", True, "seen"),
     ],
 )
-def test_output_layer_outside_autograd_equals_the_differentiable_path(fast_parameters, head_type, padded):
+def test_output_layer_outside_autograd_equals_the_differentiable_path(fast_parameters, head_type, padded, vocabulary):
     """Outside autograd the fast E and output biases take one fused pass (``subtract_output_layer_``: a T' x T mixing
-    matrix, the carried sum read once, the sums updated in place); with autograd, the linear attention and cumulative
-    sums of ``subtract``. Segments with a cache (lengths 5, 1, 4, 1), a left-padded batch, logits of every position
-    and of the last only: the same logits and the same running sums."""
+    matrix, the carried sum read once, the sums updated in place; with ``fwl_fast_vocabulary="seen"`` on the seen
+    rows only); with autograd, the linear attention and cumulative sums of ``subtract``. Segments with a cache
+    (lengths 5, 1, 4, 1), a left-padded batch, logits of every position and of the last only: the same logits and
+    the same running sums."""
     model = tiny_fwl(fwl_fast_parameters=fast_parameters, fwl_head_type=head_type, fwl_kernel_mode="chunk",
-                     fwl_chunk_size=4, **({"fwl_step_size_init": 0.05} if head_type == "output" else {}))
+                     fwl_chunk_size=4, fwl_fast_vocabulary=vocabulary,
+                     **({"fwl_step_size_init": 0.05} if head_type == "output" else {}))
     ids = random_ids(2, 11)
     mask = None
     if padded:
