@@ -592,10 +592,10 @@ def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):
     from training.document_eval import ONE_TABLE
 
     methods = [m for m in whole if isinstance(whole[m], dict) and "perplexity" in whole[m]]
-    assert methods == list(ONE_TABLE)  # issue 17 item 4's rows, in its order
+    assert methods == list(ONE_TABLE) + ["test_time_fwl_seen"]  # issue 17 item 4's rows, in its order; the variant
     assert {m: whole[m]["tokens"] for m in methods} == dict.fromkeys(methods, 2 * 40)
     assert whole["fwl_slow_only"]["perplexity"] != whole["fwl"]["perplexity"]
-    assert set(whole["goals"]) == {"trained_fwl", "test_time_fwl_on_base"}
+    assert set(whole["goals"]) == {"trained_fwl", "test_time_fwl_on_base", "test_time_fwl_seen_on_base"}
     assert "(3') its slow head alone" in document_report(whole) and "MET" in document_report(whole)
     from training.demo_stages import DEMO_STEP_SIZES
 

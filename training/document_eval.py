@@ -68,7 +68,7 @@ METHODS = ("base", "test_time_fwl", "test_time_fwl_seen", "dynamic", "dynamic_ou
 ONE_TABLE = ("base", "finetuned", "finetuned_dynamic", "fwl", "fwl_slow_only", "finetuned_test_time_fwl",
              "test_time_fwl")
 ROW_LABELS = {
-    "base": "(1) base", "test_time_fwl": "test-time FWL on (1)", "test_time_fwl_seen": "test-time FWL on (1), seen rows",
+    "base": "(1) base", "test_time_fwl": "test-time FWL on (1)", "test_time_fwl_seen": "test-time FWL (1), seen",
     "dynamic": "(1) + dynamic eval.",
     "dynamic_output": "(1) + dyn. eval. output", "finetuned": "(2) fine-tuned, no FWL",
     "finetuned_dynamic": "(2) + dynamic eval.", "finetuned_test_time_fwl": "test-time FWL on (2)",
