@@ -17,11 +17,13 @@ run() {  # name block extra-options...; resumable: rerun the same line
 }
 run mlp_1e-3 512 --fwl_head_type mlp --fwl_step_size_init 1e-3
 run output_3e-5 512 --fwl_head_type output --fwl_step_size_init 3e-5
+# session 28's order: the decay first (the question mlp_1e-3 raised), then its output-side twin
+run mlp_1e-3_decay 512 --fwl_head_type mlp --fwl_step_size_init 1e-3 --fwl_decay_init 0.5 --fwl_segment_length 512
+run output_3e-5_decay 512 --fwl_head_type output --fwl_step_size_init 3e-5 --fwl_decay_init 0.5 --fwl_segment_length 512
 run mlp_1e-2 512 --fwl_head_type mlp --fwl_step_size_init 1e-2
 run mlp_1e-3_frozen 512 --fwl_head_type mlp --fwl_step_size_init 1e-3 --freeze_base
 run mlp_1e-3_lr3e-4 512 --fwl_head_type mlp --fwl_step_size_init 1e-3 --fwl_learning_rate 3e-4
 run mlp_1e-3_c 512 --fwl_head_type mlp --fwl_step_size_init 1e-3 \
   --fwl_fast_parameters up_proj.weight up_proj.bias down_proj.weight down_proj.bias norm.weight norm.bias output_bias
 run mlp_1e-3_b1024 1024 --fwl_head_type mlp --fwl_step_size_init 1e-3
-run mlp_1e-3_decay 512 --fwl_head_type mlp --fwl_step_size_init 1e-3 --fwl_decay_init 0.5 --fwl_segment_length 512
 echo "== sweep finished $(date -u +%FT%T)"
