@@ -71,6 +71,31 @@ def random_ids(batch, length, seed=1):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def assert_one_gradient_step_per_position(head, hidden, ids, fast, seen_rows=False):
+    """Position t of `fast` == head.slow at theta - alpha * sum_{j<t} g_j, g_j = grad CE(head.slow(h_j), x_{j+1}) by
+    plain autograd; with `seen_rows`, the output layer's rows (E's rows, c's entries) of tokens outside
+    x_0 .. x_{j+1} set to zero in g_j, the hidden layer's gradients untouched."""
+    params = dict(head.slow.named_parameters())
+    names = head.fast_parameter_names
+    B, T = ids.shape
+    for b in range(B):
+        grad_sum = {name: torch.zeros_like(params[name]) for name in names}
+        for t in range(T):
+            theta = {name: params[name] - head.step_size(name) * grad_sum[name] for name in names}
+            expected = functional_call(head.slow, theta, (hidden[b, t][None, None],))[0, 0]
+            torch.testing.assert_close(fast[b, t], expected, rtol=1e-10, atol=1e-10)
+            if t + 1 == T:
+                continue
+            loss = F.cross_entropy(head.slow(hidden[b, t][None]), ids[b, t + 1][None])
+            grads = torch.autograd.grad(loss, [params[name] for name in names])
+            seen = torch.zeros(VOCAB, dtype=torch.float64)
+            seen[ids[b, : t + 2]] = 1
+            for name, g in zip(names, grads):
+                if seen_rows and name in ("output_embedding.weight", "output_bias"):
+                    g = g * (seen[:, None] if g.dim() == 2 else seen)
+                grad_sum[name] = grad_sum[name] + g
+
+
 @pytest.mark.parametrize(
     "fast_parameters,residual,base",
     [
@@ -91,19 +116,7 @@ def test_contract_fast_logits_are_one_gradient_step_on_earlier_losses(fast_param
     hidden = torch.randn(B, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     fast = head(hidden, ids)
     assert fast.shape == (B, T, VOCAB)
-
-    params = dict(head.slow.named_parameters())
-    names = head.fast_parameter_names
-    for b in range(B):
-        grad_sum = {name: torch.zeros_like(params[name]) for name in names}
-        for t in range(T):
-            theta = {name: params[name] - head.step_size(name) * grad_sum[name] for name in names}
-            expected = functional_call(head.slow, theta, (hidden[b, t][None, None],))[0, 0]
-            torch.testing.assert_close(fast[b, t], expected, rtol=1e-10, atol=1e-10)
-            if t + 1 < T:
-                loss = F.cross_entropy(head.slow(hidden[b, t][None]), ids[b, t + 1][None])
-                grads = torch.autograd.grad(loss, [params[name] for name in names])
-                grad_sum = {name: grad_sum[name] + g for name, g in zip(names, grads)}
+    assert_one_gradient_step_per_position(head, hidden, ids, fast)
     # the fast weights do change the output
     assert not torch.allclose(fast[:, 1:], head.slow(hidden)[:, 1:])
     # outside autograd (in-place buffers) and with a padding mask of ones: the same logits
@@ -114,32 +127,14 @@ def test_contract_fast_logits_are_one_gradient_step_on_earlier_losses(fast_param
 
 @pytest.mark.parametrize("fast_parameters", [["output_embedding.weight", "output_bias"], ALL_FAST])
 def test_seen_vocabulary_is_the_gradient_step_on_the_rows_of_the_tokens_so_far(fast_parameters):
-    """``fwl_fast_vocabulary="seen"``: position t == head.slow at theta - alpha * sum_{j<t} g_j, where g_j is the
-    autograd gradient of CE(head.slow(h_j), x_{j+1}) with the output layer's rows (E's rows, c's entries) of tokens
-    outside x_0 .. x_{j+1} set to zero, the hidden layer's gradients untouched; and not the full-vocabulary head."""
+    """``fwl_fast_vocabulary="seen"``: one gradient step per position with the output layer's gradient kept on the
+    rows of x_0 .. x_{j+1} (``assert_one_gradient_step_per_position``); and not the full-vocabulary head."""
     model = tiny_fwl(fwl_fast_parameters=fast_parameters, fwl_fast_vocabulary="seen")
     head = model.fwl_head.double()
-    B, T = 2, 11
-    ids = random_ids(B, T)
-    hidden = torch.randn(B, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ids = random_ids(2, 11)
+    hidden = torch.randn(2, 11, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     fast = head(hidden, ids)
-    params = dict(head.slow.named_parameters())
-    names = head.fast_parameter_names
-    for b in range(B):
-        grad_sum = {name: torch.zeros_like(params[name]) for name in names}
-        for t in range(T):
-            theta = {name: params[name] - head.step_size(name) * grad_sum[name] for name in names}
-            expected = functional_call(head.slow, theta, (hidden[b, t][None, None],))[0, 0]
-            torch.testing.assert_close(fast[b, t], expected, rtol=1e-10, atol=1e-10)
-            if t + 1 < T:
-                loss = F.cross_entropy(head.slow(hidden[b, t][None]), ids[b, t + 1][None])
-                grads = torch.autograd.grad(loss, [params[name] for name in names])
-                seen = torch.zeros(VOCAB, dtype=torch.float64)
-                seen[ids[b, : t + 2]] = 1
-                for name, g in zip(names, grads):
-                    if name in ("output_embedding.weight", "output_bias"):
-                        g = g * (seen[:, None] if g.dim() == 2 else seen)
-                    grad_sum[name] = grad_sum[name] + g
+    assert_one_gradient_step_per_position(head, hidden, ids, fast, seen_rows=True)
     head.fast_vocabulary = "full"
     assert not torch.allclose(head(hidden, ids), fast)
     with torch.no_grad():  # outside autograd (the products on the seen rows only): the same logits
