@@ -476,10 +476,11 @@ class SeenVocabulary:
         """``values [B, T, V]`` (dCE/dz) with the rows each entry may not change set to zero: in place outside
         autograd, else a new tensor."""
         steps = torch.arange(self.T, device=values.device)
-        kept = self.before[:, None, :] | (self.first[:, None, :] <= steps[None, :, None])  # [B, T, V]
+        # [B, T, V]: not seen before this call, and first seen after entry t (or never)
+        dropped = (self.first[:, None, :] > steps[None, :, None]) & ~self.before[:, None, :]
         if torch.is_grad_enabled() and values.requires_grad:
-            return values * kept
-        return values.masked_fill_(~kept, 0)
+            return values.masked_fill(dropped, 0)
+        return values.masked_fill_(dropped, 0)
 
 
 class _FastUpdates:
