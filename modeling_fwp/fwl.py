@@ -28,6 +28,10 @@ Generation uses the same code on one token at a time: a ``FastWeightCacheLayer``
 fast weight state of every linear attention) and the slow pass of the last position, whose loss becomes known only
 when the next token arrives. Optionally (Clark et al. sec. 3) the carried sums decay at segment boundaries,
 ``Delta <- gamma Delta + stopgrad(sum of the segment's gradients)`` (``SegmentDecay``).
+
+Not in the paper, optional (``fast_vocabulary="seen"``, ``SeenVocabulary``): the output layer's per-token gradient
+dCE/dz kept on the rows of the tokens seen so far, so that the fast E differs from the slow one on those rows only
+and its products (the largest cost of a fast E, two LM heads per token) shrink to them.
 """
 from __future__ import annotations
 
