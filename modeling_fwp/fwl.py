@@ -604,6 +604,10 @@ class _FastUpdates:
                 self.final_writable.add("sum.output_embedding.weight")
         return z
 
+    def _sum_writable(self, S: Optional[torch.Tensor]) -> bool:
+        """Whether E's carried running sum `S` may be updated in place: only the cache layer references it."""
+        return S is not None and "sum.output_embedding.weight" in self.writable
+
     def _read_and_accumulate_sum(
         self, z: torch.Tensor, scaled_query: torch.Tensor, S: Optional[torch.Tensor], value: torch.Tensor, keys: torch.Tensor
     ) -> Optional[torch.Tensor]:
@@ -616,10 +620,7 @@ class _FastUpdates:
         lower_precision = value.dtype != dtype
         target = None
         if self.output_final_state:
-            if S is not None and "sum.output_embedding.weight" in self.writable:
-                target = S
-            else:
-                target = torch.empty(B, V, keys.shape[-1], dtype=dtype, device=value.device)
+            target = S if self._sum_writable(S) else torch.empty(B, V, keys.shape[-1], dtype=dtype, device=value.device)
         step = _SUM_UPDATE_BLOCK_ROWS if lower_precision else V
         for b in range(B):
             q, k = scaled_query[b].to(value.dtype), keys[b].to(value.dtype)
@@ -653,7 +654,7 @@ class _FastUpdates:
         dtype = torch.promote_types(used.dtype, torch.float32)
         target = None
         if self.output_final_state:
-            if S is not None and "sum.output_embedding.weight" in self.writable:
+            if self._sum_writable(S):
                 target = S
             elif S is not None:
                 target = S.clone()
