@@ -349,7 +349,8 @@ def test_cipher_task_and_training_script(tmp_path):
     assert perfect["bleu"] == pytest.approx(100.0) and perfect["chrf"] == pytest.approx(100.0)
     assert perfect["exact_match"] == 1.0
     results = main([
-        "--output_dir", str(tmp_path), "--max_steps", "3", "--per_device_train_batch_size", "4", "--train_examples",
+        "--task", "cipher", "--output_dir", str(tmp_path), "--max_steps", "3", "--per_device_train_batch_size", "4",
+        "--train_examples",
         "16", "--eval_examples", "4", "--num_beams", "2", "--report_to", "none", "--use_cpu", "--hidden_size", "16",
         "--intermediate_size", "16", "--feature_map", "favor", "--d_dot", "16", "--save_strategy", "no",
         "--disable_tqdm", "true", "--logging_steps", "1",

@@ -83,20 +83,31 @@ class ModelArguments:
 
 @dataclass
 class TaskArguments:
-    """The reversing word cipher (module docstring) and its scoring."""
+    """The data (the gettext corpus or the reversing word cipher, module docstring) and the scoring."""
 
-    num_words: int = field(default=32, metadata={"help": "source (and target) vocabulary size V"})
-    min_len: int = field(default=3, metadata={"help": "shortest sentence, in words"})
-    max_len: int = field(default=10, metadata={"help": "longest sentence, in words"})
-    train_examples: int = field(default=20000, metadata={"help": "training sentences"})
-    eval_examples: int = field(default=500, metadata={"help": "validation and test sentences (each)"})
-    task_seed: int = field(default=1234, metadata={"help": "seed of the cipher's dictionary"})
+    task: Literal["gettext", "cipher"] = field(default="gettext", metadata={
+        "help": "gettext: English -> `language` messages of the installed Debian catalogs (training/gettext_corpus.py); "
+                "cipher: the reversing word cipher"})
+    language: str = field(default="de", metadata={"help": "gettext: the target language's locale name"})
+    locale_dir: str = field(default="/usr/share/locale", metadata={"help": "gettext: where the catalogs lie"})
+    vocab_size: int = field(default=8000, metadata={"help": "gettext: the joint BPE's vocabulary size"})
+    max_tokens: int = field(default=48, metadata={
+        "help": "gettext: pairs longer than this many BPE tokens on either side are dropped (and counted)"})
+    num_words: int = field(default=32, metadata={"help": "cipher: source (and target) vocabulary size V"})
+    min_len: int = field(default=3, metadata={"help": "cipher: shortest sentence, in words"})
+    max_len: int = field(default=10, metadata={"help": "cipher: longest sentence, in words"})
+    train_examples: int = field(default=20000, metadata={"help": "cipher: training sentences"})
+    eval_examples: int = field(default=500, metadata={
+        "help": "validation and test sentences scored (each; gettext: a fixed random subset of the split, 0: all)"})
+    task_seed: int = field(default=1234, metadata={"help": "seed of the cipher's dictionary and of the scored subset"})
     num_beams: int = field(default=4, metadata={"help": "beam size of the scored translations"})
     eval_batch_size: int = field(default=100, metadata={"help": "sentences per generate call when scoring"})
 
 
 class CipherTask:
     """The reversing word cipher: vocabulary ``SPECIALS + s0..s{V-1} + t0..t{V-1}`` (one token per word)."""
+
+    name = "reversing word cipher (training/train_seq2seq.py docstring)"
 
     def __init__(self, args: TaskArguments) -> None:
         if not 1 <= args.min_len <= args.max_len:
@@ -105,6 +116,7 @@ class CipherTask:
         generator = torch.Generator().manual_seed(args.task_seed)
         self.dictionary = torch.randperm(args.num_words, generator=generator)  # source word i -> target word
         self.vocab = SPECIALS + [f"s{i}" for i in range(args.num_words)] + [f"t{i}" for i in range(args.num_words)]
+        self.vocab_size, self.max_tokens, self.manifest = len(self.vocab), args.max_len, None
 
     def sample(self, count: int, seed: int) -> List[Dict[str, torch.Tensor]]:
         generator = torch.Generator().manual_seed(self.args.task_seed * 1000 + seed)
@@ -114,11 +126,51 @@ class CipherTask:
             words = torch.randint(0, self.args.num_words, (length,), generator=generator)
             source = words + len(SPECIALS)
             target = self.dictionary[words.flip(0)] + len(SPECIALS) + self.args.num_words
-            examples.append({"input_ids": source, "labels": torch.cat([target, torch.tensor([EOS])])})
+            labels = torch.cat([target, torch.tensor([EOS])])
+            examples.append({"input_ids": source, "labels": labels, "reference": self.decode(labels.tolist())})
         return examples
+
+    def split(self, name: str) -> List[Dict[str, torch.Tensor]]:
+        """The training sentences, or the scored validation / test sentences (independent draws)."""
+        if name == "train":
+            return self.sample(self.args.train_examples, seed=0)
+        return self.sample(self.args.eval_examples, seed={"valid": 1, "test": 2}[name])
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(self.vocab[i] for i in ids if i >= len(SPECIALS))
+
+
+class GettextTask:
+    """English -> ``language`` translation of the installed gettext catalogs (training/gettext_corpus.py)."""
+
+    name = "gettext catalogs (training/gettext_corpus.py)"
+
+    def __init__(self, args: TaskArguments) -> None:
+        from .gettext_corpus import build_splits
+
+        self.args = args
+        self.corpus = build_splits(args.locale_dir, args.language, args.vocab_size, args.max_tokens)
+        self.vocab_size, self.max_tokens = self.corpus.tokenizer.get_vocab_size(), args.max_tokens
+        self.manifest = self.corpus.manifest
+
+    def split(self, name: str) -> List[Dict[str, torch.Tensor]]:
+        """Every training pair, or ``eval_examples`` validation / test pairs (a fixed random subset; 0: all)."""
+        rows = list(zip(self.corpus.pairs[name], self.corpus.texts[name]))
+        if name != "train" and 0 < self.args.eval_examples < len(rows):
+            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(self.args.task_seed))
+            rows = [rows[i] for i in sorted(order[:self.args.eval_examples].tolist())]
+        return [{"input_ids": torch.tensor(source), "labels": torch.tensor(target + [EOS]), "reference": text[1]}
+                for (source, target), text in rows]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.corpus.tokenizer.decode([i for i in ids if i >= len(SPECIALS)])
+
+    def save_tokenizer(self, folder: str) -> None:
+        """The BPE as a ``PreTrainedTokenizerFast`` beside the model, so ``AutoTokenizer`` loads the pair."""
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast(tokenizer_object=self.corpus.tokenizer, pad_token="<pad>", bos_token="<s>",
+                                eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
 
 
 def collate(examples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
@@ -171,9 +223,9 @@ def score(model, task: CipherTask, examples, num_beams: int, batch_size: int) ->
     for start in range(0, len(examples), batch_size):
         batch = collate(examples[start:start + batch_size])
         out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             num_beams=num_beams, max_new_tokens=task.args.max_len + 2, do_sample=False)
+                             num_beams=num_beams, max_new_tokens=task.max_tokens + 2, do_sample=False)
         hypotheses += [task.decode(row.tolist()) for row in out]
-        references += [task.decode(e["labels"].tolist()) for e in examples[start:start + batch_size]]
+        references += [e["reference"] for e in examples[start:start + batch_size]]
     return {
         "bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
         "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score,
@@ -189,29 +241,33 @@ def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
-    """Trains on the cipher, scores valid and test, writes ``<output_dir>/results.json``; returns the results."""
+    """Trains on the task, scores valid and test, writes ``<output_dir>/results.json`` (with the run's provenance)
+    and, for the gettext corpus, the model and its tokenizer under ``<output_dir>/final``; returns the results."""
+    from .result_file import RunRecord
+
+    record = RunRecord.start("python -m training.train_seq2seq", argv)
     model_args, task_args, training_args = parse_args(argv).groups
-    task = CipherTask(task_args)
+    task = GettextTask(task_args) if task_args.task == "gettext" else CipherTask(task_args)
     torch.manual_seed(training_args.seed)
-    model = build_model(model_args, len(task.vocab), task_args.max_len)
-    trainer = Seq2SeqTrainer(model=model, args=training_args, data_collator=collate,
-                             train_dataset=task.sample(task_args.train_examples, seed=0))
+    model = build_model(model_args, task.vocab_size, task.max_tokens)
+    trainer = Seq2SeqTrainer(model=model, args=training_args, data_collator=collate, train_dataset=task.split("train"))
     train = trainer.train()
     results = {
-        "task": "reversing word cipher (training/train_seq2seq.py docstring)",
+        "task": task.name, "corpus": task.manifest,
         "args": {"model": asdict(model_args), "task": asdict(task_args),
                  "training": {k: getattr(training_args, k) for k in ("max_steps", "num_train_epochs", "learning_rate",
                                                                      "per_device_train_batch_size", "seed")}},
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_loss": train.training_loss,
+        "train_seconds": train.metrics.get("train_runtime"),
         "loss_curve": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-        "valid": score(model, task, task.sample(task_args.eval_examples, seed=1), task_args.num_beams,
-                       task_args.eval_batch_size),
-        "test": score(model, task, task.sample(task_args.eval_examples, seed=2), task_args.num_beams,
-                      task_args.eval_batch_size),
+        **{split: score(model, task, task.split(split), task_args.num_beams, task_args.eval_batch_size)
+           for split in ("valid", "test")},
     }
-    Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
-    Path(training_args.output_dir, "results.json").write_text(json.dumps(results, indent=1, default=str))
+    if isinstance(task, GettextTask):
+        trainer.save_model(str(Path(training_args.output_dir, "final")))
+        task.save_tokenizer(str(Path(training_args.output_dir, "final")))
+    record.write(Path(training_args.output_dir, "results.json"), results)
     print(json.dumps({k: results[k] for k in ("parameters", "train_loss", "valid", "test")}, default=str))
     return results
 
