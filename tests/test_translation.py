@@ -1,5 +1,5 @@
-"""The gettext En-X corpus (training/gettext_corpus.py): which catalog entries become pairs, the hash split, the
-length filter, and train_seq2seq on it end to end (model and tokenizer saved, loaded back, translating)."""
+"""Translation at this machine's scale: the gettext En-X corpus (training/gettext_corpus.py: which catalog entries
+become pairs, the hash split, the length filter), train_seq2seq on it end to end, and the table of runs (mt_table)."""
 import json
 import struct
 import zlib
@@ -107,3 +107,33 @@ def test_training_script_on_the_corpus_saves_a_loadable_translator(tmp_path):
     assert batch["input_ids"].tolist() == [task.corpus.tokenizer.encode("Cannot open file 3 of disk").ids]
     out = model.generate(**batch, num_beams=2, max_new_tokens=5, do_sample=False)
     assert out.shape[0] == 1 and 1 < out.shape[1] <= 6
+
+
+def test_table_orders_rows_as_the_paper_and_maps_d_dot_by_d_key(tmp_path):
+    from training.mt_table import main as table_main
+
+    def run(name, model="fwp", feature_map="elu", d_dot=0, update_rule="sum", bleu=10.0):
+        result = {"args": {"model": {"model": model, "feature_map": feature_map, "d_dot": d_dot, "hidden_size": 128,
+                                     "num_attention_heads": 4, "update_rule": update_rule}},
+                  "parameters": 1000, "train_loss": 3.0, "loss_curve": [5.0, 2.5], "train_seconds": 120.0,
+                  "valid": {"bleu": bleu, "chrf": 40.0, "exact_match": 0.1},
+                  "test": {"bleu": bleu + 1, "chrf": 41.0, "exact_match": 0.2}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+
+    run("z_delta", feature_map="dpfp", d_dot=128, update_rule="delta", bleu=1.0)
+    run("dpfp", feature_map="dpfp", d_dot=256, bleu=2.0)
+    run("favor", feature_map="favor", d_dot=32, bleu=3.0)
+    run("linear", bleu=4.0)
+    run("softmax", model="softmax", bleu=5.0)
+    (tmp_path / "other.json").write_text("[1, 2]")  # not a result file: ignored
+    rows = table_main([str(tmp_path), "--output", str(tmp_path / "table.md")]).splitlines()[2:]
+    assert (tmp_path / "table.md").read_text().splitlines()[2:] == rows
+    assert [row.split(" | ")[0] for row in rows] == ["| Standard", "| Linear", "| Performer", "| DPFP",
+                                                      "| DPFP + delta rule"]
+    assert rows[0].endswith("| 26.6 / 27.7 |") and "| 5.0 | 6.0 |" in rows[0]  # softmax beside the paper's
+    assert "| 32 (1) |" in rows[1] and rows[1].endswith("| 25.5 / 26.8 |")  # d_key 32: ELU's d_dot
+    assert "| 32 (1) |" in rows[2] and rows[2].endswith("| 24.2 / 24.4 |")  # FAVOR+ at 1 d_key: paper's 64
+    assert "| 256 (8) |" in rows[3] and rows[3].endswith("| 26.2 / 27.1 |")  # DPFP at 8 d_key: paper's 512
+    assert rows[4].endswith("| - |") and "| 2.500 |" in rows[4] and "| 2.0 |" in rows[4]  # no paper row; minutes
+    with pytest.raises(ValueError, match="no train_seq2seq result file"):
+        table_main([str(tmp_path / "table.md")])
