@@ -50,8 +50,9 @@ def render(results: Sequence[Dict]) -> str:
         name, d_dot, multiple = describe(result)
         paper = PAPER_BLEU.get((name, multiple))
         curve = result.get("loss_curve") or [result["train_loss"]]
+        dimension = "-" if not d_dot else f"{d_dot} ({multiple})"
         lines.append(
-            f"| {name} | {'-' if not d_dot else f'{d_dot} ({multiple})'} | {result['parameters']:,} | {curve[-1]:.3f} | "
+            f"| {name} | {dimension} | {result['parameters']:,} | {curve[-1]:.3f} | "
             f"{result['valid']['bleu']:.1f} | {result['test']['bleu']:.1f} | {result['valid']['chrf']:.1f} | "
             f"{result['test']['chrf']:.1f} | {result['test']['exact_match']:.3f} | "
             f"{(result.get('train_seconds') or 0) / 60:.1f} | {'-' if paper is None else f'{paper[0]} / {paper[1]}'} |")
