@@ -381,6 +381,24 @@ class DenseFWLSlowHead(FWLSlowHead):
             grads["f"] = df.to(inter["o"].dtype)
         return grads
 
+    def logits_gradient_columns(
+        self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, columns: torch.Tensor
+    ) -> torch.Tensor:
+        """dCE/dz on the vocabulary rows `columns` only: ``w (exp(logits[cols] - logsumexp(logits)) - onehot(label)[cols])
+        * T'(z)[cols]`` ``[B, T, n]``, from the slow ``logits [B, T, V]`` (after the transform), ``labels [B, T]``,
+        ``weights [B, T]`` and ``columns [n]``: one read of the logits, no ``[B, T, V]`` result. A label outside
+        `columns` must have weight 0 (fast_vocabulary="seen" keeps every label's row)."""
+        picked = logits.index_select(-1, columns)
+        grad = (picked - torch.logsumexp(logits, -1, keepdim=True)).exp_()  # softmax(logits)[cols]
+        where = torch.full((logits.shape[-1],), -1, dtype=torch.long, device=logits.device)
+        where[columns] = torch.arange(columns.numel(), device=logits.device)
+        label_columns = where[labels.clamp(0, logits.shape[-1] - 1)]  # -1: not among the columns (weight 0)
+        grad.scatter_add_(-1, label_columns.clamp(min=0)[..., None], -(label_columns >= 0).to(grad.dtype)[..., None])
+        grad.mul_(weights[..., None].to(grad.dtype))
+        if self.logit_softcapping is not None:  # T'(z) = 1 - (logits / cap)^2, as in _logits_gradient
+            grad.mul_(1 - (picked / self.logit_softcapping).square())
+        return grad
+
     def _logits_gradient(self, inter, labels, weights, overwrite_logits: bool, dtype: torch.dtype) -> torch.Tensor:
         """dCE/dz ``= w (softmax(logits) - onehot(label)) * T'(z)`` ``[B, T, V]`` in `dtype`."""
         logits = inter["logits"].to(dtype) if "logits" in inter else self.output_logits(inter["o"], dtype=dtype)
@@ -476,6 +494,12 @@ class SeenVocabulary:
         self.columns = self.seen_after.any(0).nonzero().squeeze(1)  # rows any sequence of the batch may change
         self.T = T
 
+    def restrict_columns(self, used: torch.Tensor) -> torch.Tensor:
+        """``restrict`` for values held on ``columns`` only, ``used [B, T, n]``: in place (outside autograd)."""
+        steps = torch.arange(self.T, device=used.device)
+        first, before = self.first.index_select(1, self.columns), self.before.index_select(1, self.columns)
+        return used.masked_fill_((first[:, None, :] > steps[None, :, None]) & ~before[:, None, :], 0)
+
     def restrict(self, values: torch.Tensor) -> torch.Tensor:
         """``values [B, T, V]`` (dCE/dz) with the rows each entry may not change set to zero: in place outside
         autograd, else a new tensor."""
@@ -500,7 +524,7 @@ class _FastUpdates:
     ):
         self.head = head
         # fast_vocabulary="seen" outside autograd: the only vocabulary rows whose values and carried sums may be
-        # nonzero (the output layer's products skip the others), or None
+        # nonzero (the output layer's products skip the others), or None; values["logits"] then holds those rows only
         self.columns = columns
         self.keys, self.values, self.state = keys, values, state or {}
         self.output_final_state = output_final_state
@@ -557,15 +581,15 @@ class _FastUpdates:
         product with S, where ``subtract`` runs a linear attention and cumulative sums over ``[B, T, V]`` tensors. The
         running sums are then updated in place where the cache layer allows it (``FastWeightCacheLayer.writable``):
         SmolLM2's S is 113 MB, whose fresh allocation costs more in page faults than its update. Equal to ``subtract``
-        up to float32 summation order (tests/test_fwl.py). With ``columns`` (``fast_vocabulary="seen"``) the products
-        read and write only those vocabulary rows, the others' values and sums being zero."""
+        up to float32 summation order (tests/test_fwl.py). With ``columns`` (``fast_vocabulary="seen"``) the values are
+        ``[B, T, n]`` on those vocabulary rows and the products read and write only them, the others' values and sums
+        being zero."""
         names = [name for name in OUTPUT_LAYER_TERMS if name in self.head._active]
         if not names:
             return z
-        value = self.values["logits"]  # [B, T, V]
+        value = self.values["logits"]  # [B, T, V], or [B, T, n] on the rows `columns` that may change
         cols = self.columns
-        used = value if cols is None else value.index_select(2, cols)  # [B, T, n]: the rows that may change
-        T = value.shape[1]
+        B, T, V = value.shape[0], value.shape[1], z.shape[-1]
         work = torch.promote_types(query.dtype, torch.float32)  # of the small T' x T products
         alpha = {name: self.head.step_size(name).to(work) for name in names}
         biases = [name for name in names if name != "output_embedding.weight"]
@@ -579,7 +603,7 @@ class _FastUpdates:
             scores = torch.bmm(query.to(work), keys.to(work).transpose(1, 2))
             mixing = mixing + alpha["output_embedding.weight"] * scores * causal
         if cols is not None:
-            z.index_add_(2, cols, torch.bmm(mixing.to(used.dtype), used).to(z.dtype), alpha=-1)
+            z.index_add_(2, cols, torch.bmm(mixing.to(value.dtype), value).to(z.dtype), alpha=-1)
         elif value.dtype == z.dtype:
             z.baddbmm_(mixing.to(z.dtype), value, alpha=-1)
         else:
@@ -589,6 +613,8 @@ class _FastUpdates:
             z.sub_(sum(carried)[:, None].to(z.dtype))
         if self.output_final_state and biases:
             total = value.sum(1, dtype=torch.promote_types(value.dtype, torch.float32))
+            if cols is not None:  # back to [B, V]: zero on the rows no entry may change
+                total = total.new_zeros(B, V).index_copy_(1, cols, total)
             for name in biases:
                 carried_sum = self.state.get(f"sum.{name}")
                 self.final_state[f"sum.{name}"] = total if carried_sum is None else carried_sum + total
@@ -598,7 +624,7 @@ class _FastUpdates:
             if cols is None:
                 S = self._read_and_accumulate_sum(z, scaled, carried_S, value, keys)
             else:
-                S = self._read_and_accumulate_rows(z, scaled, carried_S, used, keys, cols)
+                S = self._read_and_accumulate_rows(z, scaled, carried_S, value, keys, cols)
             if S is not None:
                 self.final_state["sum.output_embedding.weight"] = S
                 self.final_writable.add("sum.output_embedding.weight")
@@ -896,15 +922,19 @@ class FWLHead(nn.Module):
             preactivation = slow.output_preactivation(inter["o"])  # every position's slow z
             inter["logits"] = slow.transform_logits(preactivation)
         # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
-        keys, values = self._gradient_terms(inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place)
-        seen = None
-        if self.fast_vocabulary == "seen":
-            seen = SeenVocabulary(state, input_ids, mask, self.slow.vocab_size)
-            if "logits" in values:
-                values["logits"] = seen.restrict(values["logits"])
+        seen = SeenVocabulary(state, input_ids, mask, slow.vocab_size) if self.fast_vocabulary == "seen" else None
+        # fast_vocabulary="seen" outside autograd: dCE/dz is held on the seen rows only ([B, T, n], `columns`)
+        columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
+        if columns is not None and self._gradient_depth == 0 and "logits" in inter:
+            keys, values = self._seen_output_gradient_terms(inter, input_ids, mask, state, seen)
+        else:
+            keys, values = self._gradient_terms(inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place)
+            if seen is not None and "logits" in values:
+                full = values["logits"]
+                values["logits"] = seen.restrict(full) if columns is None else seen.restrict_columns(
+                    full.index_select(2, columns))
         if shared_z and compute_dtype is not None and "logits" in values:
             values["logits"] = values["logits"].to(compute_dtype)
-        columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
         updates = _FastUpdates(self, keys, values, state, output_state, writable, columns)
 
         # Fast pass: every parameter replaced by its fast value.
@@ -978,6 +1008,27 @@ class FWLHead(nn.Module):
                 )
             if key_name is not None and key_name not in keys:
                 keys[key_name] = _shift_in(inter[key_name][:, :-1], prev and prev[key_name])
+        return keys, values
+
+    def _seen_output_gradient_terms(self, inter, input_ids, mask, state: State, seen: SeenVocabulary):
+        """``_gradient_terms`` where only output-layer parameters are fast and fast_vocabulary="seen", outside
+        autograd: dCE/dz of the positions [previous, 0, ..., T-2] computed on ``seen.columns`` only (``[B, T, n]``,
+        restricted), from the slow logits, with no ``[B, T, V]`` tensor; the key of E is o, shifted the same way."""
+        slow, columns = self.slow, seen.columns
+        B, T = input_ids.shape
+        new_weights = mask[:, :-1] * mask[:, 1:] if mask is not None else inter["o"].new_ones(B, T - 1)
+        new = slow.logits_gradient_columns(inter["logits"][:, :-1], input_ids[:, 1:], new_weights, columns)
+        first = first_key = None
+        if state is not None and "prev.h" in state:
+            # the previous position teaches only if it and this call's first position are tokens
+            prev_weights = state["prev.mask"].to(new_weights.dtype)
+            if mask is not None:
+                prev_weights = prev_weights * mask[:, :1]
+            prev_logits = state["prev.logits"] if "prev.logits" in state else slow.output_logits(state["prev.o"])
+            first = slow.logits_gradient_columns(prev_logits, input_ids[:, :1], prev_weights, columns)
+            first_key = state["prev.o"]
+        values = {"logits": seen.restrict_columns(_shift_in(new, first))}
+        keys = {"o": _shift_in(inter["o"][:, :-1], first_key)} if "output_embedding.weight" in self._active else {}
         return keys, values
 
     def _fast_hidden_layer(self, hidden_states: torch.Tensor, updates: _FastUpdates) -> torch.Tensor:

@@ -125,11 +125,17 @@ def test_contract_fast_logits_are_one_gradient_step_on_earlier_losses(fast_param
         torch.testing.assert_close(head(hidden, ids, torch.ones_like(ids)), fast, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("fast_parameters", [["output_embedding.weight", "output_bias"], ALL_FAST])
-def test_seen_vocabulary_is_the_gradient_step_on_the_rows_of_the_tokens_so_far(fast_parameters):
+OUTPUT_LAYER_FAST = ["output_embedding.weight", "output_bias"]
+
+
+@pytest.mark.parametrize("base,fast_parameters", [("llama", OUTPUT_LAYER_FAST), ("llama", ALL_FAST),
+                                                  ("gemma2", OUTPUT_LAYER_FAST)])
+def test_seen_vocabulary_is_the_gradient_step_on_the_rows_of_the_tokens_so_far(base, fast_parameters):
     """``fwl_fast_vocabulary="seen"``: one gradient step per position with the output layer's gradient kept on the
-    rows of x_0 .. x_{j+1} (``assert_one_gradient_step_per_position``); and not the full-vocabulary head."""
-    model = tiny_fwl(fwl_fast_parameters=fast_parameters, fwl_fast_vocabulary="seen")
+    rows of x_0 .. x_{j+1} (``assert_one_gradient_step_per_position``); and not the full-vocabulary head. Outside
+    autograd with only output-layer parameters fast, dCE/dz is computed on the seen rows alone (gemma2: through the
+    logit soft-capping's slope)."""
+    model = tiny_fwl(base, fwl_fast_parameters=fast_parameters, fwl_fast_vocabulary="seen")
     head = model.fwl_head.double()
     ids = random_ids(2, 11)
     hidden = torch.randn(2, 11, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -142,11 +148,14 @@ def test_seen_vocabulary_is_the_gradient_step_on_the_rows_of_the_tokens_so_far(f
         torch.testing.assert_close(head(hidden, ids), fast, rtol=1e-12, atol=1e-12)
 
 
-def test_seen_vocabulary_in_cached_steps_padded_batches_and_its_state():
+@pytest.mark.parametrize("base,fwl", [("llama", {"fwl_head_type": "output"}),
+                                      ("gemma2", {"fwl_fast_parameters": OUTPUT_LAYER_FAST})])
+def test_seen_vocabulary_in_cached_steps_padded_batches_and_its_state(base, fwl):
     """``fwl_fast_vocabulary="seen"``: cached one-token steps give the parallel forward's logits; a left-padded row
     gives its logits alone (padding is no token); the state carries the tokens seen, [B, V]; a head without a fast
-    output-layer parameter refuses the option."""
-    model = tiny_fwl(fwl_head_type="output", fwl_fast_vocabulary="seen", fwl_step_size_init=0.05)
+    output-layer parameter refuses the option. Both paths: the gain fast too (dCE/dz over the whole vocabulary, then
+    kept on the seen rows) and the output layer alone (dCE/dz on the seen rows only)."""
+    model = tiny_fwl(base, fwl_fast_vocabulary="seen", fwl_step_size_init=0.05, **fwl)
     ids = random_ids(2, 13)
     with torch.no_grad():
         full = model(ids).logits
