@@ -384,19 +384,20 @@ class DenseFWLSlowHead(FWLSlowHead):
     def logits_gradient_columns(
         self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, columns: torch.Tensor
     ) -> torch.Tensor:
-        """dCE/dz on the vocabulary rows `columns` only: ``w (exp(logits[cols] - logsumexp(logits)) - onehot(label)[cols])
-        * T'(z)[cols]`` ``[B, T, n]``, from the slow ``logits [B, T, V]`` (after the transform), ``labels [B, T]``,
-        ``weights [B, T]`` and ``columns [n]``: one read of the logits, no ``[B, T, V]`` result. A label outside
-        `columns` must have weight 0 (fast_vocabulary="seen" keeps every label's row)."""
-        picked = logits.index_select(-1, columns)
-        grad = (picked - torch.logsumexp(logits, -1, keepdim=True)).exp_()  # softmax(logits)[cols]
+        """dCE/dz on the vocabulary rows `columns` only: ``w (softmax(logits)[cols] - onehot(label)[cols]) *
+        T'(z)[cols]`` ``[B, T, n]``, from the slow ``logits [B, T, V]`` (after the transform), ``labels [B, T]``,
+        ``weights [B, T]`` and ``columns [n]``: no ``[B, T, V]`` gradient, shift or mask. A label outside `columns`
+        must have weight 0 (fast_vocabulary="seen" keeps every label's row)."""
+        # torch's fused softmax, then the columns: on CPU 5-10x faster than exp(logits[cols] - logsumexp(logits)),
+        # whose logsumexp is not fused (by hand, SmolLM2's 49,152 rows, 128 positions: 2 ms against 19 ms)
+        grad = torch.softmax(logits, -1).index_select(-1, columns)
         where = torch.full((logits.shape[-1],), -1, dtype=torch.long, device=logits.device)
         where[columns] = torch.arange(columns.numel(), device=logits.device)
         label_columns = where[labels.clamp(0, logits.shape[-1] - 1)]  # -1: not among the columns (weight 0)
         grad.scatter_add_(-1, label_columns.clamp(min=0)[..., None], -(label_columns >= 0).to(grad.dtype)[..., None])
         grad.mul_(weights[..., None].to(grad.dtype))
         if self.logit_softcapping is not None:  # T'(z) = 1 - (logits / cap)^2, as in _logits_gradient
-            grad.mul_(1 - (picked / self.logit_softcapping).square())
+            grad.mul_(1 - (logits.index_select(-1, columns) / self.logit_softcapping).square())
         return grad
 
     def _logits_gradient(self, inter, labels, weights, overwrite_logits: bool, dtype: torch.dtype) -> torch.Tensor:
