@@ -148,6 +148,25 @@ def test_seen_vocabulary_is_the_gradient_step_on_the_rows_of_the_tokens_so_far(b
         torch.testing.assert_close(head(hidden, ids), fast, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("base", ["llama", "gemma2"])
+def test_logits_gradient_on_columns_is_the_full_gradient_there(base):
+    """``logits_gradient_columns``: w (softmax - onehot) * T'(z) on a subset of the vocabulary rows equals autograd's
+    per-token gradient of w CE on those rows (gemma2: through the soft-capping); a label outside the rows with
+    weight 0 adds nothing."""
+    slow = tiny_fwl(base).fwl_head.slow.double()
+    z = torch.randn(2, 5, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    labels = random_ids(2, 5)
+    weights = torch.tensor([[1.0, 0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0, 1.0]], dtype=torch.float64)
+    columns = torch.unique(torch.cat([labels[weights > 0], torch.tensor([0, 7])]))
+    labels[1, 3] = next(i for i in range(VOCAB) if i not in columns.tolist())  # weight 0, outside the rows
+    logits = slow.transform_logits(z)
+    losses = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none") * weights.reshape(-1)
+    (full,) = torch.autograd.grad(losses.sum(), z)  # row j of the sum only depends on position j
+    with torch.no_grad():
+        got = slow.logits_gradient_columns(logits.detach(), labels, weights, columns)
+    torch.testing.assert_close(got, full[..., columns], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("base,fwl", [("llama", {"fwl_head_type": "output"}),
                                       ("gemma2", {"fwl_fast_parameters": OUTPUT_LAYER_FAST})])
 def test_seen_vocabulary_in_cached_steps_padded_batches_and_its_state(base, fwl):
