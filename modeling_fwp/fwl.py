@@ -396,16 +396,20 @@ class DenseFWLSlowHead(FWLSlowHead):
         label_columns = where[labels.clamp(0, logits.shape[-1] - 1)]  # -1: not among the columns (weight 0)
         grad.scatter_add_(-1, label_columns.clamp(min=0)[..., None], -(label_columns >= 0).to(grad.dtype)[..., None])
         grad.mul_(weights[..., None].to(grad.dtype))
-        if self.logit_softcapping is not None:  # T'(z) = 1 - (logits / cap)^2, as in _logits_gradient
-            grad.mul_(1 - (logits.index_select(-1, columns) / self.logit_softcapping).square())
-        return grad
+        slope = self._logit_transform_slope(logits.index_select(-1, columns))
+        return grad if slope is None else grad.mul_(slope)
+
+    def _logit_transform_slope(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """T'(z) of the logit transform, from its output: ``1 - tanh(z / cap)^2 = 1 - (logits / cap)^2`` with
+        soft-capping, None (a slope of 1) without."""
+        if self.logit_softcapping is None:
+            return None
+        return 1 - (logits / self.logit_softcapping).square()
 
     def _logits_gradient(self, inter, labels, weights, overwrite_logits: bool, dtype: torch.dtype) -> torch.Tensor:
         """dCE/dz ``= w (softmax(logits) - onehot(label)) * T'(z)`` ``[B, T, V]`` in `dtype`."""
         logits = inter["logits"].to(dtype) if "logits" in inter else self.output_logits(inter["o"], dtype=dtype)
-        slope = None
-        if self.logit_softcapping is not None:  # T'(z) = 1 - tanh(z / cap)^2 = 1 - (logits / cap)^2
-            slope = 1 - (logits / self.logit_softcapping).square()
+        slope = self._logit_transform_slope(logits)  # before the softmax below may overwrite the logits
         # dCE/dlogits = softmax(logits) - onehot(label)
         if overwrite_logits:  # nothing else reads these logits: softmax in place
             grad = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
@@ -495,18 +499,21 @@ class SeenVocabulary:
         self.columns = self.seen_after.any(0).nonzero().squeeze(1)  # rows any sequence of the batch may change
         self.T = T
 
+    def _dropped(self, first: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """``[B, T, n]`` from ``first``, ``before`` ``[B, n]`` (of some vocabulary rows): the rows entry t may not
+        change, those not seen before this call and first seen after entry t (or never)."""
+        steps = torch.arange(self.T, device=first.device)
+        return (first[:, None, :] > steps[None, :, None]) & ~before[:, None, :]
+
     def restrict_columns(self, used: torch.Tensor) -> torch.Tensor:
         """``restrict`` for values held on ``columns`` only, ``used [B, T, n]``: in place (outside autograd)."""
-        steps = torch.arange(self.T, device=used.device)
         first, before = self.first.index_select(1, self.columns), self.before.index_select(1, self.columns)
-        return used.masked_fill_((first[:, None, :] > steps[None, :, None]) & ~before[:, None, :], 0)
+        return used.masked_fill_(self._dropped(first, before), 0)
 
     def restrict(self, values: torch.Tensor) -> torch.Tensor:
         """``values [B, T, V]`` (dCE/dz) with the rows each entry may not change set to zero: in place outside
         autograd, else a new tensor."""
-        steps = torch.arange(self.T, device=values.device)
-        # [B, T, V]: not seen before this call, and first seen after entry t (or never)
-        dropped = (self.first[:, None, :] > steps[None, :, None]) & ~self.before[:, None, :]
+        dropped = self._dropped(self.first, self.before)
         if torch.is_grad_enabled() and values.requires_grad:
             return values.masked_fill(dropped, 0)
         return values.masked_fill_(dropped, 0)
@@ -967,18 +974,15 @@ class FWLHead(nn.Module):
             return keys, values
         dtype = inter["h"].dtype
         logits_gradient = "logits" in self._value_names
-        prev = prev_weights = None
-        if state is not None and "prev.h" in state:
+        prev = None
+        prev_weights, weights = _teaching_weights(state, mask, dtype)
+        if prev_weights is not None:
             prev = {key[len("prev.") :]: t for key, t in state.items() if key.startswith("prev.") and key != "prev.mask"}
-            # the previous position teaches only if it and this call's first position are tokens
-            prev_weights = state["prev.mask"].to(dtype)
-            if mask is not None:
-                prev_weights = prev_weights * mask[:, :1]
         if prev is not None and slow.merge_previous_position:
             # One backward for the positions [previous, 0, ..., T-2], whose labels are exactly input_ids: entry t of
             # every key and value then holds position t - 1 (the shift of `_shift_in`) without a second call.
             B, T = input_ids.shape
-            new_weights = mask[:, :-1] * mask[:, 1:] if mask is not None else prev_weights.new_ones(B, T - 1)
+            new_weights = weights if weights is not None else prev_weights.new_ones(B, T - 1)
             weights = torch.cat([prev_weights, new_weights], 1)
             shifted = {key: _shift_in(t[:, :-1], prev[key]) for key, t in inter.items() if key in prev}
             grads = slow.per_token_gradients(
@@ -990,7 +994,6 @@ class FWLHead(nn.Module):
                 if key_name is not None:
                     keys.setdefault(key_name, shifted[key_name])
             return keys, values
-        weights = None if mask is None else mask[:, :-1] * mask[:, 1:]
         grads = slow.per_token_gradients(
             _slice(inter, slice(None, -1)), input_ids[:, 1:], weights, depth, logits_gradient=logits_gradient,
             overwrite_logits=in_place, compute_dtype=compute_dtype,
@@ -1017,14 +1020,12 @@ class FWLHead(nn.Module):
         restricted), from the slow logits, with no ``[B, T, V]`` tensor; the key of E is o, shifted the same way."""
         slow, columns = self.slow, seen.columns
         B, T = input_ids.shape
-        new_weights = mask[:, :-1] * mask[:, 1:] if mask is not None else inter["o"].new_ones(B, T - 1)
+        prev_weights, new_weights = _teaching_weights(state, mask, inter["o"].dtype)
+        if new_weights is None:
+            new_weights = inter["o"].new_ones(B, T - 1)
         new = slow.logits_gradient_columns(inter["logits"][:, :-1], input_ids[:, 1:], new_weights, columns)
         first = first_key = None
-        if state is not None and "prev.h" in state:
-            # the previous position teaches only if it and this call's first position are tokens
-            prev_weights = state["prev.mask"].to(new_weights.dtype)
-            if mask is not None:
-                prev_weights = prev_weights * mask[:, :1]
+        if prev_weights is not None:
             prev_logits = state["prev.logits"] if "prev.logits" in state else slow.output_logits(state["prev.o"])
             first = slow.logits_gradient_columns(prev_logits, input_ids[:, :1], prev_weights, columns)
             first_key = state["prev.o"]
@@ -1123,6 +1124,20 @@ def _as_value(value_name: str, grad: torch.Tensor, dtype: torch.dtype) -> torch.
     """A per-token gradient as a value of the linear attentions: in `dtype` (the hidden states'), except dCE/dz outside
     autograd, which stays in the dtype it was computed in (``gradient_dtype``) for ``subtract_output_layer_``."""
     return grad if value_name == "logits" and not torch.is_grad_enabled() else grad.to(dtype)
+
+
+def _teaching_weights(
+    state: State, mask: Optional[torch.Tensor], dtype: torch.dtype
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The loss weights of the positions whose per-token gradient a call computes: the previous call's last position
+    ``[B, 1]`` (None at the start of a text) and this call's positions 0..T-2 ``[B, T - 1]`` (None without a
+    mask: all 1). A position teaches only if it and the next position, its label, are tokens."""
+    prev_weights = None
+    if state is not None and "prev.h" in state:
+        prev_weights = state["prev.mask"].to(dtype)
+        if mask is not None:
+            prev_weights = prev_weights * mask[:, :1]
+    return prev_weights, (None if mask is None else mask[:, :-1] * mask[:, 1:])
 
 
 def _shift_in(new: torch.Tensor, first: Optional[torch.Tensor]) -> torch.Tensor:
