@@ -16,6 +16,9 @@ which costs two more vocabulary-sized products per position (the fast pass then 
 (``fwl_fast_vocabulary="seen"``): its products cover those rows only. ``dynamic_output`` is dynamic
 evaluation of the test-time FWL's fast part (final norm and an untied copy of the output embedding,
 ``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
+With ``--fwl_model`` (a model ``training.finetune_fwl`` trained, ``<output_dir>/base_fwl/final``), ``trained_fwl``
+times that trained FWL (issue 17's row (3), its learned step sizes as they are) and ``trained_fwl_slow_only`` the same
+model with its fast update off (row (3')); both are added to the default methods when the option is given.
 
     python benchmarks/bench_test_time_fwl.py [--tokens 1024] [--repeats 3] [--methods base test_time_fwl dynamic]
     python benchmarks/bench_test_time_fwl.py --quick      # a tiny check that it runs
@@ -45,6 +48,8 @@ METHODS = (
     "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
     "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic",
 )
+# Timed only with ``--fwl_model``: the trained FWL (3) and its slow head alone (3').
+TRAINED_METHODS = ("trained_fwl", "trained_fwl_slow_only")
 # The test-time FWL's own methods (each compared with the update off and with dynamic_output).
 FWL_METHODS = tuple(m for m in METHODS if m.startswith("test_time_fwl") and m != "test_time_fwl_off")
 # The fast parameters of the ``test_time_fwl_with_gain`` methods.
@@ -68,6 +73,16 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
         fwl = build_test_time_fwl(args.model, args.fwl_step_size, args.fwl_fast_parameters)
     runs = {"base": lambda: (base, None, none), "dynamic": lambda: (base, DynamicEvaluation(args.dynamic_lr), none),
             "test_time_fwl": lambda: (fwl, None, none), "test_time_fwl_off": lambda: (fwl, None, fwl.fwl_head.slow_only)}
+    trained = None
+    if methods & set(TRAINED_METHODS):
+        if not args.fwl_model:
+            raise ValueError(f"methods {sorted(methods & set(TRAINED_METHODS))} need `--fwl_model` (a folder "
+                             "training.finetune_fwl wrote: <output_dir>/base_fwl/final), which is unset")
+        trained = AutoModelForCausalLM.from_pretrained(args.fwl_model).eval()
+        if not hasattr(trained, "fwl_head"):
+            raise ValueError(f"`--fwl_model` {args.fwl_model} has no FWL head")
+    runs.update(trained_fwl=lambda: (trained, None, none),
+                trained_fwl_slow_only=lambda: (trained, None, trained.fwl_head.slow_only))
 
     def variant(fast_parameters, gradient_dtype, fast_vocabulary="full"):
         def build():
@@ -97,7 +112,9 @@ def main(argv=None):
     p.add_argument("--model", default="checkpoints/smollm2-135m")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=None, choices=METHODS + TRAINED_METHODS,
+                   help="default: all of them (the trained ones with --fwl_model)")
+    p.add_argument("--fwl_model", default=None, help="a trained FWL (finetune_fwl's <output_dir>/base_fwl/final)")
     p.add_argument("--fwl_step_size", type=float, default=1e-5)
     p.add_argument("--fwl_fast_parameters", nargs="+", default=None, help="default: output embedding, output bias")
     p.add_argument("--dynamic_lr", type=float, default=3e-3)
@@ -107,6 +124,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="64 tokens, 1 round: checks that it runs")
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "bench_test_time_fwl.json"))
     args = p.parse_args(argv)
+    if args.methods is None:
+        args.methods = list(METHODS) + (list(TRAINED_METHODS) if args.fwl_model else [])
     if args.quick:
         args.tokens, args.repeats = 64, 1
     if args.threads:
@@ -134,13 +153,15 @@ def main(argv=None):
     for fwl_method in FWL_METHODS:  # the fast update's own cost: against the wrapped model with it off
         if fwl_method in timings and "test_time_fwl_off" in timings:
             ratios[f"{fwl_method}_vs_off"] = ratio(timings[fwl_method], timings["test_time_fwl_off"])
+    if "trained_fwl" in timings and "trained_fwl_slow_only" in timings:  # the trained fast update's own cost
+        ratios["trained_fwl_vs_slow_only"] = ratio(timings["trained_fwl"], timings["trained_fwl_slow_only"])
     for fwl_method in FWL_METHODS:  # against its nearest, cheaper-or-not rival
         if fwl_method in timings and "dynamic_output" in timings:
             ratios[f"{fwl_method}_vs_dynamic_output"] = ratio(timings[fwl_method], timings["dynamic_output"])
     for method, summary in timings.items():
         extra = f"  {ratios[method]['of_medians']:.2f}x base (of medians)" if method in ratios else ""
         print(f"{method:<20} median {summary['median']:.2f} s for {ids.numel() - 1} tokens{extra}")
-    for name in [f"{m}_vs_dynamic_output" for m in FWL_METHODS]:
+    for name in [f"{m}_vs_dynamic_output" for m in FWL_METHODS] + ["trained_fwl_vs_slow_only"]:
         if name in ratios:
             print(f"{name}: {ratios[name]['of_medians']:.2f}x (of medians)")
     if not args.quick:

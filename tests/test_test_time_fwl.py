@@ -315,19 +315,28 @@ def test_test_time_fwl_bf16_gradients_approximate_the_exact_update():
 
 def test_bench_test_time_fwl_quick_times_every_method(tmp_path, word_tokenizer, capsys):
     """benchmarks/bench_test_time_fwl.py --quick on a tiny Llama: every method timed, dynamic evaluation of the output
-    side and the bf16 variant included, with the test-time FWL compared to dynamic_output."""
+    side and the bf16 variant included, with the test-time FWL compared to dynamic_output; with ``--fwl_model`` the
+    trained FWL (3) and its slow head (3') too, and asking for them without it is a ValueError naming the option."""
     import importlib.util
     from pathlib import Path
 
+    from modeling_fwp import FWLForCausalLM
+
     tiny_llama(vocab_size=len(word_tokenizer)).save_pretrained(tmp_path / "model")
     word_tokenizer.save_pretrained(tmp_path / "model")
+    FWLForCausalLM.from_base_pretrained(tiny_llama(vocab_size=len(word_tokenizer)), fwl_intermediate_size=16,
+                                        fwl_step_size_init=0.5).save_pretrained(tmp_path / "fwl")
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_test_time_fwl.py"
     spec = importlib.util.spec_from_file_location("bench_test_time_fwl", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--quick", "--model", str(tmp_path / "model"), "--output", str(tmp_path / "unused.json")])
+    bench.main(["--quick", "--model", str(tmp_path / "model"), "--output", str(tmp_path / "unused.json"),
+                "--fwl_model", str(tmp_path / "fwl")])
     printed = capsys.readouterr().out
-    for method in bench.METHODS:
+    for method in bench.METHODS + bench.TRAINED_METHODS:
         assert f"\n{method} " in "\n" + printed
     assert "test_time_fwl_vs_dynamic_output:" in printed and "test_time_fwl_bf16_vs_dynamic_output:" in printed
+    assert "trained_fwl_vs_slow_only:" in printed
     assert not (tmp_path / "unused.json").exists()  # --quick writes no result file
+    with pytest.raises(ValueError, match="--fwl_model"):
+        bench.main(["--quick", "--model", str(tmp_path / "model"), "--methods", "base", "trained_fwl"])
