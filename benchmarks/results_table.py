@@ -419,7 +419,16 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
     baseline = both("base {m:.2f} s; the same wrapped model, update off {o:.2f}x; dynamic evaluation of the output side "
                     "{p:.2f}x, of every parameter {q:.2f}x", m=t["base"], o=pdiv(t["test_time_fwl_off"], t["base"]),
                     p=pdiv(t["dynamic_output"], t["base"]), q=pdiv(t["dynamic"], t["base"]))
-    return [[what, ours, baseline, "<= 1.15x the base"]]
+    rows = [[what, ours, baseline, "<= 1.15x the base"]]
+    if s.get("seconds.trained_fwl.median") is not None:  # run with --fwl_model: the trained FWL (3), issue 17's goal 1
+        trained = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
+                   for m in ("trained_fwl", "trained_fwl_slow_only")}
+        rows.append([fill("trained FWL (3), {f}, same document and rounds", f=s.get("settings.fwl_model")),
+                     both("{a:.2f}x the base", True, a=pdiv(trained["trained_fwl"], t["base"])),
+                     both("its slow head alone (3') {b:.2f}x the base", b=pdiv(trained["trained_fwl_slow_only"],
+                                                                             t["base"])),
+                     "<= 1.2x the base"])
+    return rows
 
 
 def assisted_rows(s: Source) -> List[Row]:

@@ -152,3 +152,22 @@ def test_run_record_written_with_results(tmp_path):
     assert (tmp_path / "copy.json").read_text() == path.read_text()
     with pytest.raises(ValueError, match="run"):
         record.write(tmp_path / "y.json", {"run": 1})
+
+
+def test_trained_fwl_row_appears_only_when_timed(tmp_path):
+    """bench_test_time_fwl run with --fwl_model adds the trained FWL's row (goal <= 1.2x), its ratio to the base of
+    the same run; without it, one row."""
+    methods = ("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
+               "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic")
+    data = {"tokens": 1023, "settings": {"model": "m", "threads": 2, "repeats": 3},
+            "seconds": {m: {"median": 2.0, "best": 1.0, "all": [1.0, 2.0, 3.0]} for m in methods}}
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    assert len(results_table.test_time_fwl_rows(results_table.Source(tmp_path, "a.json"))) == 1
+    data["settings"]["fwl_model"] = "outputs/x/base_fwl/final"
+    data["seconds"]["trained_fwl"] = {"median": 2.3, "best": 1.1, "all": [1.1, 2.3, 2.5]}
+    data["seconds"]["trained_fwl_slow_only"] = {"median": 2.1, "best": 1.05, "all": [1.05, 2.1, 2.2]}
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    rows = results_table.test_time_fwl_rows(results_table.Source(tmp_path, "b.json"))
+    assert rows[1][0].startswith("trained FWL (3), outputs/x/base_fwl/final")
+    assert rows[1][1] == "**1.15x the base** median; 1.10x the base best" and "(3') 1.05x" in rows[1][2]
+    assert rows[1][3] == "<= 1.2x the base"
