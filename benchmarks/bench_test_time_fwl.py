@@ -18,7 +18,8 @@ evaluation of the test-time FWL's fast part (final norm and an untied copy of th
 ``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
 With ``--fwl_model`` (a model ``training.finetune_fwl`` trained, ``<output_dir>/base_fwl/final``), ``trained_fwl``
 times that trained FWL (issue 17's row (3), its learned step sizes as they are) and ``trained_fwl_slow_only`` the same
-model with its fast update off (row (3')); both are added to the default methods when the option is given.
+model with its fast update off (row (3')), ``trained_fwl_seen`` the trained FWL with its update on the seen rows
+(``training.document_eval.load_fwl_seen_rows``); all three are added to the default methods when the option is given.
 
     python benchmarks/bench_test_time_fwl.py [--tokens 1024] [--repeats 3] [--methods base test_time_fwl dynamic]
     python benchmarks/bench_test_time_fwl.py --quick      # a tiny check that it runs
@@ -49,7 +50,7 @@ METHODS = (
     "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic",
 )
 # Timed only with ``--fwl_model``: the trained FWL (3) and its slow head alone (3').
-TRAINED_METHODS = ("trained_fwl", "trained_fwl_slow_only")
+TRAINED_METHODS = ("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")
 # The test-time FWL's own methods (each compared with the update off and with dynamic_output).
 FWL_METHODS = tuple(m for m in METHODS if m.startswith("test_time_fwl") and m != "test_time_fwl_off")
 # The fast parameters of the ``test_time_fwl_with_gain`` methods.
@@ -61,7 +62,7 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
     that order; each model is built only if a method needs it."""
     from transformers import AutoModelForCausalLM
 
-    from training.document_eval import output_side_parameter_names
+    from training.document_eval import load_fwl_seen_rows, output_side_parameter_names
     from training.dynamic_eval import untie_output_embedding
     from training.test_time_fwl import build_test_time_fwl
 
@@ -82,7 +83,8 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
         if not hasattr(trained, "fwl_head"):
             raise ValueError(f"`--fwl_model` {args.fwl_model} has no FWL head")
     runs.update(trained_fwl=lambda: (trained, None, none),
-                trained_fwl_slow_only=lambda: (trained, None, trained.fwl_head.slow_only))
+                trained_fwl_slow_only=lambda: (trained, None, trained.fwl_head.slow_only),
+                trained_fwl_seen=lambda: (load_fwl_seen_rows(args.fwl_model, "--fwl_model"), None, none))
 
     def variant(fast_parameters, gradient_dtype, fast_vocabulary="full"):
         def build():

@@ -171,3 +171,8 @@ def test_trained_fwl_row_appears_only_when_timed(tmp_path):
     assert rows[1][0].startswith("trained FWL (3), outputs/x/base_fwl/final")
     assert rows[1][1] == "**1.15x the base** median; 1.10x the base best" and "(3') 1.05x" in rows[1][2]
     assert rows[1][3] == "<= 1.2x the base"
+    data["seconds"]["trained_fwl_seen"] = {"median": 1.8, "best": 1.0, "all": [1.0, 1.8, 1.9]}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    rows = results_table.test_time_fwl_rows(results_table.Source(tmp_path, "c.json"))
+    assert rows[1][1] == ("**1.15x the base; its update on the seen rows 0.90x** median; "
+                          "1.10x the base; its update on the seen rows 1.00x best")

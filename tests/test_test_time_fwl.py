@@ -324,7 +324,7 @@ def test_bench_test_time_fwl_quick_times_every_method(tmp_path, word_tokenizer, 
 
     tiny_llama(vocab_size=len(word_tokenizer)).save_pretrained(tmp_path / "model")
     word_tokenizer.save_pretrained(tmp_path / "model")
-    FWLForCausalLM.from_base_pretrained(tiny_llama(vocab_size=len(word_tokenizer)), fwl_intermediate_size=16,
+    FWLForCausalLM.from_base_pretrained(tiny_llama(vocab_size=len(word_tokenizer)), fwl_head_type="output",
                                         fwl_step_size_init=0.5).save_pretrained(tmp_path / "fwl")
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_test_time_fwl.py"
     spec = importlib.util.spec_from_file_location("bench_test_time_fwl", path)
@@ -340,3 +340,33 @@ def test_bench_test_time_fwl_quick_times_every_method(tmp_path, word_tokenizer, 
     assert not (tmp_path / "unused.json").exists()  # --quick writes no result file
     with pytest.raises(ValueError, match="--fwl_model"):
         bench.main(["--quick", "--model", str(tmp_path / "model"), "--methods", "base", "trained_fwl"])
+
+
+def test_trained_fwl_seen_rows_loads_the_saved_model_with_the_restriction(tmp_path):
+    """``document_eval.load_fwl_seen_rows`` (method ``fwl_seen``, the benchmark's ``trained_fwl_seen``): the saved
+    FWL with its config's fwl_fast_vocabulary set to "seen", the same weights: its logits are those of the same model
+    built with the restriction, not those of the saved (full) one; a folder without an FWL head is a ValueError."""
+    from modeling_fwp import FWLForCausalLM
+    from training.document_eval import build_method, load_fwl_seen_rows, parse_args
+
+    base = tiny_llama()
+    full = FWLForCausalLM.from_base_pretrained(copy.deepcopy(base), fwl_head_type="output",
+                                               fwl_fast_parameters=["output_embedding.weight", "output_bias"],
+                                               fwl_step_size_init=0.5).eval()
+    full.save_pretrained(tmp_path / "fwl")
+    loaded = load_fwl_seen_rows(str(tmp_path / "fwl"), "--fwl_model")
+    assert loaded.config.fwl_fast_vocabulary == "seen"
+    seen = FWLForCausalLM.from_base_pretrained(copy.deepcopy(base), fwl_head_type="output",
+                                               fwl_fast_parameters=["output_embedding.weight", "output_bias"],
+                                               fwl_step_size_init=0.5, fwl_fast_vocabulary="seen").eval()
+    seen.load_state_dict(full.state_dict())
+    ids = ids_of(24)
+    with torch.no_grad():
+        got, want, exact = loaded(ids).logits, seen(ids).logits, full(ids).logits
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, exact, atol=1e-6)
+    args = parse_args(["--methods", "fwl_seen", "--fwl_model", str(tmp_path / "fwl")])
+    assert build_method("fwl_seen", args).model.config.fwl_fast_vocabulary == "seen"
+    base.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="--fwl_model.*no FWL head"):
+        load_fwl_seen_rows(str(tmp_path / "plain"), "--fwl_model")

@@ -22,7 +22,9 @@ and on two more model folders, for issue 17 item 4's one table (``--one_table``:
 ``finetuned`` (2), the base fine-tuned without FWL (``--finetuned_model``), with ``finetuned_dynamic`` (dynamic
 evaluation of (2)) and ``finetuned_test_time_fwl`` (the test-time FWL on (2)); ``fwl`` (3), the fine-tuned FWL model
 (``--fwl_model``, its learned step sizes as they are) and ``fwl_slow_only`` (3'), the same model with its fast updates
-off (``FWLHead.slow_only``). With the rows present, ``goal_summary`` checks issue 17's two goals (met / not met).
+off (``FWLHead.slow_only``); ``fwl_seen``, not in the one table, is (3) with its fast update on the seen rows only
+(the saved config's ``fwl_fast_vocabulary`` set to "seen" at load: an approximation of what it was trained with,
+far cheaper). With the rows present, ``goal_summary`` checks issue 17's two goals (met / not met).
 
     python -m training.document_eval --model_name_or_path checkpoints/smollm2-135m --data_dir data/wiki --split test \\
         --methods base test_time_fwl dynamic --results_file docs/results/document_eval_wiki.json   # or: fwp-document-eval ...
@@ -63,7 +65,7 @@ PRIOR_BUCKETS = (0, 1, 2, 5)
 FREQUENCY_BUCKETS = (0, 10, 100, 1000, 10000)
 RARE_BELOW = 100  # "rare": fewer training-split occurrences than this
 METHODS = ("base", "test_time_fwl", "test_time_fwl_seen", "dynamic", "dynamic_output", "finetuned",
-           "finetuned_dynamic", "finetuned_test_time_fwl", "fwl", "fwl_slow_only")
+           "finetuned_dynamic", "finetuned_test_time_fwl", "fwl", "fwl_slow_only", "fwl_seen")
 # Issue 17 item 4's one table, in its order: (1), (2), (2) + dynamic evaluation, (3), (3'), test-time FWL on (2), on (1).
 ONE_TABLE = ("base", "finetuned", "finetuned_dynamic", "fwl", "fwl_slow_only", "finetuned_test_time_fwl",
              "test_time_fwl")
@@ -72,15 +74,15 @@ ROW_LABELS = {
     "dynamic": "(1) + dynamic eval.",
     "dynamic_output": "(1) + dyn. eval. output", "finetuned": "(2) fine-tuned, no FWL",
     "finetuned_dynamic": "(2) + dynamic eval.", "finetuned_test_time_fwl": "test-time FWL on (2)",
-    "fwl": "(3) fine-tuned FWL", "fwl_slow_only": "(3') its slow head alone",
+    "fwl": "(3) fine-tuned FWL", "fwl_slow_only": "(3') its slow head alone", "fwl_seen": "(3), seen rows",
 }
 # Which model folder each method starts from (an option of DocumentEvalArguments), and what it does to that model.
 METHOD_SOURCE = {"base": "model_name_or_path", "test_time_fwl": "model_name_or_path",
                  "test_time_fwl_seen": "model_name_or_path", "dynamic": "model_name_or_path",
                  "dynamic_output": "model_name_or_path", "finetuned": "finetuned_model",
                  "finetuned_dynamic": "finetuned_model", "finetuned_test_time_fwl": "finetuned_model",
-                 "fwl": "fwl_model", "fwl_slow_only": "fwl_model"}
-METHOD_KIND = {"base": "plain", "finetuned": "plain", "fwl": "plain", "fwl_slow_only": "slow_only",
+                 "fwl": "fwl_model", "fwl_slow_only": "fwl_model", "fwl_seen": "fwl_model"}
+METHOD_KIND = {"base": "plain", "finetuned": "plain", "fwl": "plain", "fwl_slow_only": "slow_only", "fwl_seen": "seen",
                "test_time_fwl": "test_time_fwl", "test_time_fwl_seen": "test_time_fwl",
                "finetuned_test_time_fwl": "test_time_fwl", "dynamic": "dynamic",
                "finetuned_dynamic": "dynamic", "dynamic_output": "dynamic_output"}
@@ -317,6 +319,19 @@ def method_source(method: str, args: ParsedArguments) -> str:
     return path
 
 
+def load_fwl_seen_rows(path: str, option: str) -> nn.Module:
+    """The FWL model saved at `path` with its fast update on the seen rows only (its config's
+    ``fwl_fast_vocabulary`` set to "seen" before the weights load); ValueError naming `option` for a model without an
+    FWL head."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if not hasattr(config, "fwl_fast_vocabulary"):
+        raise ValueError(f"`{option}` {path} has no FWL head ({type(config).__name__}); the seen-rows update needs one")
+    config.fwl_fast_vocabulary = "seen"
+    return AutoModelForCausalLM.from_pretrained(path, config=config).eval()
+
+
 def build_method(method: str, args: ParsedArguments) -> MethodSetup:
     """The model of `method` (from its folder, ``method_source``) with what it changes at test time."""
     from transformers import AutoModelForCausalLM
@@ -331,6 +346,8 @@ def build_method(method: str, args: ParsedArguments) -> MethodSetup:
                                     fast_vocabulary="seen" if method.endswith("_seen") else "full")
         return MethodSetup(model, lambda alpha: set_global_step_size(model.fwl_head, alpha),
                            list(args.fwl_step_sizes or FWL_STEP_SIZES))
+    if kind == "seen":
+        return MethodSetup(load_fwl_seen_rows(path, f"--{METHOD_SOURCE[method]}"), lambda _: None, [None])
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     if kind == "plain":
         return MethodSetup(model, lambda _: None, [None])
@@ -375,7 +392,7 @@ class DocumentEvalArguments:
         "help": "(2): the base fine-tuned without FWL (finetune_fwl's <output_dir>/base_finetuned/final), for the "
                 "finetuned* methods"})
     fwl_model: Optional[str] = field(default=None, metadata={
-        "help": "(3): the fine-tuned FWL model (finetune_fwl's <output_dir>/base_fwl/final), for fwl, fwl_slow_only"})
+        "help": "(3): the fine-tuned FWL model (finetune_fwl's <output_dir>/base_fwl/final), for fwl, fwl_slow_only, fwl_seen"})
     one_table: bool = field(default=False, metadata={
         "help": "score exactly issue 17 item 4's rows (base finetuned finetuned_dynamic fwl fwl_slow_only "
                 "finetuned_test_time_fwl test_time_fwl) instead of --methods; needs --finetuned_model and --fwl_model"})
