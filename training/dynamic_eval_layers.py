@@ -154,8 +154,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     print(f"\n{len(documents)} valid documents, {tokens} tokens scored\n{report(results)}")
     out = {"settings": vars(args), "documents": len(documents), "tokens": tokens, "results": results}
     if args.results_file:
-        record.write(args.results_file, out)
-        print(f"results: {args.results_file}")
+        print(f"wrote {record.write(args.results_file, out)}")
     return out
 
 
