@@ -19,7 +19,7 @@ evaluation of the test-time FWL's fast part (final norm and an untied copy of th
 With ``--fwl_model`` (a model ``training.finetune_fwl`` trained, ``<output_dir>/base_fwl/final``), ``trained_fwl``
 times that trained FWL (issue 17's row (3), its learned step sizes as they are) and ``trained_fwl_slow_only`` the same
 model with its fast update off (row (3')), ``trained_fwl_seen`` the trained FWL with its update on the seen rows
-(``training.document_eval.load_fwl_seen_rows``); all three are added to the default methods when the option is given.
+(``training.document_eval.load_fwl_model``); all three are added to the default methods when the option is given.
 
     python benchmarks/bench_test_time_fwl.py [--tokens 1024] [--repeats 3] [--methods base test_time_fwl dynamic]
     python benchmarks/bench_test_time_fwl.py --quick      # a tiny check that it runs
@@ -49,7 +49,7 @@ METHODS = (
     "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
     "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic",
 )
-# Timed only with ``--fwl_model``: the trained FWL (3) and its slow head alone (3').
+# Timed only with ``--fwl_model``: the trained FWL (3), its slow head alone (3'), (3) with its update on the seen rows.
 TRAINED_METHODS = ("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")
 # The test-time FWL's own methods (each compared with the update off and with dynamic_output).
 FWL_METHODS = tuple(m for m in METHODS if m.startswith("test_time_fwl") and m != "test_time_fwl_off")
@@ -62,7 +62,7 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
     that order; each model is built only if a method needs it."""
     from transformers import AutoModelForCausalLM
 
-    from training.document_eval import load_fwl_seen_rows, output_side_parameter_names
+    from training.document_eval import load_fwl_model, output_side_parameter_names
     from training.dynamic_eval import untie_output_embedding
     from training.test_time_fwl import build_test_time_fwl
 
@@ -79,12 +79,10 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
         if not args.fwl_model:
             raise ValueError(f"methods {sorted(methods & set(TRAINED_METHODS))} need `--fwl_model` (a folder "
                              "training.finetune_fwl wrote: <output_dir>/base_fwl/final), which is unset")
-        trained = AutoModelForCausalLM.from_pretrained(args.fwl_model).eval()
-        if not hasattr(trained, "fwl_head"):
-            raise ValueError(f"`--fwl_model` {args.fwl_model} has no FWL head")
+        trained = load_fwl_model(args.fwl_model, "--fwl_model")
     runs.update(trained_fwl=lambda: (trained, None, none),
                 trained_fwl_slow_only=lambda: (trained, None, trained.fwl_head.slow_only),
-                trained_fwl_seen=lambda: (load_fwl_seen_rows(args.fwl_model, "--fwl_model"), None, none))
+                trained_fwl_seen=lambda: (load_fwl_model(args.fwl_model, "--fwl_model", "seen"), None, none))
 
     def variant(fast_parameters, gradient_dtype, fast_vocabulary="full"):
         def build():

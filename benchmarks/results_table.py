@@ -423,11 +423,12 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
     if s.get("seconds.trained_fwl.median") is not None:  # run with --fwl_model: the trained FWL (3), issue 17's goal 1
         trained = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
                    for m in ("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")}
-        ours = both("{a:.2f}x the base", True, a=pdiv(trained["trained_fwl"], t["base"]))
+        template, pairs = "{a:.2f}x the base", {"a": pdiv(trained["trained_fwl"], t["base"])}
         if s.get("seconds.trained_fwl_seen.median") is not None:  # timed since session 30
-            ours = both("{a:.2f}x the base; its update on the seen rows {b:.2f}x", True,
-                        a=pdiv(trained["trained_fwl"], t["base"]), b=pdiv(trained["trained_fwl_seen"], t["base"]))
-        rows.append([fill("trained FWL (3), {f}, same document and rounds", f=s.get("settings.fwl_model")), ours,
+            template, pairs["b"] = template + "; its update on the seen rows {b:.2f}x", pdiv(trained["trained_fwl_seen"],
+                                                                                          t["base"])
+        rows.append([fill("trained FWL (3), {f}, same document and rounds", f=s.get("settings.fwl_model")),
+                     both(template, True, **pairs),
                      both("its slow head alone (3') {b:.2f}x the base", b=pdiv(trained["trained_fwl_slow_only"],
                                                                              t["base"])),
                      "<= 1.2x the base"])

@@ -343,18 +343,18 @@ def test_bench_test_time_fwl_quick_times_every_method(tmp_path, word_tokenizer, 
 
 
 def test_trained_fwl_seen_rows_loads_the_saved_model_with_the_restriction(tmp_path):
-    """``document_eval.load_fwl_seen_rows`` (method ``fwl_seen``, the benchmark's ``trained_fwl_seen``): the saved
+    """``document_eval.load_fwl_model`` (method ``fwl_seen``, the benchmark's ``trained_fwl_seen``): the saved
     FWL with its config's fwl_fast_vocabulary set to "seen", the same weights: its logits are those of the same model
     built with the restriction, not those of the saved (full) one; a folder without an FWL head is a ValueError."""
     from modeling_fwp import FWLForCausalLM
-    from training.document_eval import build_method, load_fwl_seen_rows, parse_args
+    from training.document_eval import build_method, load_fwl_model, parse_args
 
     base = tiny_llama()
     full = FWLForCausalLM.from_base_pretrained(copy.deepcopy(base), fwl_head_type="output",
                                                fwl_fast_parameters=["output_embedding.weight", "output_bias"],
                                                fwl_step_size_init=0.5).eval()
     full.save_pretrained(tmp_path / "fwl")
-    loaded = load_fwl_seen_rows(str(tmp_path / "fwl"), "--fwl_model")
+    loaded = load_fwl_model(str(tmp_path / "fwl"), "--fwl_model", "seen")
     assert loaded.config.fwl_fast_vocabulary == "seen"
     seen = FWLForCausalLM.from_base_pretrained(copy.deepcopy(base), fwl_head_type="output",
                                                fwl_fast_parameters=["output_embedding.weight", "output_bias"],
@@ -369,4 +369,6 @@ def test_trained_fwl_seen_rows_loads_the_saved_model_with_the_restriction(tmp_pa
     assert build_method("fwl_seen", args).model.config.fwl_fast_vocabulary == "seen"
     base.save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="--fwl_model.*no FWL head"):
-        load_fwl_seen_rows(str(tmp_path / "plain"), "--fwl_model")
+        load_fwl_model(str(tmp_path / "plain"), "--fwl_model", "seen")
+    with pytest.raises(ValueError, match="--fwl_model.*no FWL head"):
+        load_fwl_model(str(tmp_path / "plain"), "--fwl_model")

@@ -319,17 +319,22 @@ def method_source(method: str, args: ParsedArguments) -> str:
     return path
 
 
-def load_fwl_seen_rows(path: str, option: str) -> nn.Module:
-    """The FWL model saved at `path` with its fast update on the seen rows only (its config's
-    ``fwl_fast_vocabulary`` set to "seen" before the weights load); ValueError naming `option` for a model without an
-    FWL head."""
+def load_fwl_model(path: str, option: str, fast_vocabulary: Optional[str] = None) -> nn.Module:
+    """The FWL model saved at `path`, in eval mode; with `fast_vocabulary` ("seen": its fast update on the seen rows
+    only) that setting replaces the saved config's ``fwl_fast_vocabulary`` before the weights load. ValueError naming
+    `option` for a model without an FWL head."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
-    if not hasattr(config, "fwl_fast_vocabulary"):
-        raise ValueError(f"`{option}` {path} has no FWL head ({type(config).__name__}); the seen-rows update needs one")
-    config.fwl_fast_vocabulary = "seen"
-    return AutoModelForCausalLM.from_pretrained(path, config=config).eval()
+    if fast_vocabulary is not None:
+        if not hasattr(config, "fwl_fast_vocabulary"):
+            raise ValueError(f"`{option}` {path} has no FWL head ({type(config).__name__}); "
+                             f"fwl_fast_vocabulary={fast_vocabulary!r} needs one")
+        config.fwl_fast_vocabulary = fast_vocabulary
+    model = AutoModelForCausalLM.from_pretrained(path, config=config).eval()
+    if not hasattr(model, "fwl_head"):
+        raise ValueError(f"`{option}` {path} has no FWL head ({type(model).__name__}): an FWL model is needed")
+    return model
 
 
 def build_method(method: str, args: ParsedArguments) -> MethodSetup:
@@ -346,15 +351,13 @@ def build_method(method: str, args: ParsedArguments) -> MethodSetup:
                                     fast_vocabulary="seen" if method.endswith("_seen") else "full")
         return MethodSetup(model, lambda alpha: set_global_step_size(model.fwl_head, alpha),
                            list(args.fwl_step_sizes or FWL_STEP_SIZES))
-    if kind == "seen":
-        return MethodSetup(load_fwl_seen_rows(path, f"--{METHOD_SOURCE[method]}"), lambda _: None, [None])
+    if kind in ("seen", "slow_only"):
+        model = load_fwl_model(path, f"--{METHOD_SOURCE[method]}", "seen" if kind == "seen" else None)
+        context = model.fwl_head.slow_only if kind == "slow_only" else contextlib.nullcontext
+        return MethodSetup(model, lambda _: None, [None], context=context)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     if kind == "plain":
         return MethodSetup(model, lambda _: None, [None])
-    if kind == "slow_only":
-        if not hasattr(model, "fwl_head"):
-            raise ValueError(f"`--{METHOD_SOURCE[method]}` {path} has no FWL head (fwl_slow_only needs an FWL model)")
-        return MethodSetup(model, lambda _: None, [None], context=model.fwl_head.slow_only)
     parameters = args.dynamic_eval_params
     if kind == "dynamic_output":
         untie_output_embedding(model)
