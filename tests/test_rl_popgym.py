@@ -27,7 +27,7 @@ def make_core(name: str, input_size: int = 5) -> rl.PolicyCore:
     return rl.PolicyCore(core).eval()
 
 
-@pytest.mark.parametrize("name", ["lstm", "recurrent_delta_net", "delta_lstm", "delta_net"])
+@pytest.mark.parametrize("name", ["lstm", "recurrent_delta_net", "delta_rnn", "delta_lstm", "delta_net"])
 def test_rollout_with_resets_equals_stepping_one_step_at_a_time(name):
     """What training sees (a [B, T] row from its first state, resets inside) equals what collection did (one step per
     call, the state zeroed at each episode start), outputs and final state."""
@@ -95,13 +95,14 @@ def test_bad_env_name_is_a_value_error():
 
 
 @needs_rl
-def test_collected_logits_equal_the_recurrent_mode_recomputation():
+@pytest.mark.parametrize("core", ["recurrent_delta_net", "delta_rnn"])
+def test_collected_logits_equal_the_recurrent_mode_recomputation(core):
     """torchrl's collector steps the core one step per call; the loss reruns whole rows in recurrent mode from the
     stored first state with is_init resets: before any update both give the same logits."""
     from torchrl.collectors import Collector
     from torchrl.modules import set_recurrent_mode
 
-    args = small_args(core="recurrent_delta_net", env="RepeatPreviousEasy", num_envs=3, rollout_length=40,
+    args = small_args(core=core, env="RepeatPreviousEasy", num_envs=3, rollout_length=40,
                       num_minibatches=1)
     torch.manual_seed(0)
     agent = rl.build_agent(args)

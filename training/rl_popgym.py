@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     TensorDictModuleBase = nn.Module
     HAVE_RL = False
 
-CORES = ("lstm", "recurrent_delta_net", "delta_lstm", "delta_net")
+CORES = ("lstm", "recurrent_delta_net", "delta_rnn", "delta_lstm", "delta_net")
 FEATURES_KEY = "core_features"
 State = Tuple[torch.Tensor, ...]
 
