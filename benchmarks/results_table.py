@@ -3,8 +3,9 @@
     python benchmarks/results_table.py           # rewrites the tables between their marker comments
     python benchmarks/results_table.py --check   # exits 1 (and prints a diff) when a document differs from its files
 
-Sources: ``benchmarks/results/*.json`` (written by the bench scripts) and ``docs/results/finetune_fwl.json`` (written
-by ``python -m training.finetune_fwl --results_file docs/results/finetune_fwl.json``). Every number in a generated
+Sources: ``benchmarks/results/*.json`` (written by the bench scripts), ``docs/results/finetune_fwl.json`` (written
+by ``python -m training.finetune_fwl --results_file docs/results/finetune_fwl.json``) and the one-table files of
+``python -m training.document_eval --one_table``. Every number in a generated
 table is a value of one of these files, rounded, or a ratio of two of its values; a median or best that a file does
 not store is taken from the per-round values it does store. Timings are quoted as the median first (the headline;
 ratios are ratios of medians), the best round beside it. A figure that a file does not record (it was written before
@@ -435,6 +436,30 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
     return rows
 
 
+def one_table_rows(s: Source) -> List[Row]:
+    """``training.document_eval --one_table``: issue 17 item 4's rows on whole held-out documents and its two goals
+    (one scoring pass per row, so its times are rougher than the interleaved benchmark's)."""
+    ppl = {m: s.get(f"results.{m}.summary.perplexity") for m in (
+        "base", "finetuned", "finetuned_dynamic", "fwl", "fwl_slow_only", "finetuned_test_time_fwl", "test_time_fwl")}
+    trained, on_base = "goals.trained_fwl", "goals.test_time_fwl_on_base"
+    verdict = {True: "met", False: "not met", None: None}
+    what = fill("issue 17's one table: {n} held-out test articles of `{d}` ({k:,} tokens, up to {m:,} each, segments of "
+                "128 with the cache carried); (3) = {f}", n=s.get("documents"), d=s.get("settings.data_dir"),
+                k=s.get("results.base.summary.tokens"), m=s.get("settings.max_length"), f=s.get("settings.fwl_model"))
+    ours = fill("**trained FWL (3): perplexity {a:.3f}, {r:.4f} of (2)'s, gain ratio {g:.2f} at {t:.2f}x the base's time "
+                "(goal {v}); test-time FWL on (1): {b:.3f}, {q:.4f} of (1)'s at {u:.2f}x (goal {w})**",
+                a=ppl["fwl"], r=div(ppl["fwl"], ppl["finetuned"]), g=s.get(f"{trained}.gain_ratio"),
+                t=s.get(f"{trained}.time_vs_base"), v=verdict[s.get(f"{trained}.met")], b=ppl["test_time_fwl"],
+                q=s.get(f"{on_base}.ppl_ratio"), u=s.get(f"{on_base}.time_vs_base"),
+                w=verdict[s.get(f"{on_base}.met")])
+    seconds = {m: s.get(f"results.{m}.summary.seconds") for m in ("base", "finetuned_dynamic")}
+    baseline = fill("(1) base {a:.3f}; (2) fine-tuned without FWL {b:.3f}; (2) + dynamic evaluation {c:.3f} at {x:.2f}x "
+                    "the base's time; (3') {d:.3f}; test-time FWL on (2) {e:.3f}", a=ppl["base"], b=ppl["finetuned"],
+                    c=ppl["finetuned_dynamic"], x=div(seconds["finetuned_dynamic"], seconds["base"]),
+                    d=ppl["fwl_slow_only"], e=ppl["finetuned_test_time_fwl"])
+    return [[what, ours, baseline, "gain ratio >= 0.5 at <= 1.2x; test-time FWL on (1) below (1) at <= 1.15x"]]
+
+
 def assisted_rows(s: Source) -> List[Row]:
     """benchmarks/bench_assisted.py: prompt-lookup decoding with the recording cache's rollback vs greedy."""
     greedy = s.pair(None, None, "modes.greedy.ms_per_token_all")
@@ -456,6 +481,8 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_transfo_xl.json", transfo_xl_rows),
     ("benchmarks/results/bench_fwl.json", fwl_rows),
     ("benchmarks/results/bench_test_time_fwl.json", test_time_fwl_rows),
+    ("docs/results/one_table_wiki_sweep100.json", one_table_rows),
+    ("docs/results/one_table_wiki.json", one_table_rows),
     ("docs/results/finetune_fwl.json", demo_rows),
     ("benchmarks/results/bench_synthetic_data.json", synthetic_data_rows),
     ("benchmarks/results/transfo_xl_transformers4_parity.json", parity_rows),

@@ -176,3 +176,28 @@ def test_trained_fwl_row_appears_only_when_timed(tmp_path):
     rows = results_table.test_time_fwl_rows(results_table.Source(tmp_path, "c.json"))
     assert rows[1][1] == ("**1.15x the base; its update on the seen rows 0.90x** median; "
                           "1.10x the base; its update on the seen rows 1.00x best")
+
+
+def test_one_table_row_quotes_the_goals_and_perplexities(tmp_path):
+    """document_eval --one_table's file gives one row: (3)'s perplexity and ratio to (2), the gain ratio and time of
+    the first goal, the test-time FWL on (1) for the second, met / not met as the file records them."""
+    def result(ppl, seconds):
+        return {"summary": {"perplexity": ppl, "tokens": 1000, "seconds": seconds}}
+
+    data = {"documents": 2, "settings": {"data_dir": "data/wiki", "max_length": 4096, "fwl_model": "f"},
+            "results": {"base": result(20.0, 10.0), "finetuned": result(16.0, 10.0),
+                        "finetuned_dynamic": result(15.0, 30.0), "fwl": result(15.4, 11.0),
+                        "fwl_slow_only": result(15.9, 10.0), "finetuned_test_time_fwl": result(15.8, 11.0),
+                        "test_time_fwl": result(19.8, 11.0)},
+            "goals": {"trained_fwl": {"gain_ratio": 0.6, "time_vs_base": 1.1, "met": True},
+                      "test_time_fwl_on_base": {"ppl_ratio": 0.99, "time_vs_base": 1.1, "met": False}}}
+    (tmp_path / "t.json").write_text(json.dumps(data))
+    [row] = results_table.one_table_rows(results_table.Source(tmp_path, "t.json"))
+    assert row[0].startswith("issue 17's one table: 2 held-out test articles of `data/wiki` (1,000 tokens")
+    assert row[1] == ("**trained FWL (3): perplexity 15.400, 0.9625 of (2)'s, gain ratio 0.60 at 1.10x the base's "
+                      "time (goal met); test-time FWL on (1): 19.800, 0.9900 of (1)'s at 1.10x (goal not met)**")
+    assert "(2) + dynamic evaluation 15.000 at 3.00x the base's time" in row[2] and "(3') 15.900" in row[2]
+    del data["goals"]
+    (tmp_path / "u.json").write_text(json.dumps(data))
+    [row] = results_table.one_table_rows(results_table.Source(tmp_path, "u.json"))
+    assert row[1] == "n/a (rerun)"
