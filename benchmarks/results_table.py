@@ -426,8 +426,8 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
                    for m in ("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")}
         template, pairs = "{a:.2f}x the base", {"a": pdiv(trained["trained_fwl"], t["base"])}
         if s.get("seconds.trained_fwl_seen.median") is not None:  # timed since session 30
-            template, pairs["b"] = template + "; its update on the seen rows {b:.2f}x", pdiv(trained["trained_fwl_seen"],
-                                                                                          t["base"])
+            template += "; its update on the seen rows {b:.2f}x"
+            pairs["b"] = pdiv(trained["trained_fwl_seen"], t["base"])
         rows.append([fill("trained FWL (3), {f}, same document and rounds", f=s.get("settings.fwl_model")),
                      both(template, True, **pairs),
                      both("its slow head alone (3') {b:.2f}x the base", b=pdiv(trained["trained_fwl_slow_only"],
