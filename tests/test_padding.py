@@ -56,10 +56,11 @@ def make_model(variant, **overrides):
     return tiny_model(cls, **{**chunking, **options, **overrides})
 
 
-def layout(rows, generator, vocab_size=61):
-    """``(ids [B, T], mask [B, T], real [list of [n_b] ids])`` for equal-length layout strings."""
+def layout(rows, generator, vocab_size=61, device="cpu"):
+    """``(ids [B, T], mask [B, T], real [list of [n_b] ids])`` for equal-length layout strings, on `device`."""
     mask = torch.tensor([[c == "x" for c in row] for row in rows], dtype=torch.long)
     ids = torch.randint(3, vocab_size, mask.shape, generator=generator)  # garbage under the padding, not the pad id
+    ids, mask = ids.to(device), mask.to(device)
     return ids, mask, [ids[b][mask[b].bool()] for b in range(len(rows))]
 
 
@@ -83,7 +84,7 @@ def run_alone(model, tokens):
 def check_padded_rows(model):
     """(a) states, (b) logits at every real position, (c) rows of different real lengths in one batch: each row of
     ROWS equals its real tokens run alone."""
-    ids, mask, real = layout(ROWS, torch.Generator().manual_seed(0))
+    ids, mask, real = layout(ROWS, torch.Generator().manual_seed(0), device=model.device)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, use_cache=True)
         assert torch.isfinite(out.logits).all()  # padded positions' outputs are don't-care, but finite
@@ -100,8 +101,8 @@ def check_continued_chunk(model):
     """A prefix run with use_cache, then a chunk with padding continued from that cache (attention_mask over
     past + new tokens, as generate passes it): states and real logits equal those of the real tokens in one run."""
     generator = torch.Generator().manual_seed(1)
-    prefix_ids, prefix_mask, prefix_real = layout(PREFIX_ROWS, generator)
-    chunk_ids, chunk_mask, chunk_real = layout(CHUNK_ROWS, generator)
+    prefix_ids, prefix_mask, prefix_real = layout(PREFIX_ROWS, generator, device=model.device)
+    chunk_ids, chunk_mask, chunk_real = layout(CHUNK_ROWS, generator, device=model.device)
     full_mask = torch.cat([prefix_mask, chunk_mask], 1)
     with torch.no_grad():
         prefix = model(prefix_ids, attention_mask=prefix_mask, use_cache=True)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU checks in one run, for a machine with a CUDA device whose python3 has torch and triton (such as the lent
+# H100 of this project's tool library, which has no network): the CUDA tests (tests/test_cuda.py and the compiled
+# Triton test of tests/test_kernels.py), then benchmarks/bench_gpu.py. Wheels in .whl/ (flash-linear-attention,
+# fla-core, einops, this project's transformers) are installed into /tmp/site first, when there are any.
+#
+#   OUT=/some/folder bash benchmarks/gpu_check.sh [all|tests|bench] [bench_gpu.py arguments]
+#
+# Logs, the junit XML and bench_gpu.json land in $OUT.
+#
+# The repository is used in place (no pip install): fwp_kernels is the folder kernels/ under its installed name. The
+# C++ CPU kernels are not built (FWP_KERNELS_NO_BUILD=1): the CPU references of the tests take the PyTorch paths.
+set -u
+STAGE=${1:-all}  # tests, bench or all (the device calls of a lease can run them one after the other)
+shift $(( $# > 0 ? 1 : 0 ))
+OUT=${OUT:-/tmp/gpu_check}
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+mkdir -p /tmp/fwp_packages && ln -sfn "$PWD/kernels" /tmp/fwp_packages/fwp_kernels
+export PYTHONPATH="/tmp/fwp_packages:$PWD:${PYTHONPATH:-}" FWP_KERNELS_NO_BUILD=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/nvidia_smi.csv"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+if [ "$STAGE" != bench ]; then
+timeout "$TEST_TIMEOUT" python3 -m pytest -v -p no:cacheprovider -rfEs --durations=12 --junitxml="$OUT/pytest_cuda.xml" \
+    tests/test_cuda.py "tests/test_kernels.py::test_triton_compiled_on_cuda" 2>&1 \
+    | tee "$OUT/pytest_cuda.log" | grep -v PASSED
+echo "pytest exit: ${PIPESTATUS[0]}"
+fi
+[ "$STAGE" = tests ] && exit 0
+timeout "$BENCH_TIMEOUT" python3 benchmarks/bench_gpu.py --out "$OUT/bench_gpu.json" "$@" 2>&1 \
+    | tee "$OUT/bench_gpu.log" | grep -v "^Loading weights\|^Writing model"
+echo "bench_gpu exit: ${PIPESTATUS[0]}"

@@ -1,0 +1,206 @@
+"""CUDA: the Triton kernels compiled for a GPU at the pretrained models' head sizes, every model family on CUDA tensors
+(the Triton paths that ``mode="auto"`` takes there), and flash-linear-attention's own GPU kernels and models beside
+ours. Every test here skips without a CUDA device (CI and this project's machine have none); they ran on a lent
+H100 through ``benchmarks/gpu_check.sh``, which also writes the figures of ``benchmarks/bench_gpu.py``.
+
+References: the float64 step loops on the same GPU (kernels), the same model on the CPU (models), fla 0.6's chunk
+kernels and models, when fla is installed (it is no dependency of this project)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fwp_kernels import rfwp_scan
+from fwp_kernels.dispatch import RECURRENCES, select_kernel
+from modeling_fwp import DeltaLSTMConfig, DeltaNetConfig, GatedDeltaNetConfig
+from modeling_fwp.cache_fwp import output_cache
+
+from conftest import FIXTURES, relative_error, tiny_model
+from test_kernels import GATES, RULE_FUNCTIONS, RULES, TOL, make_inputs, outputs_and_grads, positional, rel_err
+from test_padding import FAST_WEIGHT_VARIANTS, check_continued_chunk, check_padded_rows, make_model
+from test_rfwp import KINDS, padding_mask, scan_inputs, variant_id
+from test_rfwp import outputs_and_grads as scan_outputs_and_grads
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+# The Triton kernels' tolerance on a GPU: the CPU bounds of test_kernels (float32 2e-5: tl.dot runs in IEEE fp32,
+# input_precision="ieee", no TF32), bfloat16 as the interpreter's (u = 3.9e-3; x2.5 margin over 2u).
+CUDA_TOL = TOL
+# fla against the float64 step loop: its float32 kernels may multiply in TF32 (u = 4.9e-4) on a GPU; not measured
+# before these tests first ran (bench_gpu records the errors).
+FLA_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+# The recurrence each rule of test_kernels runs, and its Triton module on CUDA.
+RECURRENCE = {"delta": "delta_rule", "sum": "linear_attention", "gated": "gated_delta_rule"}
+TRITON_MODULE = {"delta": "triton_chunk", "sum": "triton_chunk", "gated": "triton_gated_chunk"}
+# (T, Dk, Dv): a partial last chunk; fla's 1.3B Delta Net heads (2048 / 16 = 128); the Gated DeltaNet's wide heads
+MODEL_SHAPES = [(1, 64, 64), (333, 128, 128), (2048, 128, 128), (300, 256, 512)]
+
+
+def _on(device, inputs):
+    return {n: None if x is None else x.detach().to(device).requires_grad_() for n, x in inputs.items()}
+
+
+def triton_errors(rule: str, T: int, Dk: int, Dv: int, dtype: torch.dtype, B: int = 2, H: int = 2) -> dict:
+    """{output or gradient: relative error} of the Triton chunk kernel (mode "chunk" on CUDA; backward in PyTorch)
+    against the float64 step loop on the same GPU and the same rounded inputs."""
+    inputs = _on(CUDA, make_inputs(rule, B, H, T, Dk, Dv, dtype, seed=T + Dk))
+    reference = outputs_and_grads(rule, _on(CUDA, {n: None if x is None else x.double() for n, x in inputs.items()}),
+                                  mode="recurrent")
+    got = outputs_and_grads(rule, inputs, mode="chunk")
+    return {n: rel_err(got[n], reference[n]) for n in reference}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_chunk_mode_on_cuda_is_the_triton_kernel(rule):
+    for T in (2, 4096):
+        kernel = select_kernel(RECURRENCES[RECURRENCE[rule]], "auto", T, CUDA)
+        assert kernel.__module__ == f"fwp_kernels.{TRITON_MODULE[rule]}", (T, kernel.__module__)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,Dk,Dv", MODEL_SHAPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("rule", RULES)
+def test_triton_chunk_matches_step_loop_at_model_head_sizes(rule, T, Dk, Dv, dtype):
+    if rule != "gated" and Dv == 512:
+        pytest.skip("the wide value heads are the Gated DeltaNet's")
+    errors = triton_errors(rule, T, Dk, Dv, dtype)
+    assert max(errors.values()) < CUDA_TOL[dtype], errors
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_scans_match_step_loop_on_cuda(kind):
+    """The recurrent FWP scans (Irie et al. 2021), fused in Triton on CUDA, against their step loop on CUDA, with a
+    left-padded row, at the paper's head size 16."""
+    assert rfwp_scan._backend(CUDA).__name__ == "fwp_kernels.triton_rfwp"
+    x = _on(CUDA, scan_inputs(kind, B=2, H=3, T=70, D=16))
+    mask = padding_mask(2, 70).to(CUDA)
+    expected = scan_outputs_and_grads(kind, x, "recurrent", mask)
+    got = scan_outputs_and_grads(kind, x, "fused", mask)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("variant", FAST_WEIGHT_VARIANTS, ids=variant_id)
+def test_model_on_cuda_matches_cpu_and_its_padding_rules(variant):
+    """Every family and variant: logits on CUDA (Triton kernels) equal those on the CPU; padded rows and a padded chunk
+    continued from a cache equal each row alone, on CUDA."""
+    model = make_model(variant)
+    ids = torch.randint(3, 61, (3, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(ids).logits
+        model = model.to(CUDA)
+        got = model(ids.to(CUDA)).logits.cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    check_padded_rows(model)
+    check_continued_chunk(model)
+
+
+@pytest.mark.parametrize(
+    "cls,options",
+    [(DeltaNetConfig, {"short_conv_size": 4, "qk_l2_normalization": True, "feature_map": "silu"}),
+     (GatedDeltaNetConfig, {}), (DeltaLSTMConfig, {})],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_generate_on_cuda(cls, options):
+    """Greedy decoding on CUDA with the recurrent cache: the tokens of the uncached run and of the CPU."""
+    model = tiny_model(cls, **options)
+    prompt = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    on_cpu = model.generate(prompt, **kwargs)
+    model = model.to(CUDA)
+    cached = model.generate(prompt.to(CUDA), **kwargs)
+    uncached = model.generate(prompt.to(CUDA), use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached) and torch.equal(cached.cpu(), on_cpu)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flash-linear-attention 0.6 on the GPU: its chunk kernels and its models beside ours
+
+
+def fla_kernels() -> dict:
+    """rule -> fla's chunk kernel in our layout: ``(q, k, v, *gates, initial_state) -> (o [B, H, T, Dv], final
+    [B, H, Dv, Dk])`` (fla: ``[B, T, H, D]`` and states ``[B, H, Dk, Dv]``; scale 1: our q is used as is)."""
+    from fla.ops.delta_rule import chunk_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    def adapt(fn, rule, **options):
+        def run(q, k, v, *gates, initial_state=None):
+            heads_second = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+            s0 = None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
+            named_gates = {name: heads_second(x) for name, x in zip(GATES[rule], gates)}  # beta=, g=
+            o, final = fn(*map(heads_second, (q, k, v)), **named_gates, scale=1.0, initial_state=s0,
+                          output_final_state=True, **options)
+            return o.transpose(1, 2), final.transpose(-1, -2)
+
+        return run
+
+    return {
+        "delta": adapt(chunk_delta_rule, "delta"),
+        "sum": adapt(chunk_linear_attn, "sum", normalize=False),
+        "gated": adapt(chunk_gated_delta_rule, "gated"),
+    }
+
+
+def fla_and_our_errors(rule: str, T: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict:
+    """Relative errors of fla's chunk kernel and of ours (o, final state) against the float64 step loop, on CUDA."""
+    inputs = _on(CUDA, make_inputs(rule, 2, 4, T, Dk, Dv, dtype, seed=T))
+    as64 = {n: None if x is None else x.double() for n, x in inputs.items()}
+    with torch.no_grad():
+        reference = RULE_FUNCTIONS[rule](*positional(rule, as64), initial_state=as64["initial_state"],
+                                         output_final_state=True, mode="recurrent")
+        ours = RULE_FUNCTIONS[rule](*positional(rule, inputs), initial_state=inputs["initial_state"],
+                                    output_final_state=True, mode="chunk")
+        fla = fla_kernels()[rule](*positional(rule, inputs), initial_state=inputs["initial_state"])
+    return {
+        f"{who}_{name}": rel_err(got, ref)
+        for who, pair in (("ours", ours), ("fla", fla))
+        for name, got, ref in zip(("o", "final_state"), pair, reference)
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rule", RULES)
+def test_fla_chunk_kernels_and_ours_match_the_step_loop(rule, dtype):
+    """Both within the tolerance of our kernels (a wrong layout, scale or gate order in the comparison gives errors of
+    order one); fla's own errors are recorded by bench_gpu."""
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed")
+    errors = fla_and_our_errors(rule, 1000, 128, 128, dtype)
+    ours = {n: e for n, e in errors.items() if n.startswith("ours")}
+    assert max(ours.values()) < CUDA_TOL[dtype], errors
+    assert max(errors.values()) < FLA_TOL[dtype], errors
+
+
+def fla_model_pair(name: str, tmp_path, attn_mode: str = "chunk") -> tuple:
+    """fla's model of the test fixture `name` (tests/fixtures/fla_0_6) in `attn_mode` (its chunk kernels above 64
+    tokens), and ours converted from it, both on CUDA in float32."""
+    import fla  # noqa: F401  (registers fla's Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    from modeling_fwp import convert_fla_checkpoint
+
+    folder = FIXTURES / "fla_0_6" / name
+    theirs = AutoModelForCausalLM.from_pretrained(folder, attn_mode=attn_mode).to(CUDA).float().eval()
+    convert_fla_checkpoint(folder, tmp_path / name)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / name).to(CUDA).float().eval()
+    return theirs, ours
+
+
+@pytest.mark.parametrize("name", ["delta_net", "delta_net_gated", "gated_deltanet"])
+def test_fla_models_on_cuda_match_ours(name, tmp_path):
+    """fla's DeltaNet / Gated DeltaNet with its GPU kernels (chunk mode over 300 tokens, then cached decoding) against
+    the same checkpoint converted to ours, on CUDA."""
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed")
+    theirs, ours = fla_model_pair(name, tmp_path)
+    ids = torch.randint(3, ours.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(4)).to(CUDA)
+    with torch.no_grad():
+        expected = theirs(ids[:, :296], use_cache=True)
+        got = ours(ids[:, :296], use_cache=True)
+        errors = [relative_error(got.logits, expected.logits)]
+        their_cache, our_cache = expected.past_key_values, output_cache(got)
+        for t in range(296, 300):  # cached decoding, one token at a time (fla: its fused recurrent kernels)
+            expected = theirs(ids[:, t : t + 1], past_key_values=their_cache, use_cache=True)
+            got = ours(ids[:, t : t + 1], cache=our_cache, use_cache=True)
+            their_cache = expected.past_key_values
+            errors.append(relative_error(got.logits, expected.logits))
+    assert max(errors) < FLA_TOL[torch.float32], errors
