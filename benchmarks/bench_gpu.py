@@ -124,7 +124,7 @@ def kernel_errors(args) -> Dict:
 def kernel_times(args) -> Dict:
     out = {"shape": SHAPES["kernel"]}
     for rule in RULES:
-        for dtype in ("bfloat16", "float32"):
+        for dtype in args.dtypes:
             x = rule_inputs(rule, **SHAPES["kernel"], dtype=getattr(torch, dtype), grad=True)
             args_ = list(x.values())
             go = torch.randn_like(x["v"])
@@ -235,14 +235,16 @@ def model_1p3b(args) -> Dict:
     return out
 
 
-SECTIONS = {"peaks": peaks, "kernel_errors": kernel_errors, "kernel_times": kernel_times,
-            "auto_crossover": auto_crossover, "model_1p3b": model_1p3b}
+SECTIONS = {"peaks": peaks, "auto_crossover": auto_crossover, "kernel_times": kernel_times, "model_1p3b": model_1p3b,
+            "kernel_errors": kernel_errors}
 
 
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"],
+                        help="the input dtypes of kernel_times")
     parser.add_argument("--no_fla", dest="fla", action="store_false", help="leave flash-linear-attention out")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_gpu.json"))
     parser.add_argument("--smoke", action="store_true",

@@ -28,12 +28,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 if [ "$STAGE" != bench ]; then
-timeout "$TEST_TIMEOUT" python3 -m pytest -v -p no:cacheprovider -rfEs --durations=12 --junitxml="$OUT/pytest_cuda.xml" \
+# a hung test fails alone where pytest-timeout is installed (the lent H100's image has it)
+PER_TEST=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=120)
+timeout "$TEST_TIMEOUT" python3 -m pytest -v -s -p no:cacheprovider -rfEs --tb=short $PER_TEST --durations=12 \
+    --junitxml="$OUT/pytest_cuda.xml" \
     tests/test_cuda.py "tests/test_kernels.py::test_triton_compiled_on_cuda" 2>&1 \
-    | tee "$OUT/pytest_cuda.log" | grep -v PASSED
+    | while IFS= read -r line; do printf '%s %s\n' "$(date +%T)" "$line"; done | tee "$OUT/pytest_cuda.log" \
+    | grep -v "PASSED\|^..:..:.. *$"
 echo "pytest exit: ${PIPESTATUS[0]}"
 fi
 [ "$STAGE" = tests ] && exit 0
 timeout "$BENCH_TIMEOUT" python3 benchmarks/bench_gpu.py --out "$OUT/bench_gpu.json" "$@" 2>&1 \
-    | tee "$OUT/bench_gpu.log" | grep -v "^Loading weights\|^Writing model"
+    | while IFS= read -r line; do printf '%s %s\n' "$(date +%T)" "$line"; done | tee "$OUT/bench_gpu.log" \
+    | grep -v "Loading weights\|Writing model"
 echo "bench_gpu exit: ${PIPESTATUS[0]}"

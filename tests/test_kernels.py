@@ -72,8 +72,8 @@ def outputs_and_grads(rule, inputs, seed=1, **kwargs):
     """o, final state and the gradients of sum(o * go) + sum(final * gf) w.r.t. every input."""
     o, final = run(rule, inputs, **kwargs)
     g = torch.Generator().manual_seed(seed)
-    go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
-    gf = torch.randn(final.shape, generator=g, dtype=torch.float64).to(final.dtype)
+    go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)  # dtype and device of the output
+    gf = torch.randn(final.shape, generator=g, dtype=torch.float64).to(final)
     names = [n for n, x in inputs.items() if x is not None]
     grads = torch.autograd.grad((o * go).float().sum() + (final * gf).float().sum(), [inputs[n] for n in names])
     return {"o": o, "final_state": final, **{f"d{n}": gr for n, gr in zip(names, grads)}}
