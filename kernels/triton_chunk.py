@@ -18,11 +18,13 @@ inputs with batched matmuls, which run on the GPU as well).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import inspect
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import delta_rule_kernels, linear_attention_kernels
 from .chunk import ChunkFastWeightFunction
@@ -32,6 +34,34 @@ from .linear_attention_kernels import SUM_RULE_CHUNKS
 # The [C, C] tiles live in registers: longer chunks are capped at this length (the chunk length
 # changes only the rounding of the results, not their value).
 _MAX_CHUNK = 64
+# The software-pipelining depths (``num_stages``) a launch tries, in order: Triton's default, then fewer stages, until
+# the kernel's buffers fit the device's shared memory. On an H100 the delta rule's scan at head size 128 (fla's 1.3B
+# Delta Net) needs 262,144 bytes with the default depth, 147,456 with 2, 98,304 with 1; the H100 has 232,448 per block
+# (benchmarks/triton_shared_memory.py compiles the kernels for sm_90 / sm_80 offline and lists every size).
+STAGE_FALLBACK = (None, 2, 1)
+# (kernel, device, dtypes, constexprs) -> the depth that launched, so that a fallback is found once
+_LAUNCH_STAGES: Dict[tuple, Optional[int]] = {}
+
+
+def launch(kernel, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)`` at the first pipelining depth of ``STAGE_FALLBACK`` whose shared memory the
+    device has (Triton raises ``OutOfResources`` before launching a kernel that does not fit; that depth is then left
+    for this kernel, device, dtypes and tile sizes). Raises the last ``OutOfResources`` when no depth fits."""
+    names = inspect.signature(kernel.fn).parameters
+    constexprs = tuple((n, a) for n, a in zip(names, args) if names[n].annotation in (tl.constexpr, "tl.constexpr"))
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    key = (kernel.fn, tensors[0].device, tuple(t.dtype for t in tensors), constexprs, tuple(sorted(kwargs.items())))
+    depths = (_LAUNCH_STAGES[key],) if key in _LAUNCH_STAGES else STAGE_FALLBACK
+    error = None
+    for num_stages in depths:
+        try:
+            kernel[grid](*args, **kwargs, **({} if num_stages is None else {"num_stages": num_stages}))
+        except OutOfResources as raised:
+            error = raised
+            continue
+        _LAUNCH_STAGES[key] = num_stages
+        return
+    raise error
 
 
 @triton.jit
@@ -172,11 +202,11 @@ def _triton_forward(
     if beta is not None:
         w = torch.empty(B, H, T, K, dtype=acc, device=q.device)
         u = torch.empty(B, H, T, V, dtype=acc, device=q.device)
-        _wy_kernel[(n_chunks, B * H)](k, v, beta.contiguous(), w, u, T, K, V, C, BC, BK, BV)
+        launch(_wy_kernel, (n_chunks, B * H), k, v, beta.contiguous(), w, u, T, K, V, C, BC, BK, BV)
     else:
         w, u = k, v  # w is unused by the sum rule
-    _scan_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, u, w, o, s0, final, T, K, V, C, BC, BK, BV,
+    launch(
+        _scan_kernel, (triton.cdiv(V, BV), B * H), q, k, u, w, o, s0, final, T, K, V, C, BC, BK, BV,
         IS_DELTA=beta is not None, HAS_S0=initial_state is not None,
     )
     return o, final

@@ -27,7 +27,7 @@ import triton.language as tl
 from . import gated_delta_rule_kernels
 from .chunk import ChunkFastWeightFunction
 from .gated_delta_rule_kernels import GATED_DELTA_RULE_CHUNKS
-from .triton_chunk import _forward_buffers, _load_state, _store_wy_values, _unit_lower_inverse
+from .triton_chunk import _forward_buffers, _load_state, _store_wy_values, _unit_lower_inverse, launch
 
 
 @triton.jit
@@ -115,9 +115,10 @@ def _triton_forward(q, k, v, beta, g, initial_state, chunk_size: int) -> Tuple[t
     w = torch.empty(B, H, T, K, dtype=acc, device=q.device)
     u = torch.empty(B, H, T, V, dtype=acc, device=q.device)
     gamma = torch.empty(B, H, T, dtype=acc, device=q.device)
-    _gated_wy_kernel[(triton.cdiv(T, C), B * H)](k, v, beta, g, w, u, gamma, T, K, V, C, BC, BK, BV)
-    _gated_scan_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, u, w, gamma, o, s0, final, T, K, V, C, BC, BK, BV, HAS_S0=initial_state is not None
+    launch(_gated_wy_kernel, (triton.cdiv(T, C), B * H), k, v, beta, g, w, u, gamma, T, K, V, C, BC, BK, BV)
+    launch(
+        _gated_scan_kernel, (triton.cdiv(V, BV), B * H), q, k, u, w, gamma, o, s0, final, T, K, V, C, BC, BK, BV,
+        HAS_S0=initial_state is not None,
     )
     return o, final
 

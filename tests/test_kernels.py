@@ -739,6 +739,42 @@ def test_triton_compiled_on_cuda():
         assert max(errors.values()) < CUDA_TOL[getattr(torch, case.split("-")[-1])], (case, errors)
 
 
+def test_triton_launch_falls_back_to_fewer_pipelining_stages():
+    """A kernel whose buffers exceed the device's shared memory at Triton's default depth (the delta rule's scan at
+    head size 128 on an H100) launches with fewer stages; the depth found is kept; none fitting raises."""
+    pytest.importorskip("triton", reason="the launcher is part of the Triton kernels")
+    import triton.language as tl
+    from triton.runtime.errors import OutOfResources
+
+    from fwp_kernels import triton_chunk
+
+    def body(x_ptr, T, K: tl.constexpr):
+        pass
+
+    class FakeKernel:
+        fn = staticmethod(body)  # as triton.jit keeps the function: not bound to the instance
+
+        def __init__(self, fits):
+            self.fits, self.tried = fits, []
+
+        def __getitem__(self, grid):
+            def run(*args, num_stages=None):
+                self.tried.append(num_stages)
+                if not self.fits(num_stages):
+                    raise OutOfResources(262144, 232448, "shared memory")
+            return run
+
+    x = torch.zeros(3)
+    kernel = FakeKernel(lambda stages: stages is not None and stages <= 2)
+    for T in (5, 7):  # T is no constexpr: the depth found for K = 128 holds for every T
+        triton_chunk.launch(kernel, (1,), x, T, 128)
+    assert kernel.tried == [None, 2, 2]
+    never = FakeKernel(lambda stages: False)
+    with pytest.raises(OutOfResources):
+        triton_chunk.launch(never, (1,), x, 5, 128)
+    assert never.tried == list(triton_chunk.STAGE_FALLBACK)
+
+
 def test_package_imports_without_triton():
     """The Triton module is optional and loaded lazily, for CUDA tensors only."""
     import subprocess
