@@ -739,7 +739,7 @@ def test_triton_compiled_on_cuda():
         assert max(errors.values()) < CUDA_TOL[getattr(torch, case.split("-")[-1])], (case, errors)
 
 
-def test_triton_launch_falls_back_to_fewer_pipelining_stages():
+def test_triton_launch_falls_back_to_fewer_pipelining_stages(monkeypatch):
     """A kernel whose buffers exceed the device's shared memory at Triton's default depth (the delta rule's scan at
     head size 128 on an H100) launches with fewer stages; the depth found is kept; none fitting raises."""
     pytest.importorskip("triton", reason="the launcher is part of the Triton kernels")
@@ -765,10 +765,12 @@ def test_triton_launch_falls_back_to_fewer_pipelining_stages():
             return run
 
     x = torch.zeros(3)
+    monkeypatch.setattr(triton_chunk, "_LAUNCH_STAGES", {})
     kernel = FakeKernel(lambda stages: stages is not None and stages <= 2)
     for T in (5, 7):  # T is no constexpr: the depth found for K = 128 holds for every T
         triton_chunk.launch(kernel, (1,), x, T, 128)
     assert kernel.tried == [None, 2, 2]
+    monkeypatch.setattr(triton_chunk, "_LAUNCH_STAGES", {})
     never = FakeKernel(lambda stages: False)
     with pytest.raises(OutOfResources):
         triton_chunk.launch(never, (1,), x, 5, 128)
