@@ -19,6 +19,7 @@ inputs with batched matmuls, which run on the GPU as well).
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -41,6 +42,7 @@ _MAX_CHUNK = 64
 STAGE_FALLBACK = (None, 2, 1)
 # (kernel, device, dtypes, constexprs) -> the depth that launched, so that a fallback is found once
 _LAUNCH_STAGES: Dict[tuple, Optional[int]] = {}
+_WARNED_TORCH_FALLBACK: set = set()
 
 
 def launch(kernel, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -221,6 +223,26 @@ class TritonChunkFastWeightFunction(ChunkFastWeightFunction):
         return _triton_forward(q, k, v, initial_state, chunk_size, *gates)
 
 
+def run_chunk_kernel(
+    function, rule, torch_kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...],
+    initial_state: Optional[torch.Tensor], output_final_state: bool, chunk_size: int,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The Triton chunk kernel of `rule` (``function``: an autograd Function, Triton forward, PyTorch backward), or the
+    PyTorch chunk kernel ``torch_kernel`` (same arguments as the public kernels) for float64 inputs (the Triton kernels
+    accumulate in float32) and where the Triton kernel fits the device's shared memory at no pipelining depth of
+    ``STAGE_FALLBACK`` (e.g. head size 256 on a GPU with 99 KB per block; warned once per rule)."""
+    if q.dtype != torch.float64:
+        try:
+            o, final = function.apply(rule, chunk_size, q, k, v, initial_state, *gates)
+            return o, (final if output_final_state else None)
+        except OutOfResources as error:
+            if rule.name not in _WARNED_TORCH_FALLBACK:
+                _WARNED_TORCH_FALLBACK.add(rule.name)
+                warnings.warn(f"the Triton kernel of the {rule.name} does not fit this GPU's shared memory at head "
+                              f"size {q.shape[-1]} ({error}); the PyTorch chunk kernel runs instead", RuntimeWarning)
+    return torch_kernel(q, k, v, *gates, initial_state, output_final_state, chunk_size)
+
+
 def delta_rule_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,15 +252,10 @@ def delta_rule_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Delta rule, chunkwise, Triton forward. Arguments and returns as
-    :func:`fwp_kernels.delta_rule_kernels.delta_rule_chunk`.
-
-    float64 inputs take the PyTorch kernel (the Triton kernels accumulate in float32).
-    """
-    if q.dtype == torch.float64:
-        return delta_rule_kernels.delta_rule_chunk(q, k, v, beta, initial_state, output_final_state, chunk_size)
-    o, final = TritonChunkFastWeightFunction.apply(DELTA_RULE_CHUNKS, chunk_size, q, k, v, initial_state, beta)
-    return o, (final if output_final_state else None)
+    """Delta rule, chunkwise, Triton forward (:func:`run_chunk_kernel`). Arguments and returns as
+    :func:`fwp_kernels.delta_rule_kernels.delta_rule_chunk`."""
+    return run_chunk_kernel(TritonChunkFastWeightFunction, DELTA_RULE_CHUNKS, delta_rule_kernels.delta_rule_chunk,
+                            q, k, v, (beta,), initial_state, output_final_state, chunk_size)
 
 
 def linear_attention_chunk(
@@ -249,12 +266,8 @@ def linear_attention_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Sum rule, chunkwise, Triton forward. Arguments and returns as
-    :func:`fwp_kernels.linear_attention_kernels.linear_attention_chunk`.
-
-    float64 inputs take the PyTorch kernel (the Triton kernels accumulate in float32).
-    """
-    if q.dtype == torch.float64:
-        return linear_attention_kernels.linear_attention_chunk(q, k, v, initial_state, output_final_state, chunk_size)
-    o, final = TritonChunkFastWeightFunction.apply(SUM_RULE_CHUNKS, chunk_size, q, k, v, initial_state)
-    return o, (final if output_final_state else None)
+    """Sum rule, chunkwise, Triton forward (:func:`run_chunk_kernel`). Arguments and returns as
+    :func:`fwp_kernels.linear_attention_kernels.linear_attention_chunk`."""
+    return run_chunk_kernel(TritonChunkFastWeightFunction, SUM_RULE_CHUNKS,
+                            linear_attention_kernels.linear_attention_chunk, q, k, v, (), initial_state,
+                            output_final_state, chunk_size)

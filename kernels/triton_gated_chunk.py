@@ -27,7 +27,7 @@ import triton.language as tl
 from . import gated_delta_rule_kernels
 from .chunk import ChunkFastWeightFunction
 from .gated_delta_rule_kernels import GATED_DELTA_RULE_CHUNKS
-from .triton_chunk import _forward_buffers, _load_state, _store_wy_values, _unit_lower_inverse, launch
+from .triton_chunk import _forward_buffers, _load_state, _store_wy_values, _unit_lower_inverse, launch, run_chunk_kernel
 
 
 @triton.jit
@@ -142,14 +142,8 @@ def gated_delta_rule_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Gated delta rule, chunkwise, Triton forward. Arguments and returns as
-    :func:`fwp_kernels.gated_delta_rule_kernels.gated_delta_rule_chunk`.
-
-    float64 inputs take the PyTorch kernel (the Triton kernels accumulate in float32).
-    """
-    if q.dtype == torch.float64:
-        return gated_delta_rule_kernels.gated_delta_rule_chunk(
-            q, k, v, beta, g, initial_state, output_final_state, chunk_size
-        )
-    o, final = TritonGatedChunkFunction.apply(GATED_DELTA_RULE_CHUNKS, chunk_size, q, k, v, initial_state, beta, g)
-    return o, (final if output_final_state else None)
+    """Gated delta rule, chunkwise, Triton forward (``triton_chunk.run_chunk_kernel``). Arguments and returns as
+    :func:`fwp_kernels.gated_delta_rule_kernels.gated_delta_rule_chunk`."""
+    return run_chunk_kernel(TritonGatedChunkFunction, GATED_DELTA_RULE_CHUNKS,
+                            gated_delta_rule_kernels.gated_delta_rule_chunk, q, k, v, (beta, g), initial_state,
+                            output_final_state, chunk_size)

@@ -777,6 +777,34 @@ def test_triton_launch_falls_back_to_fewer_pipelining_stages(monkeypatch):
     assert never.tried == list(triton_chunk.STAGE_FALLBACK)
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_triton_kernel_that_fits_at_no_depth_runs_the_pytorch_kernel(rule, monkeypatch):
+    """Where no pipelining depth fits the GPU's shared memory (head size 256 on a 99 KB GPU), the PyTorch chunk kernel
+    runs instead, with a warning, and gives its result."""
+    pytest.importorskip("triton", reason="the fallback is part of the Triton kernels")
+    from triton.runtime.errors import OutOfResources
+
+    from fwp_kernels import delta_rule_kernels, gated_delta_rule_kernels, linear_attention_kernels, triton_chunk
+    from fwp_kernels import triton_gated_chunk
+
+    def too_big(*args):
+        raise OutOfResources(262144, 101376, "shared memory")
+
+    for function in (triton_chunk.TritonChunkFastWeightFunction, triton_gated_chunk.TritonGatedChunkFunction):
+        monkeypatch.setattr(function, "apply", too_big)
+    monkeypatch.setattr(triton_chunk, "_WARNED_TORCH_FALLBACK", set())
+    triton_kernel = {"delta": triton_chunk.delta_rule_chunk, "sum": triton_chunk.linear_attention_chunk,
+                     "gated": triton_gated_chunk.gated_delta_rule_chunk}[rule]
+    torch_kernel = {"delta": delta_rule_kernels.delta_rule_chunk, "sum": linear_attention_kernels.linear_attention_chunk,
+                    "gated": gated_delta_rule_kernels.gated_delta_rule_chunk}[rule]
+    inputs = make_inputs(rule, 1, 2, 20, 8, 8)
+    args = positional(rule, inputs) + [inputs["initial_state"], True, 8]
+    with pytest.warns(RuntimeWarning, match="does not fit"):
+        got = triton_kernel(*args)
+    expected = torch_kernel(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def test_package_imports_without_triton():
     """The Triton module is optional and loaded lazily, for CUDA tensors only."""
     import subprocess
