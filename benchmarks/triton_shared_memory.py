@@ -7,7 +7,10 @@ Why: on an H100 (2026-11-27, benchmarks/results/gpu_check_h100/) the delta rule'
 1.3B Delta Net) asked for 262,144 bytes of shared memory with Triton's default pipelining, over the H100's 232,448,
 and failed to launch; this script gives the same 262,144 offline, so the fallback can be checked without a GPU.
 
-    python benchmarks/triton_shared_memory.py            # sm_90 (H100/H200) and sm_80 (A100); about 10 minutes
+    python benchmarks/triton_shared_memory.py            # sm_90 (H100/H200) and sm_80 (A100); about 15 minutes
+
+The sizes depend on Triton's version (the H100 run had Triton 3.6; `PYTHONPATH=<a folder with triton 3.6>` runs the
+script with it); the file records the version.
 """
 from __future__ import annotations
 
@@ -51,8 +54,11 @@ def shared_bytes(kernel, constexprs: Dict, arch: int, dtype: str, num_stages: Op
             signature[param.name] = f"*{dtype}" if param.name in INPUT_POINTERS else "*fp32"
         else:
             signature[param.name] = "i32"
+    # What a launch with PyTorch's tensors and lengths divisible by 16 specializes on: 16-byte aligned pointers and
+    # ints that are multiples of 16 (Triton then copies tiles asynchronously, which takes more shared memory).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if signature[name] != "constexpr"}
     options = {} if num_stages is None else {"num_stages": num_stages}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                               options=options)
     return compiled.metadata.shared
 
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
                     print(row, flush=True)
                     if row["fits"]:  # what the launch runs: the first depth of the fallback that fits
                         break
-    record.write(args.out, {"dtype": args.dtype, "rows": rows})
+    record.write(args.out, {"triton": triton.__version__, "dtype": args.dtype, "rows": rows})
     unfit = [r for r in rows if r["num_stages"] == triton_chunk.STAGE_FALLBACK[-1] and not r["fits"]]
     print(f"wrote {args.out}; kernels that fit at no depth: {unfit or 'none'}")
     return 1 if unfit else 0
