@@ -114,6 +114,7 @@ def contenders(rule: str, with_fla: bool) -> Dict[str, Callable]:
 
 
 def kernel_errors(args) -> Dict:
+    """Section 1: {rule-dtype: relative errors of ours and fla's} at T errors_T, head size D."""
     from test_cuda import fla_and_our_errors
 
     T, D = SHAPES["errors_T"], SHAPES["kernel"]["D"]
@@ -122,6 +123,7 @@ def kernel_errors(args) -> Dict:
 
 
 def kernel_times(args) -> Dict:
+    """Section 2: {rule-dtype: {contender_fwd_s / _fwd_bwd_s: timings}} at the kernel shape."""
     out = {"shape": SHAPES["kernel"]}
     for rule in RULES:
         for dtype in args.dtypes:
@@ -145,6 +147,7 @@ def kernel_times(args) -> Dict:
 
 
 def auto_crossover(args) -> Dict:
+    """Section 3: {T: {mode: timing}} of our delta rule's step loop and chunk kernel."""
     from test_kernels import RULE_FUNCTIONS
 
     out = {}
@@ -204,6 +207,7 @@ def decode_ms_per_token(model, prompt: torch.Tensor, rounds: int, steps: int = 3
 
 
 def model_1p3b(args) -> Dict:
+    """Section 4: the 1.3B Delta Net's agreement with fla and its times beside fla's and a Llama's."""
     with tempfile.TemporaryDirectory() as tmp:
         models = build_1p3b(Path(tmp))
     ours, theirs = models["ours"], models["fla"]
@@ -240,6 +244,7 @@ SECTIONS = {"peaks": peaks, "auto_crossover": auto_crossover, "kernel_times": ke
 
 
 def main(argv: List[str] = None) -> int:
+    """Runs the sections asked for, writing the result file after each; 0 (a failed section is recorded)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--rounds", type=int, default=5)
@@ -279,6 +284,7 @@ def main(argv: List[str] = None) -> int:
 
 
 def versions() -> Dict[str, str]:
+    """The versions of the packages the figures depend on (None where one is missing)."""
     import importlib.metadata as metadata
 
     found = {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import triton
@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import delta_rule_kernels, linear_attention_kernels
-from .chunk import ChunkFastWeightFunction
+from .chunk import ChunkFastWeightFunction, ChunkRule
 from .delta_rule_kernels import DELTA_RULE_CHUNKS
 from .linear_attention_kernels import SUM_RULE_CHUNKS
 
@@ -224,13 +224,16 @@ class TritonChunkFastWeightFunction(ChunkFastWeightFunction):
 
 
 def run_chunk_kernel(
-    function, rule, torch_kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...],
+    function: type, rule: ChunkRule, torch_kernel: Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...],
     initial_state: Optional[torch.Tensor], output_final_state: bool, chunk_size: int,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The Triton chunk kernel of `rule` (``function``: an autograd Function, Triton forward, PyTorch backward), or the
     PyTorch chunk kernel ``torch_kernel`` (same arguments as the public kernels) for float64 inputs (the Triton kernels
     accumulate in float32) and where the Triton kernel fits the device's shared memory at no pipelining depth of
-    ``STAGE_FALLBACK`` (e.g. head size 256 on a GPU with 99 KB per block; warned once per rule)."""
+    ``STAGE_FALLBACK`` (e.g. head size 256 on a GPU with 99 KB per block; warned once per rule). Shapes: q, k
+    ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, each gate ``[B, H, T]``, states ``[B, H, Dv, Dk]``; returns o
+    ``[B, H, T, Dv]`` in q's dtype and the float32 final state (or None)."""
     if q.dtype != torch.float64:
         try:
             o, final = function.apply(rule, chunk_size, q, k, v, initial_state, *gates)

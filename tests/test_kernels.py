@@ -796,7 +796,8 @@ def test_triton_kernel_that_fits_at_no_depth_runs_the_pytorch_kernel(rule, monke
     monkeypatch.setattr(triton_chunk, "_WARNED_TORCH_FALLBACK", set())
     triton_kernel = {"delta": triton_chunk.delta_rule_chunk, "sum": triton_chunk.linear_attention_chunk,
                      "gated": triton_gated_chunk.gated_delta_rule_chunk}[rule]
-    torch_kernel = {"delta": delta_rule_kernels.delta_rule_chunk, "sum": linear_attention_kernels.linear_attention_chunk,
+    torch_kernel = {"delta": delta_rule_kernels.delta_rule_chunk,
+                    "sum": linear_attention_kernels.linear_attention_chunk,
                     "gated": gated_delta_rule_kernels.gated_delta_rule_chunk}[rule]
     inputs = make_inputs(rule, 1, 2, 20, 8, 8)
     args = positional(rule, inputs) + [inputs["initial_state"], True, 8]
