@@ -18,6 +18,7 @@ inputs with batched matmuls, which run on the GPU as well).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -45,12 +46,18 @@ _LAUNCH_STAGES: Dict[tuple, Optional[int]] = {}
 _WARNED_TORCH_FALLBACK: set = set()
 
 
+@functools.lru_cache(maxsize=None)
+def _constexpr_positions(fn: Callable) -> Tuple[int, ...]:
+    """The positions of `fn`'s ``tl.constexpr`` parameters (read once per kernel: launches are on the hot path)."""
+    parameters = inspect.signature(fn).parameters.values()
+    return tuple(i for i, p in enumerate(parameters) if p.annotation in (tl.constexpr, "tl.constexpr"))
+
+
 def launch(kernel, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` at the first pipelining depth of ``STAGE_FALLBACK`` whose shared memory the
     device has (Triton raises ``OutOfResources`` before launching a kernel that does not fit; that depth is then left
     for this kernel, device, dtypes and tile sizes). Raises the last ``OutOfResources`` when no depth fits."""
-    names = inspect.signature(kernel.fn).parameters
-    constexprs = tuple((n, a) for n, a in zip(names, args) if names[n].annotation in (tl.constexpr, "tl.constexpr"))
+    constexprs = tuple(args[i] for i in _constexpr_positions(kernel.fn) if i < len(args))
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     key = (kernel.fn, tensors[0].device, tuple(t.dtype for t in tensors), constexprs, tuple(sorted(kwargs.items())))
     depths = (_LAUNCH_STAGES[key],) if key in _LAUNCH_STAGES else STAGE_FALLBACK
