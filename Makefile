@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo demo-delta-net bench clean
+.PHONY: install test demo demo-delta-net bench gpu-wheels clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,16 @@ demo-delta-net: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_generation.py
+
+# the wheels benchmarks/gpu_check.sh installs on a GPU machine without network (a lent H100 has torch, triton and
+# einops, Python 3.12, x86-64): flash-linear-attention 0.6, this project's transformers and its regex
+gpu-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --no-deps -d .whl fla-core==0.6.0 flash-linear-attention==0.6.0 einops==0.8.2 \
+		transformers==5.24.0
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		regex==2026.11.19
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,7 +6,8 @@
 #
 #   OUT=/some/folder bash benchmarks/gpu_check.sh [all|tests|bench] [bench_gpu.py arguments]
 #
-# Logs, the junit XML and bench_gpu.json land in $OUT.
+# Logs, the junit XML and bench_gpu.json land in $OUT. `make gpu-wheels` fills .whl/ (on a machine with the package
+# index; .whl/ is not committed: add `/.whl/` to .git/info/exclude).
 #
 # The repository is used in place (no pip install): fwp_kernels is the folder kernels/ under its installed name. The
 # C++ CPU kernels are not built (FWP_KERNELS_NO_BUILD=1): the CPU references of the tests take the PyTorch paths.

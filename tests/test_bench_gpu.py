@@ -1,0 +1,25 @@
+"""benchmarks/bench_gpu.py's own code on the CPU (``--smoke``: tiny shapes, no flash-linear-attention): the GPU script
+must not have rotted by the time a session is lent a GPU, whose minutes are too few to debug it there."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_gpu_smoke_run_writes_every_section(tmp_path):
+    out = tmp_path / "bench_gpu.json"
+    sections = ["peaks", "auto_crossover", "kernel_times"]
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--smoke", "--no_fla", "--rounds", "1",
+                    "--sections", *sections, "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())
+    assert results["device"] == "cpu (--smoke)" and list(results["sections"]) == sections
+    for name, section in results["sections"].items():
+        assert "error" not in section, (name, section.get("error"))
+    times = results["sections"]["kernel_times"]
+    for key in ("delta-bfloat16", "sum-float32", "gated-bfloat16"):
+        row = times[key]
+        assert not [n for n in row if n.endswith("_error")], row
+        assert {"ours_triton_fwd_s", "ours_triton_fwd_bwd_s", "ours_torch_chunk_fwd_s", "step_loop_fwd_s"} <= set(row)
+    assert set(results["sections"]["auto_crossover"]) - {"section_wall_s"} == {"1", "8"}
