@@ -38,11 +38,14 @@ from .linear_attention_kernels import SUM_RULE_CHUNKS
 _MAX_CHUNK = 64
 # The software-pipelining depths (``num_stages``) a launch tries, in order: Triton's default, then fewer stages, until
 # the kernel's buffers fit the device's shared memory. On an H100 the delta rule's scan at head size 128 (fla's 1.3B
-# Delta Net) needs 262,144 bytes with the default depth, 147,456 with 2, 98,304 with 1; the H100 has 232,448 per block
-# (benchmarks/triton_shared_memory.py compiles the kernels for sm_90 / sm_80 offline and lists every size).
+# Delta Net) needs 262,144 bytes with the default depth and 180,224 with 2 (bf16, Triton 3.6); the H100 has 232,448
+# per block (benchmarks/triton_shared_memory.py compiles the kernels for sm_90 / sm_80 offline and lists every size:
+# benchmarks/results/triton_shared_memory.json).
 STAGE_FALLBACK = (None, 2, 1)
-# (kernel, device, dtypes, constexprs) -> the depth that launched, so that a fallback is found once
+# (kernel, device, dtypes, constexprs) -> the depth that launched, so that a fallback is found once; and the error of
+# those that fit at no depth, raised again at once (their callers then run the PyTorch kernel on every call)
 _LAUNCH_STAGES: Dict[tuple, Optional[int]] = {}
+_FITS_AT_NO_DEPTH: Dict[tuple, OutOfResources] = {}
 _WARNED_TORCH_FALLBACK: set = set()
 
 
@@ -56,10 +59,13 @@ def _constexpr_positions(fn: Callable) -> Tuple[int, ...]:
 def launch(kernel, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` at the first pipelining depth of ``STAGE_FALLBACK`` whose shared memory the
     device has (Triton raises ``OutOfResources`` before launching a kernel that does not fit; that depth is then left
-    for this kernel, device, dtypes and tile sizes). Raises the last ``OutOfResources`` when no depth fits."""
+    for this kernel, device, dtypes and tile sizes). Raises the last ``OutOfResources`` when no depth fits, and from
+    then on at once for that key."""
     constexprs = tuple(args[i] for i in _constexpr_positions(kernel.fn) if i < len(args))
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     key = (kernel.fn, tensors[0].device, tuple(t.dtype for t in tensors), constexprs, tuple(sorted(kwargs.items())))
+    if key in _FITS_AT_NO_DEPTH:
+        raise _FITS_AT_NO_DEPTH[key]
     depths = (_LAUNCH_STAGES[key],) if key in _LAUNCH_STAGES else STAGE_FALLBACK
     error = None
     for num_stages in depths:
@@ -70,6 +76,7 @@ def launch(kernel, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
             continue
         _LAUNCH_STAGES[key] = num_stages
         return
+    _FITS_AT_NO_DEPTH[key] = error
     raise error
 
 
