@@ -68,9 +68,16 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+COMPILE_ONLY = False  # --compile_only: each timed function is called once (Triton compiles), nothing is timed
+
+
 def timed(fn: Callable[[], object], rounds: int, warmup: int = 2) -> Dict[str, object]:
     """``summarize`` of `rounds` calls of `fn` in seconds, each timed alone after `warmup` calls (wall clock around
     a synchronised call: on CUDA the launches' host time counts, as it does for a user)."""
+    if COMPILE_ONLY:
+        fn()
+        synchronize()
+        return {"median": float("nan"), "best": float("nan")}
     for _ in range(warmup):
         fn()
     times = []
@@ -125,7 +132,7 @@ def kernel_errors(args) -> Dict:
 def kernel_times(args) -> Dict:
     """Section 2: {rule-dtype: {contender_fwd_s / _fwd_bwd_s: timings}} at the kernel shape."""
     out = {"shape": SHAPES["kernel"]}
-    for rule in RULES:
+    for rule in args.rules:
         for dtype in args.dtypes:
             x = rule_inputs(rule, **SHAPES["kernel"], dtype=getattr(torch, dtype), grad=True)
             args_ = list(x.values())
@@ -250,12 +257,20 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"],
                         help="the input dtypes of kernel_times")
+    parser.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES, help="the rules of kernel_times")
     parser.add_argument("--no_fla", dest="fla", action="store_false", help="leave flash-linear-attention out")
+    parser.add_argument("--fla_configs", choices=["tuned", "first"], default="tuned",
+                        help="fla's Triton autotuning: 'tuned' runs it (it compiles and times every config of every "
+                        "kernel per shape: minutes per kernel on a GPU); 'first' keeps each kernel's first config")
+    parser.add_argument("--compile_only", action="store_true",
+                        help="call each timed function once and time nothing: fills Triton's caches (compiled "
+                        "kernels on disk) for a later run, such as one started beside the GPU tests")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_gpu.json"))
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU: runs the script's code without a GPU (nothing to quote)")
     args = parser.parse_args(argv)
-    global SHAPES, DEVICE
+    global SHAPES, DEVICE, COMPILE_ONLY
+    COMPILE_ONLY = args.compile_only
     if args.smoke:
         import test_cuda
 
@@ -265,9 +280,14 @@ def main(argv: List[str] = None) -> int:
         raise SystemExit("bench_gpu needs a CUDA device (--smoke runs its code on the CPU)")
     if args.fla:
         import fla  # noqa: F401  (fails here, not in a section, when it is missing)
+    if args.fla and args.fla_configs == "first":
+        from triton.runtime.autotuner import Autotuner
+
+        Autotuner.prune_configs = lambda self, kwargs, *rest: self.configs[:1]
     record = RunRecord.start("python benchmarks/bench_gpu.py", argv)
     results = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (--smoke)",
                "versions": versions(), "shapes": SHAPES, "sections": {},
+               "fla_configs": args.fla_configs if args.fla else None, "compile_only": args.compile_only,
                # the commit of the working tree, where it was copied to the GPU machine without its .git
                "source_commit": os.environ.get("FWP_SOURCE_COMMIT")}
     for name in args.sections:

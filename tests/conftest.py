@@ -21,6 +21,19 @@ def _restore_num_threads():
     torch.set_num_threads(threads)
 
 
+def pytest_runtest_logreport(report):
+    """Where FWP_REPORT_LOG names a file, each failed test's report and each passed test's printed output are appended
+    to it as soon as the test ends, not in pytest's summary: the GPU checks (benchmarks/gpu_check.sh) run under a
+    time limit that can end pytest before its summary is printed. Written once, by pytest-xdist's controller."""
+    path = os.environ.get("FWP_REPORT_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if report.failed or (report.when == "call" and report.capstdout):
+        with open(path, "a") as log:
+            text = report.longreprtext if report.failed else report.capstdout
+            log.write(f"==== {report.outcome.upper()} {report.nodeid} ({report.when})\n{text}\n")
+
+
 # tests/tools holds scripts run by hand (mutation_check.py), not tests
 collect_ignore = ["tools"]
 

@@ -23,3 +23,18 @@ def test_bench_gpu_smoke_run_writes_every_section(tmp_path):
         assert not [n for n in row if n.endswith("_error")], row
         assert {"ours_triton_fwd_s", "ours_triton_fwd_bwd_s", "ours_torch_chunk_fwd_s", "step_loop_fwd_s"} <= set(row)
     assert set(results["sections"]["auto_crossover"]) - {"section_wall_s"} == {"1", "8"}
+
+
+def test_bench_gpu_compile_only_calls_each_contender_once_and_times_nothing(tmp_path):
+    """``--compile_only`` (gpu_check.sh fills Triton's caches with it beside the tests): the rules asked for, every
+    contender called without error, no time recorded."""
+    out = tmp_path / "bench_gpu.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--smoke", "--no_fla", "--compile_only",
+                    "--rules", "gated", "--dtypes", "float32", "--sections", "kernel_times", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())
+    times = results["sections"]["kernel_times"]
+    assert results["compile_only"] and set(times) == {"shape", "gated-float32", "section_wall_s"}, times
+    row = times["gated-float32"]
+    assert not [n for n in row if n.endswith("_error")], row
+    assert all(v["median"] != v["median"] for n, v in row.items()), row  # NaN: nothing timed
