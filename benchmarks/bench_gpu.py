@@ -226,6 +226,16 @@ def model_1p3b(args) -> Dict:
         ref, got = theirs(ids[:1, : T // 2]).logits.float(), ours(ids[:1, : T // 2]).logits.float()
         out["logits_relative_error_half"] = ((got - ref).norm() / ref.norm()).item()
         out["top1_agreement_half"] = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        # Which of the two bf16 runs is off, where they disagree: each against ours in float32 (fla 0.6 refuses its
+        # delta rule in float32; ours in float32 equals fla's float32 reference on the CPU, tests/test_fla_*). The
+        # bf16 weights convert to float32 and back exactly.
+        exact = ours.float()(ids[:1, : T // 2]).logits.float()
+        ours.to(torch.bfloat16)
+        out["against_ours_float32_half"] = {
+            who: {"relative_error": ((x - exact).norm() / exact.norm()).item(),
+                  "top1_agreement": (x.argmax(-1) == exact.argmax(-1)).float().mean().item()}
+            for who, x in (("ours_bf16", got), ("fla_bf16", ref))}
+        print("1.3B logits against ours in float32", out["against_ours_float32_half"], flush=True)
         out["prefill_s"] = {n: timed(lambda: m(ids[:1], use_cache=False), args.rounds) for n, m in models.items()}
     print("1.3B prefill (ms)", {n: round(v["median"] * 1e3, 1) for n, v in out["prefill_s"].items()}, flush=True)
     out["train_step_2xT_s"] = {}

@@ -89,7 +89,9 @@ def test_triton_scans_match_step_loop_on_cuda(kind):
 @pytest.mark.parametrize("variant", FAST_WEIGHT_VARIANTS, ids=variant_id)
 def test_model_on_cuda_matches_cpu_and_its_padding_rules(variant):
     """Every family and variant: logits on CUDA (Triton kernels) equal those on the CPU; padded rows and a padded chunk
-    continued from a cache equal each row alone, on CUDA."""
+    continued from a cache equal each row alone, on CUDA, within the CPU comparison's tolerance. (The CPU tests'
+    tighter atol 1e-6 assumes the CPU's summation order: on an H100 the Linear Transformer with DPFP and attention
+    normalization, whose denominators can be small, differed from its row alone by 1.8e-6 at 3 of 244 logits.)"""
     model = make_model(variant)
     ids = torch.randint(3, 61, (3, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -97,8 +99,8 @@ def test_model_on_cuda_matches_cpu_and_its_padding_rules(variant):
         model = model.to(CUDA)
         got = model(ids.to(CUDA)).logits.cpu()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    check_padded_rows(model)
-    check_continued_chunk(model)
+    check_padded_rows(model, tolerance=(1e-4, 1e-5))
+    check_continued_chunk(model, tolerance=(1e-4, 1e-5))
 
 
 @pytest.mark.parametrize(
@@ -162,8 +164,14 @@ def fla_kernels() -> dict:
     }
 
 
+# fla 0.6's chunk_delta_rule asserts "ChunkDeltaRuleFunction does not support float32. Please use bfloat16." (seen on
+# the H100, 2026-11-27): its float32 delta rule and its Delta Net models in float32 are not compared.
+FLA_REFUSES = {("delta", torch.float32)}
+
+
 def fla_and_our_errors(rule: str, T: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict:
-    """Relative errors of fla's chunk kernel and of ours (o, final state) against the float64 step loop, on CUDA."""
+    """Relative errors of fla's chunk kernel and of ours (o, final state) against the float64 step loop, on CUDA
+    (ours only where fla refuses the dtype, ``FLA_REFUSES``)."""
     inputs = _on(CUDA, make_inputs(rule, 2, 4, T, Dk, Dv, dtype, seed=T))
     as64 = {n: None if x is None else x.double() for n, x in inputs.items()}
     with torch.no_grad():
@@ -171,10 +179,12 @@ def fla_and_our_errors(rule: str, T: int, Dk: int, Dv: int, dtype: torch.dtype) 
                                          output_final_state=True, mode="recurrent")
         ours = RULE_FUNCTIONS[rule](*positional(rule, inputs), initial_state=inputs["initial_state"],
                                     output_final_state=True, mode="chunk")
-        fla = fla_kernels()[rule](*positional(rule, inputs), initial_state=inputs["initial_state"])
+        fla = None
+        if (rule, dtype) not in FLA_REFUSES:
+            fla = fla_kernels()[rule](*positional(rule, inputs), initial_state=inputs["initial_state"])
     return {
         f"{who}_{name}": rel_err(got, ref)
-        for who, pair in (("ours", ours), ("fla", fla))
+        for who, pair in (("ours", ours), ("fla", fla)) if pair is not None
         for name, got, ref in zip(("o", "final_state"), pair, reference)
     }
 
@@ -191,36 +201,47 @@ def test_fla_chunk_kernels_and_ours_match_the_step_loop(rule, dtype, fla_first_c
     assert max(errors.values()) < FLA_TOL[dtype], errors
 
 
-def fla_model_pair(name: str, tmp_path, attn_mode: str = "chunk") -> tuple:
+def fla_model_pair(name: str, tmp_path, dtype: torch.dtype = torch.float32, attn_mode: str = "chunk") -> tuple:
     """fla's model of the test fixture `name` (tests/fixtures/fla_0_6) in `attn_mode` (its chunk kernels above 64
-    tokens), and ours converted from it, both on CUDA in float32."""
+    tokens), and ours converted from it, both on CUDA in `dtype`."""
     import fla  # noqa: F401  (registers fla's Auto classes)
     from transformers import AutoModelForCausalLM
 
     from modeling_fwp import convert_fla_checkpoint
 
     folder = FIXTURES / "fla_0_6" / name
-    theirs = AutoModelForCausalLM.from_pretrained(folder, attn_mode=attn_mode).to(CUDA).float().eval()
+    theirs = AutoModelForCausalLM.from_pretrained(folder, attn_mode=attn_mode).to(CUDA, dtype).eval()
     convert_fla_checkpoint(folder, tmp_path / name)
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path / name).to(CUDA).float().eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / name).to(CUDA, dtype).eval()
     return theirs, ours
+
+
+def prefill_then_decode(model, ids: torch.Tensor, ours: bool, prefill: int) -> list:
+    """Float32 logits of `model` over ``ids[:, :prefill]`` in one call, then of each later token decoded one at a time
+    from the cache (ours: ``cache=``; fla's: ``past_key_values=``, its fused recurrent kernels)."""
+    out = model(ids[:, :prefill], use_cache=True)
+    logits = [out.logits.float()]
+    for t in range(prefill, ids.shape[1]):
+        cache = output_cache(out) if ours else out.past_key_values
+        out = model(ids[:, t : t + 1], use_cache=True, **({"cache": cache} if ours else {"past_key_values": cache}))
+        logits.append(out.logits.float())
+    return logits
 
 
 @pytest.mark.parametrize("name", ["delta_net", "delta_net_gated", "gated_deltanet"])
 def test_fla_models_on_cuda_match_ours(name, tmp_path, fla_first_config):
-    """fla's DeltaNet / Gated DeltaNet with its GPU kernels (chunk mode over 300 tokens, then cached decoding) against
-    the same checkpoint converted to ours, on CUDA."""
-    theirs, ours = fla_model_pair(name, tmp_path)
+    """fla's DeltaNet / Gated DeltaNet with its GPU kernels (chunk mode over 296 tokens, then 4 cached decoding
+    steps) against the same checkpoint converted to ours, on CUDA: in float32 where fla runs it, else (the Delta
+    Nets, ``FLA_REFUSES``) both in bfloat16, each against ours in float32."""
+    dtype = torch.bfloat16 if name.startswith("delta_net") and ("delta", torch.float32) in FLA_REFUSES else torch.float32
+    theirs, ours = fla_model_pair(name, tmp_path, dtype)
     ids = torch.randint(3, ours.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(4)).to(CUDA)
     with torch.no_grad():
-        expected = theirs(ids[:, :296], use_cache=True)
-        got = ours(ids[:, :296], use_cache=True)
-        errors = [relative_error(got.logits, expected.logits)]
-        their_cache, our_cache = expected.past_key_values, output_cache(got)
-        for t in range(296, 300):  # cached decoding, one token at a time (fla: its fused recurrent kernels)
-            expected = theirs(ids[:, t : t + 1], past_key_values=their_cache, use_cache=True)
-            got = ours(ids[:, t : t + 1], cache=our_cache, use_cache=True)
-            their_cache = expected.past_key_values
-            errors.append(relative_error(got.logits, expected.logits))
-    print(f"\nlogits relative errors, ours vs fla, {name} (prefill, then 4 decoding steps): {errors}")
-    assert max(errors) < FLA_TOL[torch.float32], errors
+        got, expected = prefill_then_decode(ours, ids, True, 296), prefill_then_decode(theirs, ids, False, 296)
+        reference = expected if dtype == torch.float32 else prefill_then_decode(ours.float(), ids, True, 296)
+    errors = {"ours": [relative_error(a, b) for a, b in zip(got, reference)]}
+    if dtype != torch.float32:
+        errors["fla"] = [relative_error(a, b) for a, b in zip(expected, reference)]
+    print(f"\nlogits relative errors (prefill, then 4 decoding steps), {name} in {dtype}, against "
+          f"{'fla' if dtype == torch.float32 else 'ours in float32'}: {errors}")
+    assert max(max(e) for e in errors.values()) < FLA_TOL[dtype], errors

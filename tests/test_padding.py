@@ -64,13 +64,13 @@ def layout(rows, generator, vocab_size=61, device="cpu"):
     return ids, mask, [ids[b][mask[b].bool()] for b in range(len(rows))]
 
 
-def assert_states_equal(got_cache, expected_cache, row, label):
-    """Every tensor of every layer's state of batch row `row` equals the unbatched reference's."""
+def assert_states_equal(got_cache, expected_cache, row, label, tolerance=(RTOL, ATOL)):
+    """Every tensor of every layer's state of batch row `row` equals the unbatched reference's (``(rtol, atol)``)."""
     for layer_idx, (got, expected) in enumerate(zip(got_cache.layers, expected_cache.layers)):
         assert got.states.keys() == expected.states.keys()
         for name, tensor in expected.states.items():
             torch.testing.assert_close(
-                got.states[name][row : row + 1], tensor, rtol=RTOL, atol=ATOL,
+                got.states[name][row : row + 1], tensor, rtol=tolerance[0], atol=tolerance[1],
                 msg=lambda m: f"row {label!r}, layer {layer_idx}, state {name}: {m}",
             )
 
@@ -81,9 +81,9 @@ def run_alone(model, tokens):
     return out.logits, output_cache(out)
 
 
-def check_padded_rows(model):
+def check_padded_rows(model, tolerance=(RTOL, ATOL)):
     """(a) states, (b) logits at every real position, (c) rows of different real lengths in one batch: each row of
-    ROWS equals its real tokens run alone."""
+    ROWS equals its real tokens run alone, within ``tolerance = (rtol, atol)``."""
     ids, mask, real = layout(ROWS, torch.Generator().manual_seed(0), device=model.device)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, use_cache=True)
@@ -91,15 +91,16 @@ def check_padded_rows(model):
         for row, label in enumerate(ROWS):
             logits, cache = run_alone(model, real[row])
             torch.testing.assert_close(
-                out.logits[row, mask[row].bool()], logits[0], rtol=RTOL, atol=ATOL,
+                out.logits[row, mask[row].bool()], logits[0], rtol=tolerance[0], atol=tolerance[1],
                 msg=lambda m: f"row {label!r}, logits: {m}",
             )
-            assert_states_equal(output_cache(out), cache, row, label)
+            assert_states_equal(output_cache(out), cache, row, label, tolerance)
 
 
-def check_continued_chunk(model):
+def check_continued_chunk(model, tolerance=(RTOL, ATOL)):
     """A prefix run with use_cache, then a chunk with padding continued from that cache (attention_mask over
-    past + new tokens, as generate passes it): states and real logits equal those of the real tokens in one run."""
+    past + new tokens, as generate passes it): states and real logits equal those of the real tokens in one run,
+    within ``tolerance = (rtol, atol)``."""
     generator = torch.Generator().manual_seed(1)
     prefix_ids, prefix_mask, prefix_real = layout(PREFIX_ROWS, generator, device=model.device)
     chunk_ids, chunk_mask, chunk_real = layout(CHUNK_ROWS, generator, device=model.device)
@@ -113,10 +114,10 @@ def check_continued_chunk(model):
         for row, label in enumerate(zip(PREFIX_ROWS, CHUNK_ROWS)):
             logits, cache = run_alone(model, torch.cat([prefix_real[row], chunk_real[row]]))
             torch.testing.assert_close(
-                real_logits[offsets[row] : offsets[row + 1]], logits[0], rtol=RTOL, atol=ATOL,
+                real_logits[offsets[row] : offsets[row + 1]], logits[0], rtol=tolerance[0], atol=tolerance[1],
                 msg=lambda m: f"row {label!r}, logits: {m}",
             )
-            assert_states_equal(output_cache(chunk), cache, row, label)
+            assert_states_equal(output_cache(chunk), cache, row, label, tolerance)
 
 
 @pytest.mark.parametrize("kernel_mode", ["auto", "recurrent"])
