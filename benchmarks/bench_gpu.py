@@ -3,10 +3,11 @@
 1. ``kernel_errors``: our Triton chunk kernels and flash-linear-attention 0.6's chunk kernels, each against the float64
    step loop on the same GPU (relative error of o and of the final state), at a 1.3B Delta Net layer's heads (D 128).
 2. ``kernel_times``: forward and forward + backward of the delta, sum and gated delta rules at B 4, H 16, T 4096,
-   D 128 (fp32 and bf16): our Triton kernel (mode "chunk" on CUDA), our PyTorch chunk kernel on CUDA, fla's chunk
-   kernel, and the forward of our step loop. (transformers' ``torch_chunk_gated_delta_rule``, the CPU benchmarks'
+   D 128 (fp32 and bf16): our Triton kernel, our PyTorch chunk kernel on CUDA (mode "chunk" on CUDA runs the first
+   below head width 128, the second from it: the first H100 run's figures, ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH``),
+   fla's chunk kernel, and the forward of our step loop. (transformers' ``torch_chunk_gated_delta_rule``, the CPU benchmarks'
    baseline, is left out: with fla installed it runs fla's kernels.)
-3. ``auto_crossover``: our step loop vs our Triton chunk kernel (forward, bf16, B 1, H 16, D 128) for T = 1 .. 256:
+3. ``auto_crossover``: our step loop vs mode "chunk" (forward, bf16, B 1, H 16, D 128) for T = 1 .. 256:
    where ``mode="auto"`` should switch on CUDA (``fwp_kernels.chunk._RECURRENT_MAX_T``).
 4. ``model_1p3b``: fla-hub/delta_net-1.3B-100B's configuration with random weights in bf16 (no Hub access), as fla's
    model and converted to ours: logits agreement, prefill tokens/s at 2,048 tokens, a training step's tokens/s, and
@@ -28,8 +29,11 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List
 
-import torch
-import torch.nn.functional as F
+if "--smoke" in sys.argv:  # our Triton kernels on the CPU: set before torch imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -108,8 +112,12 @@ def contenders(rule: str, with_fla: bool) -> Dict[str, Callable]:
     """name -> ``(q, k, v, *gates) -> (o, final)`` for the timings of section 2."""
     from test_kernels import RULE_FUNCTIONS
 
-    out = {
-        "ours_triton": lambda *a: RULE_FUNCTIONS[rule](*a, output_final_state=True, mode="chunk"),
+    from fwp_kernels import triton_chunk, triton_gated_chunk
+
+    triton_kernel = {"delta": triton_chunk.delta_rule_chunk, "sum": triton_chunk.linear_attention_chunk,
+                     "gated": triton_gated_chunk.gated_delta_rule_chunk}[rule]
+    out = {  # mode "chunk" on CUDA is the first below head width 128, the second from it (chunk.CudaChunkKernel)
+        "ours_triton": lambda *a: triton_kernel(*a, None, True),
         "ours_torch_chunk": lambda *a: TORCH_CHUNK[rule](*a, None, True),
         "step_loop": lambda *a: RULE_FUNCTIONS[rule](*a, output_final_state=True, mode="recurrent"),
     }

@@ -41,10 +41,12 @@ if [ "$STAGE" = all ]; then
 fi
 if [ "$STAGE" != bench ]; then
 # A hung test fails alone where pytest-timeout is installed; with pytest-xdist the tests run in 8 processes (the lent
-# H100's image has both): the first H100 run showed them bound by Triton's compiles (10-40 s per kernel and shape,
-# one CPU core each). The measured errors print in the summary of passed tests (-rA).
+# H100's image has both): the H100 runs showed them bound by Triton's compiles (10-40 s per kernel and shape, one
+# CPU core each; 30 to 110 s per test). The measured errors print in the summary of passed tests (-rA).
 PER_TEST=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=180)
-WORKERS=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-$(nproc)}")
+# 8 processes: 12 ran the H100 out of memory (each one's float64 step loops with autograd); tests/test_cuda.py now
+# empties PyTorch's cache after each test as well.
+WORKERS=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
 # shellcheck disable=SC2086  # TESTS and the options are word lists
 FWP_REPORT_LOG="$OUT/pytest_reports.log" timeout "$TEST_TIMEOUT" python3 -m pytest -v -p no:cacheprovider -rA --tb=short $PER_TEST $WORKERS --durations=12 \
     --junitxml="$OUT/pytest_cuda.xml" \

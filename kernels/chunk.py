@@ -33,7 +33,7 @@ when a build fails. A saved model folder carries the C++ source (``chunk_delta.c
 from __future__ import annotations
 
 import importlib
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -382,10 +382,11 @@ _CPU_AUTO = {
     2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
 }
 # CPU without the C++ kernel: the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop
-# (same benchmark). CUDA, estimated (no GPU was available to measure): a step costs ~5 kernel launches, the Triton
-# forward two, so only single-token decode steps stay on the loop.
+# (same benchmark). CUDA, measured on an H100 (benchmarks/results/gpu_check_h100/run3_bench_gpu.json, auto_crossover:
+# delta rule, bf16, B 1, H 16, D 128, forward ms, step loop / Triton chunk): T = 1 0.38 / 1.70, 2 0.57 / 1.40,
+# 4 1.22 / 1.40, 8 1.94 / 1.39, 16 3.88 / 1.44; both are launch-bound there, so the loop stays up to 4 positions.
 _RECURRENT_MAX_T_CPU_PYTORCH = 3
-_RECURRENT_MAX_T = {"cuda": 1}
+_RECURRENT_MAX_T = {"cuda": 4}
 _RECURRENT_MAX_T_DEFAULT = 3
 
 
@@ -424,16 +425,41 @@ def auto_chunk_size(device: torch.device, head_width: int, chunk_size: int) -> i
     return chunk_size
 
 
+# Mode "chunk" on CUDA by head width max(Dk, Dv): our Triton kernels multiply in IEEE fp32 (input_precision="ieee":
+# within 4e-7 of the float64 step loop on an H100, but no tensor cores) and scan the chunks of a head in one program.
+# At width 128 on an H100 (bench_gpu's kernel_times, B 4, H 16, T 4096, bf16 inputs, run3_bench_gpu.json) they took
+# 51.6 / 21.3 / 50.9 ms forward (delta / sum / gated rule) where the PyTorch chunk kernels took 5.1 / 2.0 / 6.5 ms
+# (forward + backward 62 / 26 / 64 vs 21 / 7 / 24 ms), so from that width on CUDA runs the PyTorch kernels. Narrower
+# heads (the papers' 16 to 64) keep Triton: not timed on a GPU.
+CUDA_TORCH_CHUNK_MIN_WIDTH = 128
+
+
+class CudaChunkKernel:
+    """Mode "chunk" on CUDA: `triton_kernel` for heads narrower than ``CUDA_TORCH_CHUNK_MIN_WIDTH``, `torch_kernel`
+    from that width on. Called as the chunk kernels are: ``(q [B, H, T, Dk], k, v [B, H, T, Dv], *gates,
+    initial_state, output_final_state, chunk_size) -> (o, final_state)``."""
+
+    def __init__(self, triton_kernel: Callable, torch_kernel: Callable):
+        self.triton_kernel, self.torch_kernel = triton_kernel, torch_kernel
+
+    def for_width(self, head_width: int) -> Callable:
+        """The kernel that runs heads ``head_width = max(Dk, Dv)`` wide."""
+        return self.torch_kernel if head_width >= CUDA_TORCH_CHUNK_MIN_WIDTH else self.triton_kernel
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest):
+        return self.for_width(max(q.shape[-1], v.shape[-1]))(q, k, v, *rest)
+
+
 def chunk_kernel_finder(torch_kernel, triton_kernel: str) -> KernelFinder:
-    """The dispatcher's finder for mode "chunk": `triton_kernel` (``"<module>.<function>"`` of this package, e.g.
-    ``"triton_chunk.delta_rule_chunk"``, imported lazily: it needs triton) on CUDA when it imports, else
-    `torch_kernel` (the C++ kernel on CPU, PyTorch elsewhere)."""
+    """The dispatcher's finder for mode "chunk": on CUDA, when triton imports, a :class:`CudaChunkKernel` of
+    `triton_kernel` (``"<module>.<function>"`` of this package, e.g. ``"triton_chunk.delta_rule_chunk"``, imported
+    lazily: it needs triton) and `torch_kernel`; else `torch_kernel` (the C++ kernel on CPU, PyTorch elsewhere)."""
     module, name = triton_kernel.split(".")
 
     def find(device: torch.device):
         if device.type == "cuda":
             try:
-                return getattr(importlib.import_module(f".{module}", __package__), name)
+                return CudaChunkKernel(getattr(importlib.import_module(f".{module}", __package__), name), torch_kernel)
             except ImportError:  # no triton (or a saved model folder, which carries no Triton code): PyTorch on CUDA
                 pass
         return torch_kernel

@@ -1,11 +1,8 @@
 """CUDA: the Triton kernels compiled for a GPU at the pretrained models' head sizes, every model family on CUDA tensors
-(the Triton paths that ``mode="auto"`` takes there), and flash-linear-attention's own GPU kernels and models beside
-ours. Every test here skips without a CUDA device (CI and this project's machine have none). ``bash
-benchmarks/gpu_check.sh`` runs them on a GPU, then ``benchmarks/bench_gpu.py``; on a lent H100 (2026-11-27, logs in
-benchmarks/results/gpu_check_h100/) the scans, the model and the generate tests ran (all passed but the Linear
-Transformer with DPFP), the kernel tests up to head size 128, where the launch failed for lack of shared memory
-(fixed since by ``triton_chunk.launch``, not yet rerun), and fla's sum rule; the rest did not run for lack of
-device time.
+(the kernels that ``mode="auto"`` takes there), and flash-linear-attention's own GPU kernels and models beside ours.
+Every test here skips without a CUDA device (CI and this project's machine have none). ``bash
+benchmarks/gpu_check.sh`` runs them on a GPU, then ``benchmarks/bench_gpu.py``; what ran on a lent H100 (2026-11-27),
+and what did not, is in benchmarks/results/gpu_check_h100/README.md.
 
 References: the float64 step loops on the same GPU (kernels), the same model on the CPU (models), fla 0.6's chunk
 kernels and models, when fla is installed (it is no dependency of this project)."""
@@ -14,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fwp_kernels import rfwp_scan
+from fwp_kernels import chunk, rfwp_scan
 from fwp_kernels.dispatch import RECURRENCES, select_kernel
 from modeling_fwp import DeltaLSTMConfig, DeltaNetConfig, GatedDeltaNetConfig
 from modeling_fwp.cache_fwp import output_cache
@@ -34,6 +31,9 @@ CUDA_TOL = TOL
 # fla against the float64 step loop: its float32 kernels may multiply in TF32 (u = 4.9e-4) on a GPU; not measured
 # before these tests first ran (bench_gpu records the errors).
 FLA_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+# Whole models (prefill, then decoding) against ours in float32: in bfloat16 the fixtures' logits moved by up to 0.037
+# (ours) and 0.056 (fla) on the H100 (2 layers, random weights); a wrong conversion moves them by order one.
+FLA_MODEL_TOL = {torch.float32: 5e-3, torch.bfloat16: 0.1}
 # The recurrence each rule of test_kernels runs, and its Triton module on CUDA.
 RECURRENCE = {"delta": "delta_rule", "sum": "linear_attention", "gated": "gated_delta_rule"}
 TRITON_MODULE = {"delta": "triton_chunk", "sum": "triton_chunk", "gated": "triton_gated_chunk"}
@@ -41,13 +41,23 @@ TRITON_MODULE = {"delta": "triton_chunk", "sum": "triton_chunk", "gated": "trito
 MODEL_SHAPES = [(1, 64, 64), (333, 128, 128), (1024, 128, 128), (300, 256, 512)]
 
 
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory():
+    """Each test hands its cached GPU memory back: pytest-xdist runs one process per CPU core on the one GPU, and
+    PyTorch's caching allocator keeps each process's peak (up to 10 GiB here: the float64 step loops' autograd at
+    T = 1024, head size 128); on the H100, 12 such processes ran it out of memory."""
+    yield
+    torch.cuda.empty_cache()
+
+
 def _on(device, inputs):
     return {n: None if x is None else x.detach().to(device).requires_grad_() for n, x in inputs.items()}
 
 
 def triton_errors(rule: str, T: int, Dk: int, Dv: int, dtype: torch.dtype, B: int = 2, H: int = 2) -> dict:
-    """{output or gradient: relative error} of the Triton chunk kernel (mode "chunk" on CUDA; backward in PyTorch)
-    against the float64 step loop on the same GPU and the same rounded inputs."""
+    """{output or gradient: relative error} of mode "chunk" on CUDA (the Triton chunk kernel below head width
+    ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH``; backward in PyTorch) against the float64 step loop on the same GPU and the
+    same rounded inputs."""
     inputs = _on(CUDA, make_inputs(rule, B, H, T, Dk, Dv, dtype, seed=T + Dk))
     reference = outputs_and_grads(rule, _on(CUDA, {n: None if x is None else x.double() for n, x in inputs.items()}),
                                   mode="recurrent")
@@ -56,18 +66,22 @@ def triton_errors(rule: str, T: int, Dk: int, Dv: int, dtype: torch.dtype, B: in
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_chunk_mode_on_cuda_is_the_triton_kernel(rule):
-    for T in (2, 4096):
+def test_chunk_mode_on_cuda_is_the_triton_kernel_below_head_width_128(rule):
+    for T in (8, 4096):
         kernel = select_kernel(RECURRENCES[RECURRENCE[rule]], "auto", T, CUDA)
-        assert kernel.__module__ == f"fwp_kernels.{TRITON_MODULE[rule]}", (T, kernel.__module__)
+        assert kernel.for_width(64).__module__ == f"fwp_kernels.{TRITON_MODULE[rule]}", (T, kernel)
+        assert kernel.for_width(128).__module__ == f"fwp_kernels.{RECURRENCE[rule]}_kernels", (T, kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("T,Dk,Dv", MODEL_SHAPES, ids=lambda x: str(x))
 @pytest.mark.parametrize("rule", RULES)
-def test_triton_chunk_matches_step_loop_at_model_head_sizes(rule, T, Dk, Dv, dtype):
+def test_triton_chunk_matches_step_loop_at_model_head_sizes(rule, T, Dk, Dv, dtype, monkeypatch):
+    """The Triton kernels at every head size, the wide ones too (mode "chunk" runs the PyTorch kernels there by
+    default, ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH``: lifted here): their launch's fallback to fewer pipelining stages."""
     if rule != "gated" and Dv == 512:
         pytest.skip("the wide value heads are the Gated DeltaNet's")
+    monkeypatch.setattr(chunk, "CUDA_TORCH_CHUNK_MIN_WIDTH", 1 << 30)
     errors = triton_errors(rule, T, Dk, Dv, dtype)
     print(f"\nrelative errors {rule} T={T} Dk={Dk} Dv={Dv} {dtype}: {errors}")
     assert max(errors.values()) < CUDA_TOL[dtype], errors
@@ -244,4 +258,4 @@ def test_fla_models_on_cuda_match_ours(name, tmp_path, fla_first_config):
         errors["fla"] = [relative_error(a, b) for a, b in zip(expected, reference)]
     print(f"\nlogits relative errors (prefill, then 4 decoding steps), {name} in {dtype}, against "
           f"{'fla' if dtype == torch.float32 else 'ours in float32'}: {errors}")
-    assert max(max(e) for e in errors.values()) < FLA_TOL[dtype], errors
+    assert max(max(e) for e in errors.values()) < FLA_MODEL_TOL[dtype], errors
