@@ -8,7 +8,8 @@
 #
 # TESTS (pytest's arguments) narrows the tests; with `all`, WARM_RULES (e.g. "delta gated sum") starts one process
 # per rule beside the tests that compiles bench_gpu's kernel_times kernels (`--compile_only`, the same bench
-# arguments) into Triton's disk cache, so that the tests' Triton compiles (CPU-bound) and the benchmark's overlap.
+# arguments) into Triton's disk cache, so that the tests' Triton compiles (CPU-bound) and the benchmark's overlap
+# (the H100's third run used it beside 16 test processes: together they ran the GPU out of memory; untried with 8).
 # Logs, the junit XML, each test's failure or printed output as soon as it ends (pytest_reports.log) and
 # bench_gpu.json land in $OUT (8 files at most come back from a lent machine). `make gpu-wheels` fills .whl/ (on a machine with the package
 # index; .whl/ is not committed: add `/.whl/` to .git/info/exclude).
