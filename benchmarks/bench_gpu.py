@@ -10,7 +10,8 @@
 3. ``auto_crossover``: our step loop vs mode "chunk" (forward, bf16, B 1, H 16, D 128) for T = 1 .. 256:
    where ``mode="auto"`` should switch on CUDA (``fwp_kernels.chunk._RECURRENT_MAX_T``).
 4. ``model_1p3b``: fla-hub/delta_net-1.3B-100B's configuration with random weights in bf16 (no Hub access), as fla's
-   model and converted to ours: logits agreement, prefill tokens/s at 2,048 tokens, a training step's tokens/s, and
+   model and converted to ours (without fla, ``--no_fla``: ours alone, from ``config_from_fla``): bf16 logits of each
+   against ours in float32 and against each other, prefill tokens/s at 2,048 tokens, a training step's tokens/s, and
    greedy decoding ms/token at 128 and 4,096 tokens of context, beside a Llama of the same width, depth and vocabulary
    with its KV cache (sdpa).
 
@@ -189,26 +190,54 @@ def peaks(args) -> Dict:
             "copy_bandwidth_gb_s": 2 * x.numel() / copy["median"] / 1e9}
 
 
-def build_1p3b(folder: Path):
-    """fla's 1.3B Delta Net with random weights (bf16, on CUDA), and ours converted from its saved checkpoint, and a
-    Llama of the same width, depth, MLP and vocabulary (bf16, sdpa, KV cache)."""
-    import fla  # noqa: F401
-    from fla.models import DeltaNetConfig as FlaDeltaNetConfig
+def build_1p3b(folder: Path, with_fla: bool) -> Dict[str, torch.nn.Module]:
+    """{"ours", "fla", "llama"}: fla's 1.3B Delta Net with random weights (bf16, on the device) and ours converted from
+    its saved checkpoint; without fla (`with_fla` False) ours alone, from ``config_from_fla`` of the same
+    configuration, random weights; and a Llama of the same width, depth, MLP and vocabulary (bf16, sdpa, KV cache)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from modeling_fwp import convert_fla_checkpoint
+    from modeling_fwp.convert_fla import config_from_fla
 
     torch.manual_seed(0)
     config = SHAPES["model"]
+    models = {}
     with DEVICE:
-        theirs = AutoModelForCausalLM.from_config(FlaDeltaNetConfig(**config), dtype=torch.bfloat16).eval()
-        llama = AutoModelForCausalLM.from_config(LlamaConfig(
+        if with_fla:
+            from fla.models import DeltaNetConfig as FlaDeltaNetConfig
+
+            models["fla"] = AutoModelForCausalLM.from_config(FlaDeltaNetConfig(**config), dtype=torch.bfloat16).eval()
+        else:
+            models["ours"] = AutoModelForCausalLM.from_config(
+                config_from_fla({**config, "model_type": "delta_net"}), dtype=torch.bfloat16).eval()
+        models["llama"] = AutoModelForCausalLM.from_config(LlamaConfig(
             **SHAPES["llama"], vocab_size=config["vocab_size"], max_position_embeddings=8192, tie_word_embeddings=False,
         ), dtype=torch.bfloat16).eval()
-    theirs.save_pretrained(folder / "fla")
-    convert_fla_checkpoint(folder / "fla", folder / "ours")
-    ours = AutoModelForCausalLM.from_pretrained(folder / "ours", dtype=torch.bfloat16).to(DEVICE).eval()
-    return {"ours": ours, "fla": theirs, "llama": llama}
+    if with_fla:
+        models["fla"].save_pretrained(folder / "fla")
+        convert_fla_checkpoint(folder / "fla", folder / "ours")
+        models["ours"] = AutoModelForCausalLM.from_pretrained(folder / "ours", dtype=torch.bfloat16).to(DEVICE).eval()
+    return models
+
+
+def logits_agreement(models: Dict[str, torch.nn.Module], ids: torch.Tensor) -> Dict:
+    """Ours and fla's bf16 logits (where fla is there) over `ids`: against each other, and each against ours in
+    float32 (fla 0.6 refuses its delta rule in float32; ours in float32 equals fla's float32 reference on the CPU,
+    tests/test_fla_*), which tells which of the two bf16 runs is off where they disagree. The bf16 weights convert to
+    float32 and back exactly."""
+    def compare(x, reference):
+        return {"relative_error": ((x - reference).norm() / reference.norm()).item(),
+                "top1_agreement": (x.argmax(-1) == reference.argmax(-1)).float().mean().item()}
+
+    ours = models["ours"]
+    with torch.no_grad():
+        bf16 = {f"{name}_bf16": models[name](ids).logits.float() for name in ("ours", "fla") if name in models}
+        exact = ours.float()(ids).logits.float()
+        ours.to(torch.bfloat16)
+    out = {"against_ours_float32": {name: compare(x, exact) for name, x in bf16.items()}}
+    if "fla_bf16" in bf16:
+        out["ours_against_fla_bf16"] = compare(bf16["ours_bf16"], bf16["fla_bf16"])
+    return out
 
 
 def decode_ms_per_token(model, prompt: torch.Tensor, rounds: int, steps: int = 32) -> Dict:
@@ -224,26 +253,15 @@ def decode_ms_per_token(model, prompt: torch.Tensor, rounds: int, steps: int = 3
 def model_1p3b(args) -> Dict:
     """Section 4: the 1.3B Delta Net's agreement with fla and its times beside fla's and a Llama's."""
     with tempfile.TemporaryDirectory() as tmp:
-        models = build_1p3b(Path(tmp))
-    ours, theirs = models["ours"], models["fla"]
+        models = build_1p3b(Path(tmp), args.fla)
+    ours = models["ours"]
     out = {"parameters": {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}}
     T = SHAPES["tokens"]
     ids = torch.randint(3, ours.config.vocab_size, (2, T), device=DEVICE,
                         generator=torch.Generator(device=DEVICE).manual_seed(0))
+    out["logits_half"] = logits_agreement(models, ids[:1, : T // 2])
+    print("1.3B logits (first half of the tokens)", out["logits_half"], flush=True)
     with torch.no_grad():
-        ref, got = theirs(ids[:1, : T // 2]).logits.float(), ours(ids[:1, : T // 2]).logits.float()
-        out["logits_relative_error_half"] = ((got - ref).norm() / ref.norm()).item()
-        out["top1_agreement_half"] = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        # Which of the two bf16 runs is off, where they disagree: each against ours in float32 (fla 0.6 refuses its
-        # delta rule in float32; ours in float32 equals fla's float32 reference on the CPU, tests/test_fla_*). The
-        # bf16 weights convert to float32 and back exactly.
-        exact = ours.float()(ids[:1, : T // 2]).logits.float()
-        ours.to(torch.bfloat16)
-        out["against_ours_float32_half"] = {
-            who: {"relative_error": ((x - exact).norm() / exact.norm()).item(),
-                  "top1_agreement": (x.argmax(-1) == exact.argmax(-1)).float().mean().item()}
-            for who, x in (("ours_bf16", got), ("fla_bf16", ref))}
-        print("1.3B logits against ours in float32", out["against_ours_float32_half"], flush=True)
         out["prefill_s"] = {n: timed(lambda: m(ids[:1], use_cache=False), args.rounds) for n, m in models.items()}
     print("1.3B prefill (ms)", {n: round(v["median"] * 1e3, 1) for n, v in out["prefill_s"].items()}, flush=True)
     out["train_step_2xT_s"] = {}

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_gpu_smoke_run_writes_every_section(tmp_path):
     out = tmp_path / "bench_gpu.json"
-    sections = ["peaks", "auto_crossover", "kernel_times"]
+    sections = ["peaks", "auto_crossover", "kernel_times", "model_1p3b"]
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--smoke", "--no_fla", "--rounds", "1",
                     "--sections", *sections, "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=600)
     results = json.loads(out.read_text())
@@ -23,6 +23,10 @@ def test_bench_gpu_smoke_run_writes_every_section(tmp_path):
         assert not [n for n in row if n.endswith("_error")], row
         assert {"ours_triton_fwd_s", "ours_triton_fwd_bwd_s", "ours_torch_chunk_fwd_s", "step_loop_fwd_s"} <= set(row)
     assert set(results["sections"]["auto_crossover"]) - {"section_wall_s"} == {"1", "8"}
+    model = results["sections"]["model_1p3b"]  # without fla: ours (from config_from_fla) and the Llama
+    assert set(model["prefill_s"]) == set(model["decode_ms_per_token"]) == {"ours", "llama"}, model
+    against_fp32 = model["logits_half"]["against_ours_float32"]["ours_bf16"]
+    assert 0 < against_fp32["relative_error"] < 0.1, against_fp32  # bf16 rounding, not a wrong model
 
 
 def test_bench_gpu_compile_only_calls_each_contender_once_and_times_nothing(tmp_path):
