@@ -15,9 +15,9 @@
    greedy decoding ms/token at 128 and 4,096 tokens of context, beside a Llama of the same width, depth and vocabulary
    with its KV cache (sdpa).
 
-Times: the wall clock around each synchronised call, after warm-up calls (Triton compiles and fla autotunes there); the median of
---rounds calls, the best beside it. Each section is written to the result file as soon as it ends, so a section that
-fails (its error is recorded) or a run cut short keeps what came before.
+Times: the wall clock around each synchronised call, after warm-up calls (Triton compiles and fla autotunes there);
+the median of --rounds calls, the best beside it. Each section is written to the result file as soon as it ends, so a
+section that fails (its error is recorded) or a run cut short keeps what came before.
 """
 from __future__ import annotations
 
