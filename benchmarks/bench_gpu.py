@@ -5,8 +5,8 @@
 2. ``kernel_times``: forward and forward + backward of the delta, sum and gated delta rules at B 4, H 16, T 4096,
    D 128 (fp32 and bf16): our Triton kernel, our PyTorch chunk kernel on CUDA (mode "chunk" on CUDA runs the first
    below head width 128, the second from it: the first H100 run's figures, ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH``),
-   fla's chunk kernel, and the forward of our step loop. (transformers' ``torch_chunk_gated_delta_rule``, the CPU benchmarks'
-   baseline, is left out: with fla installed it runs fla's kernels.)
+   fla's chunk kernel, and the forward of our step loop. (transformers' ``torch_chunk_gated_delta_rule``, the CPU
+   benchmarks' baseline, is left out: with fla installed it runs fla's kernels.)
 3. ``auto_crossover``: our step loop vs mode "chunk" (forward, bf16, B 1, H 16, D 128) for T = 1 .. 256:
    where ``mode="auto"`` should switch on CUDA (``fwp_kernels.chunk._RECURRENT_MAX_T``).
 4. ``model_1p3b``: fla-hub/delta_net-1.3B-100B's configuration with random weights in bf16 (no Hub access), as fla's

@@ -247,7 +247,8 @@ def test_fla_models_on_cuda_match_ours(name, tmp_path, fla_first_config):
     """fla's DeltaNet / Gated DeltaNet with its GPU kernels (chunk mode over 296 tokens, then 4 cached decoding
     steps) against the same checkpoint converted to ours, on CUDA: in float32 where fla runs it, else (the Delta
     Nets, ``FLA_REFUSES``) both in bfloat16, each against ours in float32."""
-    dtype = torch.bfloat16 if name.startswith("delta_net") and ("delta", torch.float32) in FLA_REFUSES else torch.float32
+    refused = name.startswith("delta_net") and ("delta", torch.float32) in FLA_REFUSES
+    dtype = torch.bfloat16 if refused else torch.float32
     theirs, ours = fla_model_pair(name, tmp_path, dtype)
     ids = torch.randint(3, ours.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(4)).to(CUDA)
     with torch.no_grad():
