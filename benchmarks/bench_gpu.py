@@ -3,7 +3,7 @@
 1. ``kernel_errors``: our Triton chunk kernels and flash-linear-attention 0.6's chunk kernels, each against the float64
    step loop on the same GPU (relative error of o and of the final state), at a 1.3B Delta Net layer's heads (D 128).
 2. ``kernel_times``: forward and forward + backward of the delta, sum and gated delta rules at B 4, H 16, T 4096,
-   D 128 (fp32 and bf16): our Triton kernel, our PyTorch chunk kernel on CUDA (mode "chunk" on CUDA runs the first
+   D 128 (and each of ``--head_sizes``; fp32 and bf16): our Triton kernel, our PyTorch chunk kernel on CUDA (mode "chunk" on CUDA runs the first
    below head width 128, the second from it: the first H100 run's figures, ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH``),
    fla's chunk kernel, and the forward of our step loop. (transformers' ``torch_chunk_gated_delta_rule``, the CPU
    benchmarks' baseline, is left out: with fla installed it runs fla's kernels.)
@@ -138,27 +138,35 @@ def kernel_errors(args) -> Dict:
             for rule in RULES for dtype in ("float32", "bfloat16")}
 
 
+def contender_times(rule: str, shape: Dict[str, int], dtype: str, args) -> Dict:
+    """{contender_fwd_s / _fwd_bwd_s: timings, or contender_error} of every contender at `shape` (B, H, T, D)."""
+    x = rule_inputs(rule, **shape, dtype=getattr(torch, dtype), grad=True)
+    args_ = list(x.values())
+    go = torch.randn_like(x["v"])
+    row = {}
+    for name, fn in contenders(rule, args.fla).items():
+        try:
+            with torch.no_grad():
+                row[f"{name}_fwd_s"] = timed(lambda: fn(*args_), 3 if name == "step_loop" else args.rounds)
+            if name != "step_loop":
+                row[f"{name}_fwd_bwd_s"] = timed(lambda: torch.autograd.grad(
+                    (fn(*args_)[0] * go).sum(), args_), args.rounds)
+        except Exception as error:  # one contender failing (memory, a missing kernel) keeps the others
+            row[f"{name}_error"] = repr(error)[:400]
+    return row
+
+
 def kernel_times(args) -> Dict:
-    """Section 2: {rule-dtype: {contender_fwd_s / _fwd_bwd_s: timings}} at the kernel shape."""
+    """Section 2: {rule-dtype (-D<head size> for sizes other than the kernel shape's): {contender_fwd_s /
+    _fwd_bwd_s: timings}} at the kernel shape, for each of --head_sizes."""
     out = {"shape": SHAPES["kernel"]}
-    for rule in args.rules:
-        for dtype in args.dtypes:
-            x = rule_inputs(rule, **SHAPES["kernel"], dtype=getattr(torch, dtype), grad=True)
-            args_ = list(x.values())
-            go = torch.randn_like(x["v"])
-            row = {}
-            for name, fn in contenders(rule, args.fla).items():
-                try:
-                    with torch.no_grad():
-                        row[f"{name}_fwd_s"] = timed(lambda: fn(*args_), 3 if name == "step_loop" else args.rounds)
-                    if name != "step_loop":
-                        row[f"{name}_fwd_bwd_s"] = timed(lambda: torch.autograd.grad(
-                            (fn(*args_)[0] * go).sum(), args_), args.rounds)
-                except Exception as error:  # one contender failing (memory, a missing kernel) keeps the others
-                    row[f"{name}_error"] = repr(error)[:400]
-            out[f"{rule}-{dtype}"] = row
-            print(rule, dtype, {k: round(v["median"] * 1e3, 3) for k, v in row.items() if k.endswith("_s")},
-                  flush=True)
+    for D in args.head_sizes or [SHAPES["kernel"]["D"]]:
+        for rule in args.rules:
+            for dtype in args.dtypes:
+                key = f"{rule}-{dtype}" + ("" if D == SHAPES["kernel"]["D"] else f"-D{D}")
+                out[key] = contender_times(rule, {**SHAPES["kernel"], "D": D}, dtype, args)
+                print(key, {k: round(v["median"] * 1e3, 3) for k, v in out[key].items() if k.endswith("_s")},
+                      flush=True)
     return out
 
 
@@ -294,6 +302,8 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"],
                         help="the input dtypes of kernel_times")
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES, help="the rules of kernel_times")
+    parser.add_argument("--head_sizes", nargs="+", type=int, default=None,
+                        help="the head sizes of kernel_times (default: the kernel shape's, 128)")
     parser.add_argument("--no_fla", dest="fla", action="store_false", help="leave flash-linear-attention out")
     parser.add_argument("--fla_configs", choices=["tuned", "first"], default="tuned",
                         help="fla's Triton autotuning: 'tuned' runs it (it compiles and times every config of every "

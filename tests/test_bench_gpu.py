@@ -12,13 +12,14 @@ def test_bench_gpu_smoke_run_writes_every_section(tmp_path):
     out = tmp_path / "bench_gpu.json"
     sections = ["peaks", "auto_crossover", "kernel_times", "model_1p3b"]
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--smoke", "--no_fla", "--rounds", "1",
-                    "--sections", *sections, "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=600)
+                    "--head_sizes", "16", "32", "--sections", *sections, "--out", str(out)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=600)
     results = json.loads(out.read_text())
     assert results["device"] == "cpu (--smoke)" and list(results["sections"]) == sections
     for name, section in results["sections"].items():
         assert "error" not in section, (name, section.get("error"))
     times = results["sections"]["kernel_times"]
-    for key in ("delta-bfloat16", "sum-float32", "gated-bfloat16"):
+    for key in ("delta-bfloat16", "sum-float32", "gated-bfloat16", "delta-float32-D32", "gated-bfloat16-D32"):
         row = times[key]
         assert not [n for n in row if n.endswith("_error")], row
         assert {"ours_triton_fwd_s", "ours_triton_fwd_bwd_s", "ours_torch_chunk_fwd_s", "step_loop_fwd_s"} <= set(row)
