@@ -113,11 +113,14 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index:
     if torch.compiler.is_compiling():
         return
     values = ids if ignore_index is None else ids[ids != ignore_index]
-    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= vocab_size):
+    if not values.numel():
+        return
+    low, high = torch.stack(torch.aminmax(values)).tolist()  # one read from the device (a decode step's one sync)
+    if low < 0 or high >= vocab_size:
         raise ValueError(
             f"`{name}` must lie in [0, vocab_size={vocab_size})"
             + (f" or be {ignore_index}" if ignore_index is not None else "")
-            + f", got values in [{int(values.min())}, {int(values.max())}]"
+            + f", got values in [{low}, {high}]"
         )
 
 

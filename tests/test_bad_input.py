@@ -34,6 +34,8 @@ BAD_INPUTS = {
     "empty rows": (dict(input_ids=torch.zeros(0, 3, dtype=torch.long)), "input_ids"),
     "float input_ids": (dict(input_ids=IDS.float()), "input_ids"),
     "bool input_ids": (dict(input_ids=IDS > 5), "input_ids"),
+    "input_ids past the vocabulary (61)": (dict(input_ids=torch.tensor([[5, 61, 7]])), "input_ids"),
+    "negative input_ids": (dict(input_ids=torch.tensor([[5, -1, 7]])), "input_ids"),
     "mask holding 2": (dict(input_ids=IDS, attention_mask=torch.tensor([[1, 2, 1]])), "attention_mask"),
     "mask holding -1": (dict(input_ids=IDS, attention_mask=torch.tensor([[0, 1, -1]])), "attention_mask"),
     "mask holding 0.5": (dict(input_ids=IDS, attention_mask=torch.tensor([[0.5, 1.0, 1.0]])), "attention_mask"),
