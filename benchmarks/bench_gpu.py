@@ -3,8 +3,9 @@
 1. ``kernel_errors``: our Triton chunk kernels and flash-linear-attention 0.6's chunk kernels, each against the float64
    step loop on the same GPU (relative error of o and of the final state), at a 1.3B Delta Net layer's heads (D 128).
 2. ``kernel_times``: forward and forward + backward of the delta, sum and gated delta rules at B 4, H 16, T 4096,
-   D 128 (and each of ``--head_sizes``; fp32 and bf16): our Triton kernel, our PyTorch chunk kernel on CUDA (mode "chunk" on CUDA runs the first
-   below head width 128, the second from it: the first H100 run's figures, ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH``),
+   D 128 (and each of ``--head_sizes``; fp32 and bf16): our Triton kernel, our PyTorch chunk kernel on CUDA (mode
+   "chunk" on CUDA runs the first below head width 128, the second from it: the first H100 run's figures,
+   ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH``),
    fla's chunk kernel, and the forward of our step loop. (transformers' ``torch_chunk_gated_delta_rule``, the CPU
    benchmarks' baseline, is left out: with fla installed it runs fla's kernels.)
 3. ``auto_crossover``: our step loop vs mode "chunk" (forward, bf16, B 1, H 16, D 128) for T = 1 .. 256:
@@ -40,12 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fwp_kernels import delta_rule_kernels, gated_delta_rule_kernels, linear_attention_kernels  # noqa: E402
+from fwp_kernels.dispatch import RECURRENCES, select_kernel  # noqa: E402
 from training.result_file import RunRecord, summarize  # noqa: E402
 
 RULES = ("delta", "sum", "gated")
-TORCH_CHUNK = {"delta": delta_rule_kernels.delta_rule_chunk, "sum": linear_attention_kernels.linear_attention_chunk,
-               "gated": gated_delta_rule_kernels.gated_delta_rule_chunk}
 # fla-hub/delta_net-1.3B-100B (shared/HF5_NOTES.md), as fla's config takes it
 FLA_1P3B = dict(hidden_size=2048, num_hidden_layers=24, num_heads=16, expand_k=1, expand_v=1, use_short_conv=True,
                 conv_size=4, qk_activation="silu", qk_norm="l2", use_beta=True, use_gate=False, use_output_norm=True,
@@ -111,15 +110,13 @@ def rule_inputs(rule: str, B: int, H: int, T: int, D: int, dtype: torch.dtype, g
 
 def contenders(rule: str, with_fla: bool) -> Dict[str, Callable]:
     """name -> ``(q, k, v, *gates) -> (o, final)`` for the timings of section 2."""
-    from test_kernels import RULE_FUNCTIONS
+    from test_kernels import RECURRENCE, RULE_FUNCTIONS
 
-    from fwp_kernels import triton_chunk, triton_gated_chunk
-
-    triton_kernel = {"delta": triton_chunk.delta_rule_chunk, "sum": triton_chunk.linear_attention_chunk,
-                     "gated": triton_gated_chunk.gated_delta_rule_chunk}[rule]
-    out = {  # mode "chunk" on CUDA is the first below head width 128, the second from it (chunk.CudaChunkKernel)
-        "ours_triton": lambda *a: triton_kernel(*a, None, True),
-        "ours_torch_chunk": lambda *a: TORCH_CHUNK[rule](*a, None, True),
+    # mode "chunk" on CUDA (chunk.CudaChunkKernel): its Triton kernel below head width 128, its PyTorch one from it
+    chunk = select_kernel(RECURRENCES[RECURRENCE[rule]], "chunk", 2, torch.device("cuda"))
+    out = {
+        "ours_triton": lambda *a: chunk.triton_kernel(*a, None, True),
+        "ours_torch_chunk": lambda *a: chunk.torch_kernel(*a, None, True),
         "step_loop": lambda *a: RULE_FUNCTIONS[rule](*a, output_final_state=True, mode="recurrent"),
     }
     if with_fla:

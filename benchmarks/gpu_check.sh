@@ -11,8 +11,8 @@
 # arguments) into Triton's disk cache, so that the tests' Triton compiles (CPU-bound) and the benchmark's overlap
 # (the H100's third run used it beside 16 test processes: together they ran the GPU out of memory; untried with 8).
 # Logs, the junit XML, each test's failure or printed output as soon as it ends (pytest_reports.log) and
-# bench_gpu.json land in $OUT (8 files at most come back from a lent machine). `make gpu-wheels` fills .whl/ (on a machine with the package
-# index; .whl/ is not committed: add `/.whl/` to .git/info/exclude).
+# bench_gpu.json land in $OUT (8 files at most come back from a lent machine). `make gpu-wheels` fills .whl/ (on a
+# machine with the package index; .whl/ is not committed: add `/.whl/` to .git/info/exclude).
 #
 # The repository is used in place (no pip install): fwp_kernels is the folder kernels/ under its installed name. The
 # C++ CPU kernels are not built (FWP_KERNELS_NO_BUILD=1): the CPU references of the tests take the PyTorch paths.
@@ -49,7 +49,8 @@ PER_TEST=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=180)
 # empties PyTorch's cache after each test as well.
 WORKERS=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
 # shellcheck disable=SC2086  # TESTS and the options are word lists
-FWP_REPORT_LOG="$OUT/pytest_reports.log" timeout "$TEST_TIMEOUT" python3 -m pytest -v -p no:cacheprovider -rA --tb=short $PER_TEST $WORKERS --durations=12 \
+FWP_REPORT_LOG="$OUT/pytest_reports.log" timeout "$TEST_TIMEOUT" python3 -m pytest -v -p no:cacheprovider -rA \
+    --tb=short $PER_TEST $WORKERS --durations=12 \
     --junitxml="$OUT/pytest_cuda.xml" \
     $TESTS 2>&1 \
     | while IFS= read -r line; do printf '%s %s\n' "$(date +%T)" "$line"; done | tee "$OUT/pytest_cuda.log" \

@@ -17,7 +17,8 @@ from modeling_fwp import DeltaLSTMConfig, DeltaNetConfig, GatedDeltaNetConfig
 from modeling_fwp.cache_fwp import output_cache
 
 from conftest import FIXTURES, relative_error, tiny_model
-from test_kernels import GATES, RULE_FUNCTIONS, RULES, TOL, make_inputs, outputs_and_grads, positional, rel_err
+from test_kernels import (GATES, RECURRENCE, RULE_FUNCTIONS, RULES, TOL, make_inputs, outputs_and_grads, positional,
+                          rel_err)
 from test_padding import FAST_WEIGHT_VARIANTS, check_continued_chunk, check_padded_rows, make_model
 from test_rfwp import KINDS, padding_mask, scan_inputs, variant_id
 from test_rfwp import outputs_and_grads as scan_outputs_and_grads
@@ -34,8 +35,7 @@ FLA_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
 # Whole models (prefill, then decoding) against ours in float32: in bfloat16 the fixtures' logits moved by up to 0.037
 # (ours) and 0.056 (fla) on the H100 (2 layers, random weights); a wrong conversion moves them by order one.
 FLA_MODEL_TOL = {torch.float32: 5e-3, torch.bfloat16: 0.1}
-# The recurrence each rule of test_kernels runs, and its Triton module on CUDA.
-RECURRENCE = {"delta": "delta_rule", "sum": "linear_attention", "gated": "gated_delta_rule"}
+# The Triton module of each rule of test_kernels on CUDA.
 TRITON_MODULE = {"delta": "triton_chunk", "sum": "triton_chunk", "gated": "triton_gated_chunk"}
 # (T, Dk, Dv): a partial last chunk; fla's 1.3B Delta Net heads (2048 / 16 = 128); the Gated DeltaNet's wide heads
 MODEL_SHAPES = [(1, 64, 64), (333, 128, 128), (1024, 128, 128), (300, 256, 512)]
@@ -43,7 +43,7 @@ MODEL_SHAPES = [(1, 64, 64), (333, 128, 128), (1024, 128, 128), (300, 256, 512)]
 
 @pytest.fixture(autouse=True)
 def _release_cached_gpu_memory():
-    """Each test hands its cached GPU memory back: pytest-xdist runs one process per CPU core on the one GPU, and
+    """Each test hands its cached GPU memory back: pytest-xdist runs several processes on the one GPU, and
     PyTorch's caching allocator keeps each process's peak (up to 10 GiB here: the float64 step loops' autograd at
     T = 1024, head size 128); on the H100, 12 such processes ran it out of memory."""
     yield

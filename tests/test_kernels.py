@@ -37,6 +37,8 @@ from fwp_kernels.dispatch import RECURRENCES, resolve_mode, select_kernel
 
 RULES = ("delta", "sum", "gated")  # the gated delta rule: g = log-decay
 RULE_FUNCTIONS = {"delta": delta_rule, "sum": linear_attention, "gated": gated_delta_rule}
+# the registered recurrence (fwp_kernels.dispatch.RECURRENCES) each rule's function runs
+RECURRENCE = {"delta": "delta_rule", "sum": "linear_attention", "gated": "gated_delta_rule"}
 GATES = {"delta": ("beta",), "sum": (), "gated": ("beta", "g")}  # the positional arguments after v
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1e-2}
 CUDA_TOL = {**TOL, torch.bfloat16: 3e-2}  # see the module docstring: barely measured on a GPU yet
@@ -819,7 +821,7 @@ def test_chunk_mode_on_cuda_runs_triton_below_head_width_128_and_pytorch_from_it
     from fwp_kernels.chunk import CUDA_TORCH_CHUNK_MIN_WIDTH, CudaChunkKernel
     from fwp_kernels.dispatch import RECURRENCES, select_kernel
 
-    name = {"delta": "delta_rule", "sum": "linear_attention", "gated": "gated_delta_rule"}[rule]
+    name = RECURRENCE[rule]
     kernel = select_kernel(RECURRENCES[name], "chunk", 20, torch.device("cuda"))
     assert isinstance(kernel, CudaChunkKernel) and CUDA_TORCH_CHUNK_MIN_WIDTH == 128
     assert kernel.torch_kernel.__module__ == f"fwp_kernels.{name}_kernels"
