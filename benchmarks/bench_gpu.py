@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fwp_kernels.dispatch import RECURRENCES, select_kernel  # noqa: E402
 from training.result_file import RunRecord, summarize  # noqa: E402
 
 RULES = ("delta", "sum", "gated")
@@ -110,10 +109,9 @@ def rule_inputs(rule: str, B: int, H: int, T: int, D: int, dtype: torch.dtype, g
 
 def contenders(rule: str, with_fla: bool) -> Dict[str, Callable]:
     """name -> ``(q, k, v, *gates) -> (o, final)`` for the timings of section 2."""
-    from test_kernels import RECURRENCE, RULE_FUNCTIONS
+    from test_kernels import RULE_FUNCTIONS, cuda_chunk_kernels
 
-    # mode "chunk" on CUDA (chunk.CudaChunkKernel): its Triton kernel below head width 128, its PyTorch one from it
-    chunk = select_kernel(RECURRENCES[RECURRENCE[rule]], "chunk", 2, torch.device("cuda"))
+    chunk = cuda_chunk_kernels(rule)  # mode "chunk" on CUDA: Triton below head width 128, PyTorch from it
     out = {
         "ours_triton": lambda *a: chunk.triton_kernel(*a, None, True),
         "ours_torch_chunk": lambda *a: chunk.torch_kernel(*a, None, True),

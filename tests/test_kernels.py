@@ -692,20 +692,22 @@ TRITON_CASES = [
 ] + [("gated", 45, 16, 24, 48, "float32"), ("gated", 20, 16, 16, 16, "bfloat16")]
 
 
+def cuda_chunk_kernels(rule: str):
+    """The dispatcher's mode "chunk" on CUDA for `rule` (a ``chunk.CudaChunkKernel``: its ``triton_kernel`` and
+    ``torch_kernel``), chosen by the device type alone: no GPU needed, triton must import."""
+    from fwp_kernels.dispatch import RECURRENCES, select_kernel
+
+    return select_kernel(RECURRENCES[RECURRENCE[rule]], "chunk", 2, torch.device("cuda"))
+
+
 def _triton_errors(cases, device="cpu"):
     """{case id: {tensor name: relative error}} for the Triton forward (+ PyTorch backward)."""
-    from fwp_kernels import triton_chunk, triton_gated_chunk
-
-    functions = {
-        "delta": triton_chunk.delta_rule_chunk,
-        "sum": triton_chunk.linear_attention_chunk,
-        "gated": triton_gated_chunk.gated_delta_rule_chunk,
-    }
     errors = {}
     for rule, T, chunk_size, Dk, Dv, dtype in cases:
         inputs, ref = case(rule, 1, 2, T, Dk, Dv, getattr(torch, dtype), seed=T)
         inputs = {n: None if x is None else x.detach().to(device).requires_grad_() for n, x in inputs.items()}
-        o, final = functions[rule](*positional(rule, inputs), inputs["initial_state"], True, chunk_size)
+        o, final = cuda_chunk_kernels(rule).triton_kernel(*positional(rule, inputs), inputs["initial_state"], True,
+                                                          chunk_size)
         assert o.dtype == getattr(torch, dtype) and final.dtype == torch.float32
         g = torch.Generator().manual_seed(1)
         go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)
@@ -790,8 +792,7 @@ def test_triton_kernel_that_fits_at_no_depth_runs_the_pytorch_kernel(rule, monke
     pytest.importorskip("triton", reason="the fallback is part of the Triton kernels")
     from triton.runtime.errors import OutOfResources
 
-    from fwp_kernels import delta_rule_kernels, gated_delta_rule_kernels, linear_attention_kernels, triton_chunk
-    from fwp_kernels import triton_gated_chunk
+    from fwp_kernels import triton_chunk, triton_gated_chunk
 
     def too_big(*args):
         raise OutOfResources(262144, 101376, "shared memory")
@@ -799,16 +800,12 @@ def test_triton_kernel_that_fits_at_no_depth_runs_the_pytorch_kernel(rule, monke
     for function in (triton_chunk.TritonChunkFastWeightFunction, triton_gated_chunk.TritonGatedChunkFunction):
         monkeypatch.setattr(function, "apply", too_big)
     monkeypatch.setattr(triton_chunk, "_WARNED_TORCH_FALLBACK", set())
-    triton_kernel = {"delta": triton_chunk.delta_rule_chunk, "sum": triton_chunk.linear_attention_chunk,
-                     "gated": triton_gated_chunk.gated_delta_rule_chunk}[rule]
-    torch_kernel = {"delta": delta_rule_kernels.delta_rule_chunk,
-                    "sum": linear_attention_kernels.linear_attention_chunk,
-                    "gated": gated_delta_rule_kernels.gated_delta_rule_chunk}[rule]
+    kernels = cuda_chunk_kernels(rule)
     inputs = make_inputs(rule, 1, 2, 20, 8, 8)
     args = positional(rule, inputs) + [inputs["initial_state"], True, 8]
     with pytest.warns(RuntimeWarning, match="does not fit"):
-        got = triton_kernel(*args)
-    expected = torch_kernel(*args)
+        got = kernels.triton_kernel(*args)
+    expected = kernels.torch_kernel(*args)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
@@ -819,12 +816,10 @@ def test_chunk_mode_on_cuda_runs_triton_below_head_width_128_and_pytorch_from_it
     the call returns (the H100's timings in kernels/chunk.py)."""
     pytest.importorskip("triton", reason="without triton, CUDA runs the PyTorch kernels at every width")
     from fwp_kernels.chunk import CUDA_TORCH_CHUNK_MIN_WIDTH, CudaChunkKernel
-    from fwp_kernels.dispatch import RECURRENCES, select_kernel
 
-    name = RECURRENCE[rule]
-    kernel = select_kernel(RECURRENCES[name], "chunk", 20, torch.device("cuda"))
+    kernel = cuda_chunk_kernels(rule)
     assert isinstance(kernel, CudaChunkKernel) and CUDA_TORCH_CHUNK_MIN_WIDTH == 128
-    assert kernel.torch_kernel.__module__ == f"fwp_kernels.{name}_kernels"
+    assert kernel.torch_kernel.__module__ == f"fwp_kernels.{RECURRENCE[rule]}_kernels"
     assert kernel.triton_kernel.__module__.startswith("fwp_kernels.triton_")
     calls = []
     spy = CudaChunkKernel(lambda *a: calls.append("triton"), lambda *a: calls.append("torch") or "result")
