@@ -372,3 +372,51 @@ def test_trained_fwl_seen_rows_loads_the_saved_model_with_the_restriction(tmp_pa
         load_fwl_model(str(tmp_path / "plain"), "--fwl_model", "seen")
     with pytest.raises(ValueError, match="--fwl_model.*no FWL head"):
         load_fwl_model(str(tmp_path / "plain"), "--fwl_model")
+
+
+def gradient_point_reference(o, ids, E, alpha, point, segment_length):
+    """The output side (E, c) made fast one position at a time, each per-token gradient by autograd: weights at t =
+    the segment's start minus alpha times the gradients of its earlier positions (none for
+    "segment_start_no_in_segment"); a segment's start = the previous start minus alpha times all its gradients;
+    gradients at the slow (E, 0) for "slow", at the segment's start otherwise."""
+    slow = (E.double(), torch.zeros(E.shape[0], dtype=torch.float64))
+    start, nll, o, T = slow, [], o.double(), ids.numel() - 1
+
+    def loss(weights, t):
+        return F.cross_entropy((o[t] @ weights[0].T + weights[1])[None], ids[t + 1 : t + 2])
+
+    for a in range(0, T, segment_length):
+        summed = [torch.zeros_like(start[0]), torch.zeros_like(start[1])]
+        for t in range(a, min(a + segment_length, T)):
+            current = start if point == "segment_start_no_in_segment" else tuple(
+                s - alpha * g for s, g in zip(start, summed))
+            nll.append(float(loss(current, t)))
+            at = [w.clone().requires_grad_(True) for w in (slow if point == "slow" else start)]
+            for g, d in zip(summed, torch.autograd.grad(loss(at, t), at)):
+                g += d
+        start = tuple(s - alpha * g for s, g in zip(start, summed))
+    return torch.tensor(nll, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("point", ["slow", "segment_start", "segment_start_no_in_segment"])
+def test_gradient_point_benchmark_loop_equals_the_per_token_reference(point):
+    """benchmarks/fwl_gradient_point.py's loop against per-token autograd from the definitions (3 segments of 6), and
+    its "slow" update against the package's test-time FWL (E and c fast) on the same tiny Llama."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fwl_gradient_point.py"
+    spec = importlib.util.spec_from_file_location("fwl_gradient_point", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base, ids, alpha = tiny_llama(), ids_of(17, seed=3)[0], 0.3
+    with torch.no_grad():
+        o = base.model(input_ids=ids[None]).last_hidden_state[0]
+    E = base.get_output_embeddings().weight.detach()
+    ours = bench.output_side_nll(o, ids, E, alpha, point, 6)
+    torch.testing.assert_close(ours.double(), gradient_point_reference(o, ids, E, alpha, point, 6), rtol=1e-4, atol=1e-5)
+    base_nll = bench.output_side_nll(o, ids, E, 0.0, point, 6)
+    assert (ours[6:] - base_nll[6:]).abs().max() > 1e-3  # the update acts after the first segment
+    if point == "slow":
+        package = score_document(build_test_time_fwl(tiny_llama(), step_size=alpha), ids, segment_length=6)
+        np.testing.assert_allclose(ours.numpy(), package, rtol=1e-4, atol=1e-5)
