@@ -398,10 +398,7 @@ def gradient_point_reference(o, ids, E, alpha, point, segment_length):
     return torch.tensor(nll, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("point", ["slow", "segment_start", "segment_start_no_in_segment"])
-def test_gradient_point_benchmark_loop_equals_the_per_token_reference(point):
-    """benchmarks/fwl_gradient_point.py's loop against per-token autograd from the definitions (3 segments of 6), and
-    its "slow" update against the package's test-time FWL (E and c fast) on the same tiny Llama."""
+def gradient_point_module():
     import importlib.util
     from pathlib import Path
 
@@ -409,14 +406,58 @@ def test_gradient_point_benchmark_loop_equals_the_per_token_reference(point):
     spec = importlib.util.spec_from_file_location("fwl_gradient_point", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("point", ["slow", "segment_start", "segment_start_no_in_segment"])
+def test_gradient_point_benchmark_loop_equals_the_per_token_reference(point):
+    """benchmarks/fwl_gradient_point.py's loop against per-token autograd from the definitions (3 segments of 6), and
+    its "slow" update against the package's test-time FWL (E and c fast) on the same tiny Llama."""
+    bench = gradient_point_module()
     base, ids, alpha = tiny_llama(), ids_of(17, seed=3)[0], 0.3
     with torch.no_grad():
         o = base.model(input_ids=ids[None]).last_hidden_state[0]
     E = base.get_output_embeddings().weight.detach()
     ours = bench.output_side_nll(o, ids, E, alpha, point, 6)
-    torch.testing.assert_close(ours.double(), gradient_point_reference(o, ids, E, alpha, point, 6), rtol=1e-4, atol=1e-5)
+    expected = gradient_point_reference(o, ids, E, alpha, point, 6)
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-4, atol=1e-5)
     base_nll = bench.output_side_nll(o, ids, E, 0.0, point, 6)
     assert (ours[6:] - base_nll[6:]).abs().max() > 1e-3  # the update acts after the first segment
     if point == "slow":
         package = score_document(build_test_time_fwl(tiny_llama(), step_size=alpha), ids, segment_length=6)
         np.testing.assert_allclose(ours.numpy(), package, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_point_benchmark_command_line_on_the_base_and_on_a_trained_fwl(tiny_wiki, gpt2_format_bpe, tmp_path):
+    """benchmarks/fwl_gradient_point.py end to end on a tiny Llama and on an output-side FWL built from it (E and c
+    fast, learned step sizes of its own): its "slow" loop passes the check against the package (else SystemExit),
+    every gradient point is scored, and an FWL whose hidden layer is fast is refused with the option named."""
+    from modeling_fwp.tokenization import gpt2_tokenizer
+
+    bench = gradient_point_module()
+    tokenizer = gpt2_tokenizer(data_dir=gpt2_format_bpe[0])
+    tiny_llama(vocab_size=len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    fwl = FWLForCausalLM.from_base_pretrained(tiny_llama(vocab_size=len(tokenizer)), fwl_head_type="output",
+                                              fwl_fast_parameters=list(TEST_TIME_FAST_PARAMETERS),
+                                              fwl_step_size_init=0.2)
+    with torch.no_grad():  # a trained-looking head: its own step sizes and output bias
+        fwl.fwl_head.raw_step_size[1] -= 1.0
+        fwl.fwl_head.slow.output_bias.normal_(0, 0.3)
+    fwl.save_pretrained(tmp_path / "fwl")
+    common = ["--model", str(tmp_path / "model"), "--data_dir", str(tiny_wiki["train"].parent), "--documents", "1",
+              "--max_length", "40", "--segment_length", "8"]
+    base = bench.main(common + ["--step_sizes", "0.1", "0.3", "--check_step_size", "0.3"])
+    assert set(base["perplexity"]) == set(bench.GRADIENT_POINTS) and base["learned_step_sizes"] is None
+    assert all(set(v) == {"0.1", "0.3"} for v in base["perplexity"].values())
+    assert base["check"]["relative_difference"] < 1e-3 and base["tokens"] == 39
+    trained = bench.main(common + ["--fwl_model", str(tmp_path / "fwl"), "--output", str(tmp_path / "r.json")])
+    alphas = trained["learned_step_sizes"]
+    assert alphas[0] == pytest.approx(0.2, rel=1e-4) and alphas[1] < 0.1
+    assert trained["check"]["relative_difference"] < 1e-3 and trained["check"]["step_size"] == alphas[0]
+    assert json.loads((tmp_path / "r.json").read_text())["best"] == trained["best"]
+    assert trained["base_perplexity"] != pytest.approx(base["base_perplexity"], rel=1e-3)  # its own bias is read
+    FWLForCausalLM.from_base_pretrained(tiny_llama(vocab_size=len(tokenizer)), fwl_head_type="output").save_pretrained(
+        tmp_path / "fwl_gain")
+    with pytest.raises(ValueError, match="--fwl_model"):
+        bench.main(common + ["--fwl_model", str(tmp_path / "fwl_gain")])
