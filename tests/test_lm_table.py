@@ -72,3 +72,24 @@ def test_resumes_from_a_checkpoint(tmp_path):
 def test_bad_options_name_the_option(argv, option):
     with pytest.raises(ValueError, match=option):
         lm_table.parse_args(argv)
+
+
+def test_results_files_dir_holds_the_done_runs_and_feeds_the_table(tiny_wiki, tmp_path, monkeypatch):
+    """``--results_files_dir``: a run whose results file is there is done (not trained again, even with an empty
+    ``--results_dir``), and the table is rendered from that folder and names it."""
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    result = {"run": {"command": "python -m training.lm_table --families delta_net"}, "family": "delta_net", "seed": 0,
+              "parameters": 10.5e6, "training": {"tokens_per_second": 500.0, "tokens_seen": 2_000_000,
+                                                 "block_size": 256},
+              "data": {"source": "data/wiki", "train_tokens": 650160, "vocab_size": 8192},
+              "window_size": 256, "stride": 32,
+              "evaluation": [{"split": "test", "protocol": "sliding_window", "perplexity": 77.7}]}
+    (committed / "delta_net_seed0.json").write_text(json.dumps(result))
+    monkeypatch.setattr(train_lm, "train_model", lambda args: pytest.fail("a finished run was trained again"))
+    argv = quick_argv(tiny_wiki, tmp_path) + ["--families", "delta_net", "--results_files_dir", str(committed)]
+    done = lm_table.main(argv)
+    assert not done["runs"] and done["skipped"] == [committed / "delta_net_seed0.json"]
+    table = (tmp_path / "lm_table.md").read_text()
+    assert "| 77.7 |" in next(line for line in table.splitlines() if line.startswith("| Delta Net |"))
+    assert f"`{committed}/<family>_seed<seed>.json`" in table

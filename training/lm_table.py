@@ -13,9 +13,11 @@ valid and test splits with
   ``training.eval_lm.score_split``; not for the softmax baseline, whose cache grows with the text),
 
 and written to ``<results_dir>/results/<family>_seed<seed>.json`` (``training.result_file.RunRecord``: command,
-versions, machine, commit, load; parameter count, training tokens/s, perplexities). A (family, seed) whose file exists
-is skipped, and a run with Trainer checkpoints under ``<results_dir>/runs/<family>_seed<seed>/checkpoints`` resumes
-from the newest one, so the same command continues an interrupted table. After every run the markdown table (mean
+versions, machine, commit, load; parameter count, training tokens/s, perplexities), or into ``--results_files_dir``:
+a committed folder lets a fresh clone continue the table (its shared tokenizer is trained again, identically, from
+the same prepared corpus). A (family, seed) whose file exists is skipped, and a run with Trainer checkpoints under
+``<results_dir>/runs/<family>_seed<seed>/checkpoints`` resumes from the newest one, so the same command continues an
+interrupted table. After every run the markdown table (mean
 over seeds, the paper's numbers beside ours, the command) is rendered into ``--table_file``.
 
     python -m training.lm_table --seeds 0 1 2 --threads 2          # or: fwp-lm-table ...
@@ -92,6 +94,10 @@ class LMTableArguments:
     results_dir: str = field(default="outputs/lm_table", metadata={
         "help": "results/<family>_seed<seed>.json, runs/ (models, checkpoints), the shared tokenizer"})
     table_file: str = field(default="docs/results/lm_table.md", metadata={"help": "the markdown table"})
+    results_files_dir: Optional[str] = field(default=None, metadata={
+        "help": "where each run's results file goes (its existence marks the run done) and the table reads them; "
+                "unset: <results_dir>/results. A committed folder (docs/results/lm_table) lets a fresh clone continue "
+                "the table"})
     num_hidden_layers: int = field(default=16, metadata={"help": "layers (the paper's small setting: 16)"})
     hidden_size: int = field(default=128, metadata={"help": "model dimension (paper: 128)"})
     num_attention_heads: int = field(default=8, metadata={"help": "heads (paper: 8)"})
@@ -218,9 +224,14 @@ def run_one(args: ParsedArguments, family: str, seed: int, tokenizer_dir: Path, 
     return record.write(results_file(args, family, seed), results)
 
 
+def results_files_dir(args: ParsedArguments) -> Path:
+    """The folder of the runs' results files: ``--results_files_dir``, or ``<results_dir>/results``."""
+    return Path(args.results_files_dir) if args.results_files_dir else Path(args.results_dir) / "results"
+
+
 def results_file(args: ParsedArguments, family: str, seed: int) -> Path:
     """Where the results of one (family, seed) go; its existence marks the run done."""
-    return Path(args.results_dir) / "results" / f"{family}_seed{seed}.json"
+    return results_files_dir(args) / f"{family}_seed{seed}.json"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -251,10 +262,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_results(results_dir: Path) -> Dict[str, List[Dict[str, Any]]]:
-    """The results files under ``<results_dir>/results``, grouped by family."""
+def load_results(folder: Path) -> Dict[str, List[Dict[str, Any]]]:
+    """The results files in `folder` (``results_files_dir``), grouped by family."""
     grouped: Dict[str, List[Dict[str, Any]]] = {}
-    for path in sorted((Path(results_dir) / "results").glob("*.json")):
+    for path in sorted(Path(folder).glob("*.json")):
         result = json.loads(path.read_text(encoding="utf-8"))
         grouped.setdefault(result["family"], []).append(result)
     return grouped
@@ -290,8 +301,8 @@ def table_row(family: str, runs: List[Dict[str, Any]]) -> str:
 
 
 def write_table(args: ParsedArguments) -> Path:
-    """Renders the results found under ``--results_dir`` into ``--table_file``; returns the file."""
-    grouped = load_results(Path(args.results_dir))
+    """Renders the results found in ``results_files_dir`` into ``--table_file``; returns the file."""
+    grouped = load_results(results_files_dir(args))
     order = [f for f in KNOWN_FAMILIES if f in grouped]
     first = grouped[order[0]][0] if order else None
     lines = [
@@ -311,7 +322,7 @@ def write_table(args: ParsedArguments) -> Path:
         "test, carried | paper valid / test | paper + full context | paper params (M) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *[table_row(f, grouped[f]) for f in order], "",
-        "Results files: `" + str(Path(args.results_dir) / "results") + "/<family>_seed<seed>.json`.", "",
+        "Results files: `" + str(results_files_dir(args)) + "/<family>_seed<seed>.json`.", "",
     ]
     path = Path(args.table_file)
     path.parent.mkdir(parents=True, exist_ok=True)
