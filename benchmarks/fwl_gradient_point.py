@@ -11,12 +11,14 @@ position t of segment s, with g_j = dCE_j/dz_j = softmax(z_j) - onehot(x_{j+1}) 
 Three ways to take g_j, compared on the same documents and alpha grid:
 
 - ``slow``: g_j at the slow weights, the paper's FWL and the package's test-time FWL (``training.test_time_fwl``).
-  The script checks its own loop against ``build_test_time_fwl`` scored by ``document_eval.score_document`` at one
-  alpha and stops if they differ by more than 1e-3 in perplexity (relative).
 - ``segment_start``: g_j at the fast weights as of the start of j's segment (the carried sums folded in), then the
-  paper's in-segment update from there: the fast weights keep accumulating across segments.
+  paper's in-segment update from there: the fast weights keep accumulating across segments (the package's
+  ``fwl_gradient_point="segment_start"``, since session 34).
 - ``segment_start_no_in_segment``: the same gradients, applied only at the end of each segment: SGD on the segment's
   summed loss after scoring it, dynamic evaluation (Krause et al.) of E and c with step size alpha.
+
+The script checks its loop against the package (``build_test_time_fwl`` scored by ``document_eval.score_document``,
+"slow" and "segment_start") at one alpha and stops if they differ by more than 1e-3 in perplexity (relative).
 
 With ``--fwl_model`` the same three updates run on a trained output-side FWL (``training.finetune_fwl``'s stage
 (3) with E and c fast): its slow output side (its final norm gain, E, c) and its learned step sizes (times the
@@ -36,7 +38,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -119,18 +121,25 @@ class OutputSide:
                            for o, ids in zip(self.o, docs)])
 
 
-def check_against_package(side: OutputSide, docs: List[torch.Tensor], args: argparse.Namespace) -> Dict[str, float]:
-    """The loop's "slow" update against the package (its own segments, cache carried): the test-time FWL at
-    ``--check_step_size``, or the trained FWL as it is; SystemExit if they differ by more than 1e-3 (relative)."""
+def check_against_package(side: OutputSide, docs: List[torch.Tensor], args: argparse.Namespace) -> Dict[str, Any]:
+    """The loop against the package (its own segments, cache carried): "slow" against the test-time FWL at
+    ``--check_step_size`` or the trained FWL as it is; for the test-time FWL also "segment_start" against
+    ``fwl_gradient_point="segment_start"``. SystemExit if a pair differs by more than 1e-3 (relative)."""
     alpha, bias_alpha = side.alphas or (args.check_step_size, None)
-    package = perplexity([torch.from_numpy(score_document(side.scored, ids, args.segment_length)) for ids in docs])
-    loop = side.perplexity(docs, "slow", alpha, bias_alpha, args.segment_length)
-    check = {"step_size": alpha, "package": round(package, 4), "loop": round(loop, 4),
-             "relative_difference": abs(package - loop) / package}
-    print(f"check at alpha {alpha:g}: package {package:.4f}, this loop {loop:.4f}", flush=True)
-    if check["relative_difference"] > 1e-3:
-        raise SystemExit(f"the loop's 'slow' update does not match the package's FWL: {check}")
-    return check
+    models = {"slow": side.scored}
+    if side.alphas is None:
+        models["segment_start"] = build_test_time_fwl(args.model, step_size=alpha, gradient_point="segment_start",
+                                                      segment_length=args.segment_length)
+    checks: Dict[str, Any] = {}
+    for point, model in models.items():
+        package = perplexity([torch.from_numpy(score_document(model, ids, args.segment_length)) for ids in docs])
+        loop = side.perplexity(docs, point, alpha, bias_alpha, args.segment_length)
+        checks[point] = {"step_size": alpha, "package": round(package, 4), "loop": round(loop, 4),
+                         "relative_difference": abs(package - loop) / package}
+        print(f"check {point} at alpha {alpha:g}: package {package:.4f}, this loop {loop:.4f}", flush=True)
+        if checks[point]["relative_difference"] > 1e-3:
+            raise SystemExit(f"the loop's {point!r} update does not match the package's FWL: {checks[point]}")
+    return checks
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -43,6 +43,9 @@ def onednn_linear_available() -> bool:
 
 
 _ONEDNN = onednn_linear_available()
+# oneDNN's bfloat16 matmul needs AVX-512 (or AMX); on an AVX2-only CPU it raises ("could not create a primitive
+# descriptor"), where F.linear computes the same product in its own kernels.
+_ONEDNN_BF16 = _ONEDNN and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
 
 try:  # inside a saved model folder the C++ source travels as a string (transformers copies only Python modules)
     from .decode_linear_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
@@ -85,7 +88,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if streaming and not torch.compiler.is_compiling() and _CPU_KERNEL.available():  # (no fake kernel to trace)
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
-    elif _ONEDNN:
+    elif _ONEDNN and (x.dtype != torch.bfloat16 or _ONEDNN_BF16):
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
     else:
         return F.linear(x, weight, bias)

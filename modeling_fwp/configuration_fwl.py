@@ -17,6 +17,9 @@ KERNEL_MODES = ("auto", "recurrent", "chunk")
 GRADIENT_DTYPES = (None, "bfloat16", "float16", "float32", "float64")
 # Which vocabulary rows the output layer's fast update may change: all (the paper), or those of the tokens seen so far.
 FAST_VOCABULARIES = ("full", "seen")
+# Where the per-token gradients of the fast update are taken: at the slow weights (the paper), or at the fast weights
+# the update has reached by the start of the token's segment (``fwl_segment_length``).
+GRADIENT_POINTS = ("slow", "segment_start")
 
 # The parameters of the FWL's MLP and LayerNorm (everything before the output layer).
 HIDDEN_PARAMETERS = (
@@ -62,13 +65,23 @@ class FWLHeadConfigMixin:
             parameter).
         fwl_segment_length: with a decay, the carried update decays once per this many tokens (at the start of the
             first forward call that begins at or past the boundary); None: once per forward call that continues from
-            a cache (one call = one segment, the papers' evaluation protocol).
+            a cache (one call = one segment, the papers' evaluation protocol). With
+            ``fwl_gradient_point="segment_start"``: the length of the segments whose starts are the gradient points
+            (counted in positions from the start of the text, however the text is split into forward calls; left
+            padding counts, so padding by a multiple of the segment length leaves the results unchanged).
         fwl_layer_norm_eps: epsilon of the FWL LayerNorm.
         fwl_kernel_mode, fwl_chunk_size: forwarded to ``fwp_kernels.linear_attention`` (the chunk size changes the
             results only by float rounding).
         fwl_gradient_dtype: None (exact) or a dtype name ("bfloat16") in which the vocabulary-sized part of the
             per-token gradients is computed (slow logits, softmax, dlogits E): an approximation of the fast weight
             update that runs about 2.5x faster on CPUs with bf16 matrix units (dense output layers only).
+        fwl_gradient_point: "slow" (the paper: every per-token gradient at the slow weights) or "segment_start":
+            the gradient of position j taken at the fast weights as of the start of j's segment (the slow weights
+            minus alpha times the gradients of every earlier segment), so that the fast weights keep accumulating
+            across segments as dynamic evaluation's do; within a segment the paper's update. Not in Clark et al.;
+            needs ``fwl_segment_length`` and only output-layer parameters fast (E, its bias, c), without decay,
+            ``fwl_gradient_dtype`` or ``fwl_fast_vocabulary="seen"``. Costs one more vocabulary-sized product per
+            position (the read of the segment start's sums).
         fwl_fast_vocabulary: "full" (the paper: dCE/dz over the whole vocabulary) or "seen": the output layer's
             per-token gradient kept on the rows of the tokens seen so far only (position j, whose label is
             x_{j+1}, updates the rows of x_0 .. x_{j+1}; padding counts as no token): the fast E and output biases
@@ -90,6 +103,7 @@ class FWLHeadConfigMixin:
     fwl_chunk_size: int = 256
     fwl_gradient_dtype: Optional[str] = None
     fwl_fast_vocabulary: str = "full"
+    fwl_gradient_point: str = "slow"
 
     def resolve_fwl_fields(self, hidden_size: int) -> None:
         """Fills the None defaults that depend on the model (``fwl_intermediate_size``, ``fwl_fast_parameters``) and
@@ -120,12 +134,17 @@ class FWLHeadConfigMixin:
             "fwl_chunk_size": (self.fwl_chunk_size >= 1, ">= 1"),
             "fwl_gradient_dtype": (self.fwl_gradient_dtype in GRADIENT_DTYPES, f"one of {GRADIENT_DTYPES}"),
             "fwl_fast_vocabulary": (self.fwl_fast_vocabulary in FAST_VOCABULARIES, f"one of {FAST_VOCABULARIES}"),
+            "fwl_gradient_point": (self.fwl_gradient_point in GRADIENT_POINTS, f"one of {GRADIENT_POINTS}"),
         }
         for field, (valid, requirement) in checks.items():
             if not valid:
                 raise ValueError(f"`{field}` must be {requirement}, got {getattr(self, field)!r}")
-        if self.fwl_segment_length is not None and self.fwl_decay_init is None:
-            raise ValueError("`fwl_segment_length` sets where the carried update decays: it needs `fwl_decay_init`")
+        segments = self.fwl_decay_init is not None or self.fwl_gradient_point == "segment_start"
+        if self.fwl_segment_length is not None and not segments:
+            raise ValueError("`fwl_segment_length` sets where the carried update decays or where the gradients are "
+                             "taken: it needs `fwl_decay_init` or `fwl_gradient_point='segment_start'`")
+        if self.fwl_gradient_point == "segment_start" and self.fwl_segment_length is None:
+            raise ValueError("`fwl_gradient_point='segment_start'` needs `fwl_segment_length` (tokens per segment)")
 
 
 class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):

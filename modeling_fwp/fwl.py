@@ -32,6 +32,10 @@ when the next token arrives. Optionally (Clark et al. sec. 3) the carried sums d
 Not in the paper, optional (``fast_vocabulary="seen"``, ``SeenVocabulary``): the output layer's per-token gradient
 dCE/dz kept on the rows of the tokens seen so far, so that the fast E differs from the slow one on those rows only
 and its products (the largest cost of a fast E, two LM heads per token) shrink to them.
+
+Not in the paper, optional (``gradient_point="segment_start"``, output-layer parameters only): the per-token
+gradients taken at the fast weights as of the start of the token's segment instead of the slow weights, so that the
+fast weights keep accumulating across segments as dynamic evaluation's do (``FWLHead._forward_by_segments``).
 """
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ from transformers.cache_utils import Cache
 
 from .cache_fwp import FastWeightCacheLayer, RollbackMixin
 from .pretrained import logits_to_keep_index
-from .configuration_fwl import DEFAULT_FAST_PARAMETERS, FAST_VOCABULARIES, HIDDEN_PARAMETERS, FWLHeadConfigMixin
+from .configuration_fwl import (DEFAULT_FAST_PARAMETERS, FAST_VOCABULARIES, GRADIENT_POINTS, HIDDEN_PARAMETERS,
+                                 FWLHeadConfigMixin)
 
 # For every parameter that can be fast: (its input in the slow pass = the linear attention key, or None for a vector;
 # its upstream gradient = the value). Names are those of `FWLSlowHead.named_parameters()`.
@@ -730,6 +735,10 @@ class FWLHead(nn.Module):
         fast_vocabulary: "full" (the paper) or "seen": the output layer's per-token gradient dCE/dz kept on the rows
             of the tokens seen so far (``FWLHeadConfigMixin.fwl_fast_vocabulary``; needs a fast output-layer
             parameter); the state then carries the seen tokens (``seen.tokens`` ``[B, V]``).
+        gradient_point: "slow" (the paper) or "segment_start": the gradient of position j taken at the fast weights
+            as of the start of j's segment of `segment_length` positions (``FWLHeadConfigMixin.fwl_gradient_point``;
+            output-layer parameters only); the state then carries those sums (``start.<name>``) while a segment is
+            unfinished, and the positions of the current segment (``segment.tokens``).
     """
 
     def __init__(
@@ -744,6 +753,7 @@ class FWLHead(nn.Module):
         chunk_size: int = 256,
         gradient_dtype: Optional[Union[torch.dtype, str]] = None,
         fast_vocabulary: str = "full",
+        gradient_point: str = "slow",
     ) -> None:
         super().__init__()
         if not isinstance(slow, FWLSlowHead):
@@ -777,6 +787,9 @@ class FWLHead(nn.Module):
                 f" is fast (`fast_parameters` = {fast_parameters})"
             )
         self.fast_vocabulary = fast_vocabulary
+        self._check_gradient_point(gradient_point, segment_length, decay_init)
+        self.gradient_point = gradient_point
+        self.segment_length = segment_length
         # alpha = softplus(raw), one per fast parameter tensor
         self.raw_step_size = nn.Parameter(torch.empty(len(fast_parameters)))
         self.decay = None
@@ -815,7 +828,27 @@ class FWLHead(nn.Module):
             chunk_size=config.fwl_chunk_size,
             gradient_dtype=config.fwl_gradient_dtype,
             fast_vocabulary=config.fwl_fast_vocabulary,
+            gradient_point=config.fwl_gradient_point,
         )
+
+    def _check_gradient_point(self, gradient_point: str, segment_length: Optional[int], decay_init) -> None:
+        """ValueError naming the argument for a `gradient_point` this head cannot use."""
+        if gradient_point not in GRADIENT_POINTS:
+            raise ValueError(f"`gradient_point` must be one of {GRADIENT_POINTS}, got {gradient_point!r}")
+        if gradient_point == "slow":
+            return
+        hidden = [name for name in self.fast_parameter_names if name not in OUTPUT_LAYER_TERMS]
+        problems = {
+            "segment_length": (segment_length is None or segment_length < 1, "an int >= 1 (tokens per segment)"),
+            "fast_parameters": (bool(hidden), f"output-layer parameters only {list(OUTPUT_LAYER_TERMS)}, not {hidden}"),
+            "decay_init": (decay_init is not None, "None (a decay is not supported with it)"),
+            "gradient_dtype": (self.gradient_dtype is not None, "None (exact gradients)"),
+            "fast_vocabulary": (self.fast_vocabulary != "full", "'full'"),
+            "slow": (self.slow.merge_previous_position, "a slow head with a dense output layer"),
+        }
+        for argument, (bad, expected) in problems.items():
+            if bad:
+                raise ValueError(f"`gradient_point='segment_start'` needs `{argument}` = {expected}")
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -874,6 +907,10 @@ class FWLHead(nn.Module):
         Returns:
             ``logits [B, T', V]`` (or ``o [B, T', D]``).
         """
+        if self.gradient_point == "segment_start":
+            return self._forward_by_segments(
+                hidden_states, input_ids, attention_mask, cache_layer, logits_to_keep, return_hidden
+            )
         state, count, writable = self._read_state(cache_layer)
         out, new_state, new_writable = self._forward(
             hidden_states, input_ids, attention_mask, state, logits_to_keep, cache_layer is not None, return_hidden,
@@ -902,10 +939,12 @@ class FWLHead(nn.Module):
 
     def _forward(
         self, hidden_states, input_ids, attention_mask, state: State, logits_to_keep, output_state: bool,
-        return_hidden: bool, writable: FrozenSet[str] = frozenset(),
+        return_hidden: bool, writable: FrozenSet[str] = frozenset(), start: Optional[Dict[str, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, State, Set[str]]:
         """``(logits or o, state after these positions or None, the names of its tensors that nothing else
-        references)``: slow pass, per-token gradients, fast pass."""
+        references)``: slow pass, per-token gradients, fast pass. With `start` (``gradient_point="segment_start"``,
+        the positions within one segment) the per-token gradients are taken at the fast weights of the segment's
+        start, ``{name: sum of the gradients of earlier segments}`` ({}: the slow weights)."""
         B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
         active_output = [name for name in self._active if name not in HIDDEN_PARAMETERS]
         if return_hidden and active_output:
@@ -931,13 +970,20 @@ class FWLHead(nn.Module):
             preactivation = slow.output_preactivation(inter["o"])  # every position's slow z
             inter["logits"] = slow.transform_logits(preactivation)
         # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
+        gradient_inter, last_gradient_logits = inter, None
+        if start is not None:  # the logits at the segment start's fast weights, for dCE/dz
+            z = preactivation if preactivation is not None else slow.output_preactivation(inter["o"])
+            gradient_inter = {**inter, "logits": slow.transform_logits(self._subtract_sums(z, inter["o"], start))}
+            last_gradient_logits = gradient_inter["logits"][:, -1:].clone()  # before z is made fast in place
         seen = SeenVocabulary(state, input_ids, mask, slow.vocab_size) if self.fast_vocabulary == "seen" else None
         # fast_vocabulary="seen" outside autograd: dCE/dz is held on the seen rows only ([B, T, n], `columns`)
         columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
         if columns is not None and self._gradient_depth == 0 and "logits" in inter:
             keys, values = self._seen_output_gradient_terms(inter, input_ids, mask, state, seen)
         else:
-            keys, values = self._gradient_terms(inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place)
+            keys, values = self._gradient_terms(
+                gradient_inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place
+            )
             if seen is not None and "logits" in values:
                 full = values["logits"]
                 values["logits"] = seen.restrict(full) if columns is None else seen.restrict_columns(
@@ -957,12 +1003,73 @@ class FWLHead(nn.Module):
             new_state = dict(updates.final_state)  # every fast parameter's running sum, through position T - 2
             for key, t in inter.items():
                 new_state[f"prev.{key}"] = t[:, -1:].detach()
-            if last_slow_logits is not None:
-                new_state["prev.logits"] = last_slow_logits.detach()
+            if last_gradient_logits is not None or last_slow_logits is not None:
+                last = last_gradient_logits if last_gradient_logits is not None else last_slow_logits
+                new_state["prev.logits"] = last.detach()  # the last position's logits at its gradient point
             new_state["prev.mask"] = mask[:, -1:].detach() if mask is not None else hidden_states.new_ones(B, 1)
             if seen is not None:
                 new_state[SEEN_TOKENS] = seen.seen_after
         return out, new_state, updates.final_writable
+
+    def _forward_by_segments(self, hidden_states, input_ids, attention_mask, cache_layer, logits_to_keep, return_hidden):
+        """``forward`` with ``gradient_point="segment_start"``: the call cut where segments of ``segment_length``
+        positions (counted from the start of the text) begin, each piece one ``_forward`` whose per-token gradients
+        are taken at its segment start's fast weights. The result does not depend on how a text is split into
+        calls: the state carries the segment start's sums while a segment is unfinished."""
+        B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
+        state, writable = cache_layer.producer_states() if cache_layer is not None else ({}, frozenset())
+        state = dict(state or {})
+        mask = None if attention_mask is None else attention_mask[:, -T:]
+        done = int(state["segment.tokens"][0]) if "segment.tokens" in state else 0  # positions of the segment so far
+        outs, p = [], 0
+        while p < T:
+            piece = slice(p, p + min(T - p, self.segment_length - done))
+            piece_mask = None if mask is None else mask[:, piece]
+            if done == 0:  # a segment begins: the carried sums and the gradient of the last position before it
+                start = self._segment_start_sums(state, input_ids[:, piece], piece_mask, hidden_states.dtype)
+            else:
+                start = {key[len("start.") :]: t for key, t in state.items() if key.startswith("start.")}
+            out, state, writable = self._forward(
+                hidden_states[:, piece], input_ids[:, piece], piece_mask, state or None, 0, True, return_hidden,
+                frozenset(writable), start=start,
+            )
+            done = (done + piece.stop - piece.start) % self.segment_length
+            if done:  # the segment goes on: keep its start for the next call
+                state.update({f"start.{name}": t for name, t in start.items()})
+            state["segment.tokens"] = torch.full((B,), done, dtype=torch.long, device=hidden_states.device)
+            outs.append(out)
+            p = piece.stop
+        if cache_layer is not None:
+            cache_layer.set_states(state, T, writable)
+        return torch.cat(outs, 1)[:, logits_to_keep_index(logits_to_keep)]
+
+    def _segment_start_sums(self, state: Dict[str, torch.Tensor], input_ids, mask, dtype) -> Dict[str, torch.Tensor]:
+        """The sums of the per-token gradients of every segment before the one that begins with `input_ids` ``[B, t]``
+        (``{name: [B, V, D] or [B, V]}``, detached): the carried sums plus the gradient of the previous call's last
+        position (the last of the segment that ended, its label ``input_ids[:, 0]``) at its own gradient point, whose
+        logits the state keeps. {} at the start of a text."""
+        if "prev.o" not in state:
+            return {}
+        prev_weights, _ = _teaching_weights(state, mask, dtype)
+        prev = {"o": state["prev.o"], "logits": state["prev.logits"]}
+        g = self.slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, 0)["logits"]  # dCE/dz, [B, 1, V]
+        sums = {}
+        for name in self.fast_parameter_names:
+            update = g.transpose(1, 2) @ state["prev.o"].to(g.dtype) if name == "output_embedding.weight" else g[:, 0]
+            carried = state.get(f"sum.{name}")
+            sums[name] = (update if carried is None else carried + update.to(carried.dtype)).detach()
+        return sums
+
+    def _subtract_sums(self, z: torch.Tensor, o: torch.Tensor, sums: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """``z - alpha_E o S^T - sum_c alpha_c s_c``: the output layer at ``theta - alpha * sums`` (eq. 1), from the
+        slow ``z [B, T, V]`` and its input ``o [B, T, D]``; a new tensor unless `sums` is empty."""
+        for name, total in sums.items():
+            alpha = self.step_size(name).to(z.dtype)
+            if name == "output_embedding.weight":
+                z = z - alpha * torch.bmm(o.to(total.dtype), total.transpose(1, 2)).to(z.dtype)
+            else:
+                z = z - alpha * total[:, None].to(z.dtype)
+        return z
 
     def _gradient_terms(self, inter, input_ids, mask, state: State, compute_dtype, in_place: bool):
         """Per-token gradients (the grad L_i of eqs. 1-2) of the positions whose label is known: the previous call's

@@ -450,14 +450,97 @@ def test_gradient_point_benchmark_command_line_on_the_base_and_on_a_trained_fwl(
     base = bench.main(common + ["--step_sizes", "0.1", "0.3", "--check_step_size", "0.3"])
     assert set(base["perplexity"]) == set(bench.GRADIENT_POINTS) and base["learned_step_sizes"] is None
     assert all(set(v) == {"0.1", "0.3"} for v in base["perplexity"].values())
-    assert base["check"]["relative_difference"] < 1e-3 and base["tokens"] == 39
+    assert set(base["check"]) == {"slow", "segment_start"} and base["tokens"] == 39
+    assert all(check["relative_difference"] < 1e-3 for check in base["check"].values())
     trained = bench.main(common + ["--fwl_model", str(tmp_path / "fwl"), "--output", str(tmp_path / "r.json")])
     alphas = trained["learned_step_sizes"]
     assert alphas[0] == pytest.approx(0.2, rel=1e-4) and alphas[1] < 0.1
-    assert trained["check"]["relative_difference"] < 1e-3 and trained["check"]["step_size"] == alphas[0]
+    assert list(trained["check"]) == ["slow"] and trained["check"]["slow"]["relative_difference"] < 1e-3
+    assert trained["check"]["slow"]["step_size"] == alphas[0]
     assert json.loads((tmp_path / "r.json").read_text())["best"] == trained["best"]
     assert trained["base_perplexity"] != pytest.approx(base["base_perplexity"], rel=1e-3)  # its own bias is read
     FWLForCausalLM.from_base_pretrained(tiny_llama(vocab_size=len(tokenizer)), fwl_head_type="output").save_pretrained(
         tmp_path / "fwl_gain")
     with pytest.raises(ValueError, match="--fwl_model"):
         bench.main(common + ["--fwl_model", str(tmp_path / "fwl_gain")])
+
+
+def test_segment_start_gradient_point_equals_the_per_token_reference_however_the_text_is_split():
+    """``fwl_gradient_point="segment_start"`` (segments of 6 positions) scored in calls of 5 (misaligned with the
+    segments), in one call, and one token at a time: equal to per-token autograd from the definition and to the
+    benchmark's loop; generation cached = uncached; "slow" differs once a segment has passed."""
+    base, ids, alpha = tiny_llama(), ids_of(17, seed=3)[0], 0.3
+    with torch.no_grad():
+        o = base.model(input_ids=ids[None]).last_hidden_state[0]
+    E = base.get_output_embeddings().weight.detach()
+    expected = gradient_point_reference(o, ids, E, alpha, "segment_start", 6)
+    model = build_test_time_fwl(tiny_llama(), step_size=alpha, gradient_point="segment_start", segment_length=6)
+    in_fives = torch.from_numpy(score_document(model, ids, segment_length=5))
+    torch.testing.assert_close(in_fives, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gradient_point_module().output_side_nll(o, ids, E, alpha, "segment_start", 6).double(),
+                               expected, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        whole = model(ids[None]).logits
+        out, steps = None, []
+        for t in range(17):
+            out = model(ids[None, t : t + 1], use_cache=True, past_key_values=out.past_key_values if out else None)
+            steps.append(out.logits)
+        cached = model.generate(ids[None, :4], max_new_tokens=10, do_sample=False, use_cache=True)
+        uncached = model.generate(ids[None, :4], max_new_tokens=10, do_sample=False, use_cache=False)
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(F.cross_entropy(whole[0, :-1], ids[1:], reduction="none").double(), expected,
+                               rtol=1e-4, atol=1e-5)
+    assert torch.equal(cached, uncached)
+    slow = torch.from_numpy(score_document(build_test_time_fwl(tiny_llama(), step_size=alpha), ids, 5))
+    torch.testing.assert_close(slow[:6], in_fives[:6])  # the first segment starts at the slow weights
+    assert (slow[6:] - in_fives[6:]).abs().max() > 1e-3
+
+
+def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_cannot_do():
+    """With autograd on (training), the same logits as without; the loss reaches the step sizes. A hidden-layer
+    parameter, a decay, bf16 gradients, the seen-rows restriction or a missing segment length: ValueError naming it."""
+    model = build_test_time_fwl(tiny_llama(), step_size=0.3, gradient_point="segment_start", segment_length=4)
+    model.fwl_head.raw_step_size.requires_grad_(True)
+    ids = ids_of(11, seed=4, batch=2)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        inference = model(ids, attention_mask=mask).logits
+    out = model(ids, attention_mask=mask, labels=ids)
+    torch.testing.assert_close(out.logits, inference, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    assert model.fwl_head.raw_step_size.grad.abs().min() > 0
+    # left padding by a whole segment (segments are counted in positions, padding included): padded positions
+    # neither learn nor teach, so the real tokens' logits are those of the unpadded row
+    padded = torch.cat([torch.zeros(2, 4, dtype=torch.long), ids], 1)
+    with torch.no_grad():
+        padded_logits = model(padded, attention_mask=torch.cat([torch.zeros(2, 4, dtype=torch.long), mask], 1)).logits
+    torch.testing.assert_close(padded_logits[:, 4:], inference, rtol=1e-4, atol=1e-5)
+    fwl_config = dict(fwl_head_type="output", fwl_gradient_point="segment_start", fwl_segment_length=4,
+                      fwl_fast_parameters=list(TEST_TIME_FAST_PARAMETERS))
+    for change, argument in [(dict(fwl_fast_parameters=["norm.weight", "output_bias"]), "fast_parameters"),
+                             (dict(fwl_decay_init=0.5), "decay_init"), (dict(fwl_gradient_dtype="bfloat16"),
+                                                                       "gradient_dtype"),
+                             (dict(fwl_fast_vocabulary="seen"), "fast_vocabulary"),
+                             (dict(fwl_segment_length=None), "fwl_segment_length")]:
+        with pytest.raises(ValueError, match=argument):
+            FWLForCausalLM.from_base_pretrained(tiny_llama(), **{**fwl_config, **change})
+    with pytest.raises(ValueError, match="fwl_gradient_point"):
+        FWLConfig(text_config=tiny_llama().config, fwl_gradient_point="fast")
+
+
+def test_document_eval_builds_the_test_time_fwl_at_the_gradient_point_asked_for(tmp_path):
+    """``--fwl_gradient_point segment_start`` reaches the test-time FWL methods, its segments those of scoring unless
+    ``--fwl_segment_length`` says otherwise; a non-positive segment length is refused with the option named."""
+    from training import document_eval
+
+    tiny_llama().save_pretrained(tmp_path / "model")
+    argv = ["--model_name_or_path", str(tmp_path / "model"), "--segment_length", "16"]
+    head = document_eval.build_method("test_time_fwl", document_eval.parse_args(argv)).model.fwl_head
+    assert head.gradient_point == "slow"
+    args = document_eval.parse_args(argv + ["--fwl_gradient_point", "segment_start"])
+    head = document_eval.build_method("test_time_fwl", args).model.fwl_head
+    assert (head.gradient_point, head.segment_length) == ("segment_start", 16)
+    args = document_eval.parse_args(argv + ["--fwl_gradient_point", "segment_start", "--fwl_segment_length", "8"])
+    assert document_eval.build_method("test_time_fwl", args).model.fwl_head.segment_length == 8
+    with pytest.raises(ValueError, match="--fwl_segment_length"):
+        document_eval.parse_args(argv + ["--fwl_segment_length", "0"])

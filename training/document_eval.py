@@ -347,8 +347,12 @@ def build_method(method: str, args: ParsedArguments) -> MethodSetup:
 
     path, kind = method_source(method, args), METHOD_KIND[method]
     if kind == "test_time_fwl":
+        segment_start = args.fwl_gradient_point == "segment_start"
         model = build_test_time_fwl(path, fast_parameters=args.fwl_fast_parameters,
-                                    fast_vocabulary="seen" if method.endswith("_seen") else "full")
+                                    fast_vocabulary="seen" if method.endswith("_seen") else "full",
+                                    gradient_point=args.fwl_gradient_point,
+                                    segment_length=(args.fwl_segment_length or args.segment_length) if segment_start
+                                    else None)
         return MethodSetup(model, lambda alpha: set_global_step_size(model.fwl_head, alpha),
                            list(args.fwl_step_sizes or FWL_STEP_SIZES))
     if kind in ("seen", "slow_only"):
@@ -426,6 +430,11 @@ class StepSizeArguments:
     fwl_fast_parameters: Optional[List[str]] = field(default=None, metadata={
         "help": "test-time FWL: fast output-side parameters; unset: output_embedding.weight output_bias "
                 "(training.test_time_fwl.TEST_TIME_FAST_PARAMETERS; norm.weight adds the final norm's gain)"})
+    fwl_gradient_point: Literal["slow", "segment_start"] = field(default="slow", metadata={
+        "help": "test-time FWL: where its per-token gradients are taken: at the slow weights (Clark et al.) or at the "
+                "fast weights of each segment's start (modeling_fwp's fwl_gradient_point)"})
+    fwl_segment_length: Optional[int] = field(default=None, metadata={
+        "help": "test-time FWL with --fwl_gradient_point segment_start: its segment length; unset: --segment_length"})
     dynamic_lr: Optional[List[float]] = field(default=None, metadata={
         "help": "dynamic evaluation: step sizes to try; unset: training.dynamic_eval's for the update chosen"})
     dynamic_method: Literal["sgd", "rms"] = field(default="sgd", metadata={"help": "dynamic evaluation's update"})
@@ -437,7 +446,7 @@ def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
     """The command line (``--help``: every option with its default); ValueError names a bad option."""
     args = parse_arguments((DocumentEvalArguments, StepSizeArguments), argv, description=__doc__)
     require_positive(args, ("max_documents", "valid_documents", "max_length", "segment_length", "train_documents",
-                            "threads"))
+                            "threads", "fwl_segment_length"))
     if args.one_table:
         args.methods = list(ONE_TABLE)
     if len(set(args.methods)) != len(args.methods):

@@ -57,6 +57,8 @@ def build_test_time_fwl(
     base_model_kwargs: Optional[Dict[str, Any]] = None,
     gradient_dtype: Optional[str] = None,
     fast_vocabulary: str = "full",
+    gradient_point: str = "slow",
+    segment_length: Optional[int] = None,
 ) -> FWLForCausalLM:
     """The test-time-only FWL on a pretrained causal LM (a folder or hub name, or a loaded model, which is then
     modified: its final norm moves into the head), in eval mode with every parameter frozen.
@@ -71,11 +73,15 @@ def build_test_time_fwl(
             (``FWLConfig.fwl_gradient_dtype``, an approximation of the fast update for CPUs with bf16 matrix units).
         fast_vocabulary: "full" (Clark et al.) or "seen": the fast update only on the rows of the tokens seen so far
             (``FWLConfig.fwl_fast_vocabulary``; its products then cost a few thousand rows, not the vocabulary).
+        gradient_point, segment_length: "slow" (Clark et al.) or "segment_start": the per-token gradients at the
+            fast weights as of the start of each segment of `segment_length` tokens (``FWLConfig.fwl_gradient_point``,
+            ``fwl_segment_length``), so that the update accumulates across segments as dynamic evaluation's does.
     """
     names = list(fast_parameters) if fast_parameters is not None else list(TEST_TIME_FAST_PARAMETERS)
     wrapped = FWLForCausalLM.from_base_pretrained(
         model, base_model_kwargs=base_model_kwargs, fwl_head_type="output", fwl_fast_parameters=names,
         fwl_step_size_init=step_size, fwl_gradient_dtype=gradient_dtype, fwl_fast_vocabulary=fast_vocabulary,
+        fwl_gradient_point=gradient_point, fwl_segment_length=segment_length,
     )
     set_global_step_size(wrapped.fwl_head, step_size)
     wrapped.requires_grad_(False)
