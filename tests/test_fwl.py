@@ -577,6 +577,13 @@ def test_finetune_script_passes_the_head_options_to_the_new_fwl_model(tmp_path, 
     assert finetune_fwl.new_fwl_model(finetune_fwl.parse_args(argv)).fwl_head.decay is None
     with pytest.raises(ValueError, match="fwl_decay_init"):
         finetune_fwl.new_fwl_model(finetune_fwl.parse_args(argv + ["--fwl_decay_init", "1.5"]))
+    output_side = argv + ["--fwl_head_type", "output", "--fwl_fast_parameters", "output_embedding.weight",
+                          "output_bias", "--fwl_gradient_point", "segment_start", "--fwl_segment_length", "8"]
+    head = finetune_fwl.new_fwl_model(finetune_fwl.parse_args(output_side)).fwl_head
+    assert (head.gradient_point, head.segment_length, head.decay) == ("segment_start", 8, None)
+    with pytest.raises(ValueError, match="fast_parameters"):  # the MLP head's parameters cannot use it
+        finetune_fwl.new_fwl_model(finetune_fwl.parse_args(
+            argv + ["--fwl_gradient_point", "segment_start", "--fwl_segment_length", "8"]))
 
 
 def test_finetune_script_smoke_and_resume(tmp_path, word_tokenizer):

@@ -77,7 +77,12 @@ class ModelArguments:
     fwl_decay_init: Optional[float] = field(default=None, metadata={
         "help": "a decaying carried update (Clark et al. sec. 3): its initial gamma in (0, 1); unset: no decay"})
     fwl_segment_length: Optional[int] = field(default=None, metadata={
-        "help": "with --fwl_decay_init: tokens between decays; unset: at every forward pass that continues a cache"})
+        "help": "with --fwl_decay_init: tokens between decays (unset: at every forward pass that continues a cache); "
+                "with --fwl_gradient_point segment_start: tokens per segment"})
+    fwl_gradient_point: str = field(default="slow", metadata={
+        "choices": ["slow", "segment_start"],
+        "help": "where the per-token gradients are taken: the slow weights (the paper) or the fast weights of each "
+                "segment's start (output-layer fast parameters only; needs --fwl_segment_length)"})
     freeze_base: bool = field(default=False, metadata={"help": "train the FWL head only in stage (3)"})
     fwl_head_type: str = field(default="mlp", metadata={
         "choices": ["mlp", "output"],
@@ -401,7 +406,7 @@ def new_fwl_model(args: ParsedArguments) -> PreTrainedModel:
                   "fwl_residual": args.fwl_residual and args.fwl_head_type == "mlp"}
     if args.fwl_fast_parameters is not None:
         fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
-    for name in ("fwl_intermediate_size", "fwl_decay_init", "fwl_segment_length"):
+    for name in ("fwl_intermediate_size", "fwl_decay_init", "fwl_segment_length", "fwl_gradient_point"):
         if getattr(args, name) is not None:
             fwl_config[name] = getattr(args, name)
     return FWLForCausalLM.from_base_pretrained(args.model_name_or_path, freeze_base=args.freeze_base, **fwl_config)
