@@ -13,7 +13,9 @@ output embedding and the output bias fast (``training.test_time_fwl.TEST_TIME_FA
 ``--fwl_fast_parameters``); ``test_time_fwl_with_gain`` (and its ``_bf16``) makes the final norm's gain fast too,
 which costs two more vocabulary-sized products per position (the fast pass then reads another o than the slow one).
 ``test_time_fwl_seen`` restricts the fast update to the rows of the document's tokens so far
-(``fwl_fast_vocabulary="seen"``): its products cover those rows only. ``dynamic_output`` is dynamic
+(``fwl_fast_vocabulary="seen"``): its products cover those rows only. ``test_time_fwl_segment_start`` takes its
+per-token gradients at the fast weights of each segment's start (``fwl_gradient_point="segment_start"``, segments
+of the scoring's 128 tokens): one more vocabulary-sized product per position. ``dynamic_output`` is dynamic
 evaluation of the test-time FWL's fast part (final norm and an untied copy of the output embedding,
 ``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
 With ``--fwl_model`` (a model ``training.finetune_fwl`` trained, ``<output_dir>/base_fwl/final``), ``trained_fwl``
@@ -47,12 +49,14 @@ from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 
 METHODS = (
     "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
-    "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic",
+    "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "test_time_fwl_segment_start", "dynamic_output", "dynamic",
 )
 # Timed only with ``--fwl_model``: the trained FWL (3), its slow head alone (3'), (3) with its update on the seen rows.
 TRAINED_METHODS = ("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")
 # The test-time FWL's own methods (each compared with the update off and with dynamic_output).
 FWL_METHODS = tuple(m for m in METHODS if m.startswith("test_time_fwl") and m != "test_time_fwl_off")
+# Tokens per scored segment (the cache carried across), and the segments of ``test_time_fwl_segment_start``.
+SEGMENT_LENGTH = 128
 # The fast parameters of the ``test_time_fwl_with_gain`` methods.
 WITH_GAIN_FAST_PARAMETERS = ("norm.weight", "output_embedding.weight", "output_bias")
 
@@ -84,10 +88,12 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
                 trained_fwl_slow_only=lambda: (trained, None, trained.fwl_head.slow_only),
                 trained_fwl_seen=lambda: (load_fwl_model(args.fwl_model, "--fwl_model", "seen"), None, none))
 
-    def variant(fast_parameters, gradient_dtype, fast_vocabulary="full"):
+    def variant(fast_parameters, gradient_dtype, fast_vocabulary="full", gradient_point="slow"):
         def build():
+            segment_length = SEGMENT_LENGTH if gradient_point == "segment_start" else None
             model = build_test_time_fwl(args.model, args.fwl_step_size, fast_parameters, gradient_dtype=gradient_dtype,
-                                        fast_vocabulary=fast_vocabulary)
+                                        fast_vocabulary=fast_vocabulary, gradient_point=gradient_point,
+                                        segment_length=segment_length)
             return model, None, none
         return build
 
@@ -102,6 +108,7 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
         test_time_fwl_with_gain=variant(WITH_GAIN_FAST_PARAMETERS, None),
         test_time_fwl_with_gain_bf16=variant(WITH_GAIN_FAST_PARAMETERS, "bfloat16"),
         test_time_fwl_seen=variant(args.fwl_fast_parameters, None, "seen"),
+        test_time_fwl_segment_start=variant(args.fwl_fast_parameters, None, gradient_point="segment_start"),
         dynamic_output=dynamic_output,
     )
     return {method: runs[method]() for method in args.methods}
@@ -146,7 +153,7 @@ def main(argv=None):
         for method, (model, dynamic, context) in runs.items():
             started = time.perf_counter()
             with context():
-                score_document(model, ids, 128, dynamic)
+                score_document(model, ids, SEGMENT_LENGTH, dynamic)
             seconds[method].append(time.perf_counter() - started)
     timings = {m: summarize(s) for m, s in seconds.items()}
     ratios = {m: ratio(timings[m], timings["base"]) for m in timings if "base" in timings and m != "base"}
