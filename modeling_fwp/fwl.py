@@ -545,6 +545,9 @@ class _FastUpdates:
         self.final_state: Dict[str, torch.Tensor] = {}
         self.writable = writable  # carried sums that only the cache layer references (may be updated in place)
         self.final_writable: Set[str] = set()
+        # gradient_point="segment_start" at a segment boundary: z already holds the read of E's carried sum
+        # (``FWLHead._read_carried_from_start_``), so ``subtract_output_layer_`` only updates the sum
+        self.carried_read_done = False
 
     def subtract(
         self, x: torch.Tensor, name: str, query: Optional[torch.Tensor] = None, keep: Union[slice, torch.Tensor] = slice(None)
@@ -666,7 +669,7 @@ class _FastUpdates:
             q, k = scaled_query[b].to(value.dtype), keys[b].to(value.dtype)
             for start in range(0, V, step):
                 rows = slice(start, start + step)
-                if S is not None:  # one row: the streaming matrix-vector kernel; more: oneDNN's matmul
+                if S is not None and not self.carried_read_done:  # one row: streaming kernel; more: oneDNN
                     z[b, :, rows].sub_(dense_linear(q, S[b, rows].to(value.dtype)))
                 if target is None:
                     continue
@@ -940,11 +943,14 @@ class FWLHead(nn.Module):
     def _forward(
         self, hidden_states, input_ids, attention_mask, state: State, logits_to_keep, output_state: bool,
         return_hidden: bool, writable: FrozenSet[str] = frozenset(), start: Optional[Dict[str, torch.Tensor]] = None,
+        prev_gradient: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, State, Set[str]]:
         """``(logits or o, state after these positions or None, the names of its tensors that nothing else
         references)``: slow pass, per-token gradients, fast pass. With `start` (``gradient_point="segment_start"``,
         the positions within one segment) the per-token gradients are taken at the fast weights of the segment's
-        start, ``{name: sum of the gradients of earlier segments}`` ({}: the slow weights)."""
+        start, ``{name: sum of the gradients of earlier segments}`` ({}: the slow weights); `prev_gradient`: where
+        the positions begin a segment, the previous position's dCE/dz ``[B, 1, V]`` that `start` adds to the carried
+        sums (the fast pass then reads the carried sum from the segment start's read), else None."""
         B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
         active_output = [name for name in self._active if name not in HIDDEN_PARAMETERS]
         if return_hidden and active_output:
@@ -970,11 +976,16 @@ class FWLHead(nn.Module):
             preactivation = slow.output_preactivation(inter["o"])  # every position's slow z
             inter["logits"] = slow.transform_logits(preactivation)
         # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
-        gradient_inter, last_gradient_logits = inter, None
+        gradient_inter, last_gradient_logits, carried_read_done = inter, None, False
         if start is not None:  # the logits at the segment start's fast weights, for dCE/dz
             z = preactivation if preactivation is not None else slow.output_preactivation(inter["o"])
-            gradient_inter = {**inter, "logits": slow.transform_logits(self._subtract_sums(z, inter["o"], start))}
+            read = self._read_sum(inter["o"], start)
+            gradient_inter = {**inter, "logits": slow.transform_logits(self._subtract_sums(z, inter["o"], start, read))}
             last_gradient_logits = gradient_inter["logits"][:, -1:].clone()  # before z is made fast in place
+            carried_read_done = shared_z and read is not None and prev_gradient is not None and (
+                "sum.output_embedding.weight" in (state or {}))
+            if carried_read_done:
+                self._read_carried_from_start_(z, inter["o"], read, state["prev.o"], prev_gradient)
         seen = SeenVocabulary(state, input_ids, mask, slow.vocab_size) if self.fast_vocabulary == "seen" else None
         # fast_vocabulary="seen" outside autograd: dCE/dz is held on the seen rows only ([B, T, n], `columns`)
         columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
@@ -991,6 +1002,7 @@ class FWLHead(nn.Module):
         if shared_z and compute_dtype is not None and "logits" in values:
             values["logits"] = values["logits"].to(compute_dtype)
         updates = _FastUpdates(self, keys, values, state, output_state, writable, columns)
+        updates.carried_read_done = carried_read_done
 
         # Fast pass: every parameter replaced by its fast value.
         o = self._fast_hidden_layer(hidden_states, updates) if self._fast_hidden else inter["o"]
@@ -1025,13 +1037,15 @@ class FWLHead(nn.Module):
         while p < T:
             piece = slice(p, p + min(T - p, self.segment_length - done))
             piece_mask = None if mask is None else mask[:, piece]
+            prev_gradient = None
             if done == 0:  # a segment begins: the carried sums and the gradient of the last position before it
-                start = self._segment_start_sums(state, input_ids[:, piece], piece_mask, hidden_states.dtype)
+                start, prev_gradient = self._segment_start_sums(state, input_ids[:, piece], piece_mask,
+                                                                hidden_states.dtype)
             else:
                 start = {key[len("start.") :]: t for key, t in state.items() if key.startswith("start.")}
             out, state, writable = self._forward(
                 hidden_states[:, piece], input_ids[:, piece], piece_mask, state or None, 0, True, return_hidden,
-                frozenset(writable), start=start,
+                frozenset(writable), start=start, prev_gradient=prev_gradient,
             )
             done = (done + piece.stop - piece.start) % self.segment_length
             if done:  # the segment goes on: keep its start for the next call
@@ -1043,13 +1057,15 @@ class FWLHead(nn.Module):
             cache_layer.set_states(state, T, writable)
         return torch.cat(outs, 1)[:, logits_to_keep_index(logits_to_keep)]
 
-    def _segment_start_sums(self, state: Dict[str, torch.Tensor], input_ids, mask, dtype) -> Dict[str, torch.Tensor]:
+    def _segment_start_sums(
+        self, state: Dict[str, torch.Tensor], input_ids, mask, dtype
+    ) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
         """The sums of the per-token gradients of every segment before the one that begins with `input_ids` ``[B, t]``
         (``{name: [B, V, D] or [B, V]}``, detached): the carried sums plus the gradient of the previous call's last
         position (the last of the segment that ended, its label ``input_ids[:, 0]``) at its own gradient point, whose
-        logits the state keeps. {} at the start of a text."""
+        logits the state keeps; and that gradient dCE/dz ``[B, 1, V]``. ({}, None) at the start of a text."""
         if "prev.o" not in state:
-            return {}
+            return {}, None
         prev_weights, _ = _teaching_weights(state, mask, dtype)
         prev = {"o": state["prev.o"], "logits": state["prev.logits"]}
         g = self.slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, 0)["logits"]  # dCE/dz, [B, 1, V]
@@ -1058,18 +1074,36 @@ class FWLHead(nn.Module):
             update = g.transpose(1, 2) @ state["prev.o"].to(g.dtype) if name == "output_embedding.weight" else g[:, 0]
             carried = state.get(f"sum.{name}")
             sums[name] = (update if carried is None else carried + update.to(carried.dtype)).detach()
-        return sums
+        return sums, g.detach()
 
-    def _subtract_sums(self, z: torch.Tensor, o: torch.Tensor, sums: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def _read_sum(self, o: torch.Tensor, sums: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """``alpha_E o S^T`` ``[B, T, V]`` for E's sum `S` in `sums` (``o [B, T, D]``), or None without one."""
+        total = sums.get("output_embedding.weight")
+        if total is None:
+            return None
+        alpha = self.step_size("output_embedding.weight").to(total.dtype)
+        return alpha * torch.bmm(o.to(total.dtype), total.transpose(1, 2))
+
+    def _subtract_sums(self, z: torch.Tensor, o: torch.Tensor, sums: Dict[str, torch.Tensor],
+                       read: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``z - alpha_E o S^T - sum_c alpha_c s_c``: the output layer at ``theta - alpha * sums`` (eq. 1), from the
-        slow ``z [B, T, V]`` and its input ``o [B, T, D]``; a new tensor unless `sums` is empty."""
+        slow ``z [B, T, V]`` and its input ``o [B, T, D]`` (`read`: ``_read_sum``'s, if made); a new tensor unless
+        `sums` is empty."""
         for name, total in sums.items():
-            alpha = self.step_size(name).to(z.dtype)
             if name == "output_embedding.weight":
-                z = z - alpha * torch.bmm(o.to(total.dtype), total.transpose(1, 2)).to(z.dtype)
+                z = z - (read if read is not None else self._read_sum(o, sums)).to(z.dtype)
             else:
-                z = z - alpha * total[:, None].to(z.dtype)
+                z = z - self.step_size(name).to(z.dtype) * total[:, None].to(z.dtype)
         return z
+
+    def _read_carried_from_start_(self, z, o, read, prev_o, prev_gradient) -> None:
+        """At a segment boundary E's segment-start sum is the carried one plus the previous position's gradient,
+        ``S_start = S + g_prev^T o_prev``, so the fast pass's read of the carried sum is ``alpha_E o S^T = read -
+        alpha_E (o . o_prev) g_prev``: subtracted from the slow ``z [B, T, V]`` in place here, where
+        ``subtract_output_layer_`` would make a second product with S (``prev_gradient`` g_prev ``[B, 1, V]``)."""
+        alpha = self.step_size("output_embedding.weight").to(z.dtype)
+        overlap = torch.bmm(o, prev_o.transpose(1, 2).to(o.dtype)).to(z.dtype)  # o_t . o_prev, [B, T, 1]
+        z.sub_(read.to(z.dtype)).add_(alpha * overlap * prev_gradient.to(z.dtype))
 
     def _gradient_terms(self, inter, input_ids, mask, state: State, compute_dtype, in_place: bool):
         """Per-token gradients (the grad L_i of eqs. 1-2) of the positions whose label is known: the previous call's
