@@ -948,9 +948,10 @@ class FWLHead(nn.Module):
         """``(logits or o, state after these positions or None, the names of its tensors that nothing else
         references)``: slow pass, per-token gradients, fast pass. With `start` (``gradient_point="segment_start"``,
         the positions within one segment) the per-token gradients are taken at the fast weights of the segment's
-        start, ``{name: sum of the gradients of earlier segments}`` ({}: the slow weights); `prev_gradient`: where
-        the positions begin a segment, the previous position's dCE/dz ``[B, 1, V]`` that `start` adds to the carried
-        sums (the fast pass then reads the carried sum from the segment start's read), else None."""
+        start, ``{name: sum of the gradients of earlier segments}`` ({}: the slow weights); `prev_gradient`: None, or
+        where E's entry of `start` is the carried sum (``_segment_start_sums`` without its matrix), the previous
+        position's dCE/dz ``[B, 1, V]`` whose rank-1 term completes it; outside autograd the fast pass then takes its
+        read of the carried sum from that same product."""
         B, T = self._check_inputs(hidden_states, input_ids, attention_mask)
         active_output = [name for name in self._active if name not in HIDDEN_PARAMETERS]
         if return_hidden and active_output:
@@ -980,12 +981,17 @@ class FWLHead(nn.Module):
         if start is not None:  # the logits at the segment start's fast weights, for dCE/dz
             z = preactivation if preactivation is not None else slow.output_preactivation(inter["o"])
             read = self._read_sum(inter["o"], start)
-            gradient_inter = {**inter, "logits": slow.transform_logits(self._subtract_sums(z, inter["o"], start, read))}
+            at_start = self._subtract_sums(z, inter["o"], start, read)
+            if prev_gradient is not None:  # E's start is the carried sum: the previous position's rank-1 term
+                overlap = torch.bmm(inter["o"], state["prev.o"].transpose(1, 2).to(inter["o"].dtype))  # [B, T, 1]
+                alpha = self.step_size("output_embedding.weight").to(z.dtype)
+                at_start = at_start - alpha * overlap.to(z.dtype) * prev_gradient.to(z.dtype)
+            gradient_inter = {**inter, "logits": slow.transform_logits(at_start)}
             last_gradient_logits = gradient_inter["logits"][:, -1:].clone()  # before z is made fast in place
-            carried_read_done = shared_z and read is not None and prev_gradient is not None and (
-                "sum.output_embedding.weight" in (state or {}))
+            # then E's read is that of the carried sum, which the fast pass would make again: it takes this one
+            carried_read_done = prev_gradient is not None and shared_z
             if carried_read_done:
-                self._read_carried_from_start_(z, inter["o"], read, state["prev.o"], prev_gradient)
+                z.sub_(read.to(z.dtype))
         seen = SeenVocabulary(state, input_ids, mask, slow.vocab_size) if self.fast_vocabulary == "seen" else None
         # fast_vocabulary="seen" outside autograd: dCE/dz is held on the seen rows only ([B, T, n], `columns`)
         columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
@@ -1039,8 +1045,9 @@ class FWLHead(nn.Module):
             piece_mask = None if mask is None else mask[:, piece]
             prev_gradient = None
             if done == 0:  # a segment begins: the carried sums and the gradient of the last position before it
+                keep = (piece.stop - piece.start) % self.segment_length != 0  # the segment goes on after the piece
                 start, prev_gradient = self._segment_start_sums(state, input_ids[:, piece], piece_mask,
-                                                                hidden_states.dtype)
+                                                                hidden_states.dtype, with_matrix=keep)
             else:
                 start = {key[len("start.") :]: t for key, t in state.items() if key.startswith("start.")}
             out, state, writable = self._forward(
@@ -1058,12 +1065,14 @@ class FWLHead(nn.Module):
         return torch.cat(outs, 1)[:, logits_to_keep_index(logits_to_keep)]
 
     def _segment_start_sums(
-        self, state: Dict[str, torch.Tensor], input_ids, mask, dtype
+        self, state: Dict[str, torch.Tensor], input_ids, mask, dtype, with_matrix: bool = True
     ) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
         """The sums of the per-token gradients of every segment before the one that begins with `input_ids` ``[B, t]``
         (``{name: [B, V, D] or [B, V]}``, detached): the carried sums plus the gradient of the previous call's last
         position (the last of the segment that ended, its label ``input_ids[:, 0]``) at its own gradient point, whose
-        logits the state keeps; and that gradient dCE/dz ``[B, 1, V]``. ({}, None) at the start of a text."""
+        logits the state keeps; and that gradient dCE/dz ``[B, 1, V]``. ({}, None) at the start of a text. Without
+        `with_matrix`, E's entry is the carried sum itself, its rank-1 term ``g_prev^T o_prev`` left to the reader
+        (``_forward``'s `prev_gradient`): no new ``[B, V, D]`` tensor where the segment's start need not be kept."""
         if "prev.o" not in state:
             return {}, None
         prev_weights, _ = _teaching_weights(state, mask, dtype)
@@ -1071,10 +1080,13 @@ class FWLHead(nn.Module):
         g = self.slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, 0)["logits"]  # dCE/dz, [B, 1, V]
         sums = {}
         for name in self.fast_parameter_names:
-            update = g.transpose(1, 2) @ state["prev.o"].to(g.dtype) if name == "output_embedding.weight" else g[:, 0]
             carried = state.get(f"sum.{name}")
+            if name == "output_embedding.weight" and not with_matrix and carried is not None:
+                sums[name] = carried
+                continue
+            update = g.transpose(1, 2) @ state["prev.o"].to(g.dtype) if name == "output_embedding.weight" else g[:, 0]
             sums[name] = (update if carried is None else carried + update.to(carried.dtype)).detach()
-        return sums, g.detach()
+        return sums, (None if with_matrix or "sum.output_embedding.weight" not in state else g.detach())
 
     def _read_sum(self, o: torch.Tensor, sums: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """``alpha_E o S^T`` ``[B, T, V]`` for E's sum `S` in `sums` (``o [B, T, D]``), or None without one."""
@@ -1082,7 +1094,10 @@ class FWLHead(nn.Module):
         if total is None:
             return None
         alpha = self.step_size("output_embedding.weight").to(total.dtype)
-        return alpha * torch.bmm(o.to(total.dtype), total.transpose(1, 2))
+        if torch.is_grad_enabled():
+            return alpha * torch.bmm(o.to(total.dtype), total.transpose(1, 2))
+        # outside autograd oneDNN's matmul (fwp_kernels.dense_linear), about twice MKL's speed on this AMD CPU
+        return torch.stack([dense_linear(o[b].to(total.dtype), total[b]) for b in range(o.shape[0])]).mul_(alpha)
 
     def _subtract_sums(self, z: torch.Tensor, o: torch.Tensor, sums: Dict[str, torch.Tensor],
                        read: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -1095,15 +1110,6 @@ class FWLHead(nn.Module):
             else:
                 z = z - self.step_size(name).to(z.dtype) * total[:, None].to(z.dtype)
         return z
-
-    def _read_carried_from_start_(self, z, o, read, prev_o, prev_gradient) -> None:
-        """At a segment boundary E's segment-start sum is the carried one plus the previous position's gradient,
-        ``S_start = S + g_prev^T o_prev``, so the fast pass's read of the carried sum is ``alpha_E o S^T = read -
-        alpha_E (o . o_prev) g_prev``: subtracted from the slow ``z [B, T, V]`` in place here, where
-        ``subtract_output_layer_`` would make a second product with S (``prev_gradient`` g_prev ``[B, 1, V]``)."""
-        alpha = self.step_size("output_embedding.weight").to(z.dtype)
-        overlap = torch.bmm(o, prev_o.transpose(1, 2).to(o.dtype)).to(z.dtype)  # o_t . o_prev, [B, T, 1]
-        z.sub_(read.to(z.dtype)).add_(alpha * overlap * prev_gradient.to(z.dtype))
 
     def _gradient_terms(self, inter, input_ids, mask, state: State, compute_dtype, in_place: bool):
         """Per-token gradients (the grad L_i of eqs. 1-2) of the positions whose label is known: the previous call's
