@@ -81,7 +81,8 @@ class FWLHeadConfigMixin:
             across segments as dynamic evaluation's do; within a segment the paper's update. Not in Clark et al.;
             needs ``fwl_segment_length`` and only output-layer parameters fast (E, its bias, c), without decay,
             ``fwl_gradient_dtype`` or ``fwl_fast_vocabulary="seen"``. Costs one more vocabulary-sized product per
-            position (the read of the segment start's sums).
+            position (the read of the segment start's sums) in calls that do not begin a segment; in those that do
+            (scoring in calls of ``fwl_segment_length``) the fast pass shares it.
         fwl_fast_vocabulary: "full" (the paper: dCE/dz over the whole vocabulary) or "seen": the output layer's
             per-token gradient kept on the rows of the tokens seen so far only (position j, whose label is
             x_{j+1}, updates the rows of x_0 .. x_{j+1}; padding counts as no token): the fast E and output biases
