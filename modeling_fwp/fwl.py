@@ -979,19 +979,8 @@ class FWLHead(nn.Module):
         # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
         gradient_inter, last_gradient_logits, carried_read_done = inter, None, False
         if start is not None:  # the logits at the segment start's fast weights, for dCE/dz
-            z = preactivation if preactivation is not None else slow.output_preactivation(inter["o"])
-            read = self._read_sum(inter["o"], start)
-            at_start = self._subtract_sums(z, inter["o"], start, read)
-            if prev_gradient is not None:  # E's start is the carried sum: the previous position's rank-1 term
-                overlap = torch.bmm(inter["o"], state["prev.o"].transpose(1, 2).to(inter["o"].dtype))  # [B, T, 1]
-                alpha = self.step_size("output_embedding.weight").to(z.dtype)
-                at_start = at_start - alpha * overlap.to(z.dtype) * prev_gradient.to(z.dtype)
-            gradient_inter = {**inter, "logits": slow.transform_logits(at_start)}
-            last_gradient_logits = gradient_inter["logits"][:, -1:].clone()  # before z is made fast in place
-            # then E's read is that of the carried sum, which the fast pass would make again: it takes this one
-            carried_read_done = prev_gradient is not None and shared_z
-            if carried_read_done:
-                z.sub_(read.to(z.dtype))
+            gradient_inter, last_gradient_logits, carried_read_done = self._segment_start_logits(
+                inter, preactivation, state, start, prev_gradient, shared_z)
         seen = SeenVocabulary(state, input_ids, mask, slow.vocab_size) if self.fast_vocabulary == "seen" else None
         # fast_vocabulary="seen" outside autograd: dCE/dz is held on the seen rows only ([B, T, n], `columns`)
         columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
@@ -1028,6 +1017,26 @@ class FWLHead(nn.Module):
             if seen is not None:
                 new_state[SEEN_TOKENS] = seen.seen_after
         return out, new_state, updates.final_writable
+
+    def _segment_start_logits(self, inter, preactivation, state, start, prev_gradient, shared_z):
+        """(``inter`` with the logits at the segment start's fast weights, for dCE/dz; its last position's, kept;
+        whether the slow z `preactivation` now holds the fast pass's read of E's carried sum): ``_forward``'s
+        segment-start step, `start` and `prev_gradient` as there."""
+        slow = self.slow
+        z = preactivation if preactivation is not None else slow.output_preactivation(inter["o"])
+        read = self._read_sum(inter["o"], start)
+        at_start = self._subtract_sums(z, inter["o"], start, read)
+        if prev_gradient is not None:  # E's start is the carried sum: the previous position's rank-1 term
+            overlap = torch.bmm(inter["o"], state["prev.o"].transpose(1, 2).to(inter["o"].dtype))  # [B, T, 1]
+            alpha = self.step_size("output_embedding.weight").to(z.dtype)
+            at_start = at_start - alpha * overlap.to(z.dtype) * prev_gradient.to(z.dtype)
+        gradient_inter = {**inter, "logits": slow.transform_logits(at_start)}
+        last_gradient_logits = gradient_inter["logits"][:, -1:].clone()  # before z is made fast in place
+        # then E's read is that of the carried sum, which the fast pass would make again: it takes this one
+        carried_read_done = prev_gradient is not None and shared_z
+        if carried_read_done:
+            z.sub_(read.to(z.dtype))
+        return gradient_inter, last_gradient_logits, carried_read_done
 
     def _forward_by_segments(self, hidden_states, input_ids, attention_mask, cache_layer, logits_to_keep, return_hidden):
         """``forward`` with ``gradient_point="segment_start"``: the call cut where segments of ``segment_length``
