@@ -436,6 +436,20 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
     return rows
 
 
+def segment_start_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_test_time_fwl.py with the segment-start gradient point (``fwl_gradient_point``), interleaved
+    with the paper's update and the base model."""
+    t = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
+         for m in ("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_segment_start")}
+    what = fill("test-time-only FWL with its gradients at each segment's start (`fwl_gradient_point=\"segment_start\"`, "
+                "segments of 128), same protocol, {k}-token document ({th} threads, {r} interleaved rounds)",
+                k=s.get("tokens"), th=s.get("settings.threads"), r=s.get("settings.repeats"))
+    ours = both("{a:.2f}x the base", True, a=pdiv(t["test_time_fwl_segment_start"], t["base"]))
+    baseline = both("the paper's update {p:.2f}x; base {m:.2f} s; update off {o:.2f}x",
+                    p=pdiv(t["test_time_fwl"], t["base"]), m=t["base"], o=pdiv(t["test_time_fwl_off"], t["base"]))
+    return [[what, ours, baseline, "<= 1.15x the base"]]
+
+
 def one_table_rows(s: Source) -> List[Row]:
     """``training.document_eval --one_table``: issue 17 item 4's rows on whole held-out documents and its two goals
     (one scoring pass per row, so its times are rougher than the interleaved benchmark's)."""
@@ -481,6 +495,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_transfo_xl.json", transfo_xl_rows),
     ("benchmarks/results/bench_fwl.json", fwl_rows),
     ("benchmarks/results/bench_test_time_fwl.json", test_time_fwl_rows),
+    ("benchmarks/results/bench_test_time_fwl_segment_start.json", segment_start_rows),
     ("docs/results/one_table_wiki_sweep100.json", one_table_rows),
     ("docs/results/one_table_wiki.json", one_table_rows),
     ("docs/results/finetune_fwl.json", demo_rows),
