@@ -496,10 +496,14 @@ def test_segment_start_gradient_point_equals_the_per_token_reference_however_the
     assert (slow[6:] - in_fives[6:]).abs().max() > 1e-3
 
 
-def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_cannot_do():
-    """With autograd on (training), the same logits as without; the loss reaches the step sizes. A hidden-layer
-    parameter, a decay, bf16 gradients, the seen-rows restriction or a missing segment length: ValueError naming it."""
+def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_cannot_do(tmp_path):
+    """With autograd on (training), the same logits as without; the loss reaches the step sizes; saved and loaded, the
+    same model. A hidden-layer parameter, a decay, bf16 gradients, the seen-rows restriction or a missing segment
+    length: ValueError naming it."""
     model = build_test_time_fwl(tiny_llama(), step_size=0.3, gradient_point="segment_start", segment_length=4)
+    model.save_pretrained(tmp_path / "saved")
+    loaded = FWLForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert (loaded.fwl_head.gradient_point, loaded.fwl_head.segment_length) == ("segment_start", 4)
     model.fwl_head.raw_step_size.requires_grad_(True)
     ids = ids_of(11, seed=4, batch=2)
     mask = torch.ones_like(ids)
@@ -507,6 +511,8 @@ def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_
         inference = model(ids, attention_mask=mask).logits
     out = model(ids, attention_mask=mask, labels=ids)
     torch.testing.assert_close(out.logits, inference, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, inference, rtol=1e-5, atol=1e-5)
     out.loss.backward()
     assert model.fwl_head.raw_step_size.grad.abs().min() > 0
     # left padding by a whole segment (segments are counted in positions, padding included): padded positions
