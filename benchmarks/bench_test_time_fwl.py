@@ -15,7 +15,8 @@ which costs two more vocabulary-sized products per position (the fast pass then 
 ``test_time_fwl_seen`` restricts the fast update to the rows of the document's tokens so far
 (``fwl_fast_vocabulary="seen"``): its products cover those rows only. ``test_time_fwl_segment_start`` takes its
 per-token gradients at the fast weights of each segment's start (``fwl_gradient_point="segment_start"``, segments
-of the scoring's 128 tokens): one more vocabulary-sized product per position. ``dynamic_output`` is dynamic
+of the scoring's 128 tokens; each call begins a segment, so its fast pass shares the segment start's read of the
+carried sum). ``dynamic_output`` is dynamic
 evaluation of the test-time FWL's fast part (final norm and an untied copy of the output embedding,
 ``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
 With ``--fwl_model`` (a model ``training.finetune_fwl`` trained, ``<output_dir>/base_fwl/final``), ``trained_fwl``

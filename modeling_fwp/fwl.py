@@ -535,6 +535,7 @@ class _FastUpdates:
     def __init__(
         self, head: "FWLHead", keys: Dict[str, torch.Tensor], values: Dict[str, torch.Tensor], state: State,
         output_final_state: bool, writable: FrozenSet[str] = frozenset(), columns: Optional[torch.Tensor] = None,
+        carried_read_done: bool = False,
     ):
         self.head = head
         # fast_vocabulary="seen" outside autograd: the only vocabulary rows whose values and carried sums may be
@@ -546,8 +547,8 @@ class _FastUpdates:
         self.writable = writable  # carried sums that only the cache layer references (may be updated in place)
         self.final_writable: Set[str] = set()
         # gradient_point="segment_start" at a segment boundary: z already holds the read of E's carried sum
-        # (``FWLHead._read_carried_from_start_``), so ``subtract_output_layer_`` only updates the sum
-        self.carried_read_done = False
+        # (``FWLHead._segment_start_logits``), so ``subtract_output_layer_`` only updates the sum
+        self.carried_read_done = carried_read_done
 
     def subtract(
         self, x: torch.Tensor, name: str, query: Optional[torch.Tensor] = None, keep: Union[slice, torch.Tensor] = slice(None)
@@ -978,7 +979,10 @@ class FWLHead(nn.Module):
             inter["logits"] = slow.transform_logits(preactivation)
         # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
         gradient_inter, last_gradient_logits, carried_read_done = inter, None, False
-        if start is not None:  # the logits at the segment start's fast weights, for dCE/dz
+        if start is not None and self._active:  # the logits at the segment start's fast weights, for dCE/dz
+            if preactivation is None:  # (autograd) one slow z for them and for the fast pass
+                preactivation = slow.output_preactivation(inter["o"])
+                inter["logits"] = slow.transform_logits(preactivation)
             gradient_inter, last_gradient_logits, carried_read_done = self._segment_start_logits(
                 inter, preactivation, state, start, prev_gradient, shared_z)
         seen = SeenVocabulary(state, input_ids, mask, slow.vocab_size) if self.fast_vocabulary == "seen" else None
@@ -996,8 +1000,7 @@ class FWLHead(nn.Module):
                     full.index_select(2, columns))
         if shared_z and compute_dtype is not None and "logits" in values:
             values["logits"] = values["logits"].to(compute_dtype)
-        updates = _FastUpdates(self, keys, values, state, output_state, writable, columns)
-        updates.carried_read_done = carried_read_done
+        updates = _FastUpdates(self, keys, values, state, output_state, writable, columns, carried_read_done)
 
         # Fast pass: every parameter replaced by its fast value.
         o = self._fast_hidden_layer(hidden_states, updates) if self._fast_hidden else inter["o"]
@@ -1022,10 +1025,9 @@ class FWLHead(nn.Module):
         """(``inter`` with the logits at the segment start's fast weights, for dCE/dz; its last position's, kept;
         whether the slow z `preactivation` now holds the fast pass's read of E's carried sum): ``_forward``'s
         segment-start step, `start` and `prev_gradient` as there."""
-        slow = self.slow
-        z = preactivation if preactivation is not None else slow.output_preactivation(inter["o"])
+        slow, z = self.slow, preactivation
         read = self._read_sum(inter["o"], start)
-        at_start = self._subtract_sums(z, inter["o"], start, read)
+        at_start = self._subtract_sums(z, start, read)
         if prev_gradient is not None:  # E's start is the carried sum: the previous position's rank-1 term
             overlap = torch.bmm(inter["o"], state["prev.o"].transpose(1, 2).to(inter["o"].dtype))  # [B, T, 1]
             alpha = self.step_size("output_embedding.weight").to(z.dtype)
@@ -1108,15 +1110,14 @@ class FWLHead(nn.Module):
         # outside autograd oneDNN's matmul (fwp_kernels.dense_linear), about twice MKL's speed on this AMD CPU
         return torch.stack([dense_linear(o[b].to(total.dtype), total[b]) for b in range(o.shape[0])]).mul_(alpha)
 
-    def _subtract_sums(self, z: torch.Tensor, o: torch.Tensor, sums: Dict[str, torch.Tensor],
-                       read: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _subtract_sums(self, z: torch.Tensor, sums: Dict[str, torch.Tensor], read: Optional[torch.Tensor]) -> torch.Tensor:
         """``z - alpha_E o S^T - sum_c alpha_c s_c``: the output layer at ``theta - alpha * sums`` (eq. 1), from the
-        slow ``z [B, T, V]`` and its input ``o [B, T, D]`` (`read`: ``_read_sum``'s, if made); a new tensor unless
-        `sums` is empty."""
+        slow ``z [B, T, V]`` and `read` = ``_read_sum(o, sums)`` (None without E); a new tensor unless `sums` is
+        empty."""
+        if read is not None:
+            z = z - read.to(z.dtype)
         for name, total in sums.items():
-            if name == "output_embedding.weight":
-                z = z - (read if read is not None else self._read_sum(o, sums)).to(z.dtype)
-            else:
+            if name != "output_embedding.weight":
                 z = z - self.step_size(name).to(z.dtype) * total[:, None].to(z.dtype)
         return z
 

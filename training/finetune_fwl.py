@@ -80,7 +80,7 @@ class ModelArguments:
         "help": "with --fwl_decay_init: tokens between decays (unset: at every forward pass that continues a cache); "
                 "with --fwl_gradient_point segment_start: tokens per segment"})
     fwl_gradient_point: str = field(default="slow", metadata={
-        "choices": ["slow", "segment_start"],
+        "choices": ["slow", "segment_start"],  # modeling_fwp.configuration_fwl.GRADIENT_POINTS (imported lazily here)
         "help": "where the per-token gradients are taken: the slow weights (the paper) or the fast weights of each "
                 "segment's start (output-layer fast parameters only; needs --fwl_segment_length)"})
     freeze_base: bool = field(default=False, metadata={"help": "train the FWL head only in stage (3)"})

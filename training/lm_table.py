@@ -17,8 +17,8 @@ versions, machine, commit, load; parameter count, training tokens/s, perplexitie
 a committed folder lets a fresh clone continue the table (its shared tokenizer is trained again, identically, from
 the same prepared corpus). A (family, seed) whose file exists is skipped, and a run with Trainer checkpoints under
 ``<results_dir>/runs/<family>_seed<seed>/checkpoints`` resumes from the newest one, so the same command continues an
-interrupted table. After every run the markdown table (mean
-over seeds, the paper's numbers beside ours, the command) is rendered into ``--table_file``.
+interrupted table. After every run the markdown table (mean over seeds, the paper's numbers beside ours, the command)
+is rendered into ``--table_file``.
 
     python -m training.lm_table --seeds 0 1 2 --threads 2          # or: fwp-lm-table ...
     python -m training.lm_table --quick --results_dir /tmp/lm_table --table_file /tmp/lm_table.md   # a smoke run
