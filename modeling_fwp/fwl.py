@@ -75,6 +75,11 @@ OUTPUT_LAYER_TERMS = tuple(name for name, (_, value) in GRADIENT_TERMS.items() i
 # in 4,096, 79 in 1,024, against 108 ms for the two float32 products; in the whole model the conversions of S and of
 # the values take most of that back: benchmarks/bench_test_time_fwl.py).
 _SUM_UPDATE_BLOCK_ROWS = 2048
+# gradient_point="segment_start" outside autograd, a call of at least this many positions that begins a segment:
+# the slow z and the read of E's carried sum S come from one product with the fast weights E - alpha_E S, written
+# once (a pass over three [V, D] tensors) instead of a second product o S^T (by hand, 2 threads, SmolLM2, 128
+# positions: the read was about 60 ms of the segment's 600; a call of one position reads S once either way)
+_FOLD_CARRIED_SUM_MIN_POSITIONS = 32
 # How deep the analytic backward must go for each upstream gradient.
 _GRADIENT_DEPTH = {"logits": 0, "f": 1, "gain": 1, "z2": 2, "z1": 3}
 
@@ -794,6 +799,7 @@ class FWLHead(nn.Module):
         self._check_gradient_point(gradient_point, segment_length, decay_init)
         self.gradient_point = gradient_point
         self.segment_length = segment_length
+        self._fold_scratch: Optional[torch.Tensor] = None  # E - alpha_E S outside autograd (_folded_preactivation)
         # alpha = softplus(raw), one per fast parameter tensor
         self.raw_step_size = nn.Parameter(torch.empty(len(fast_parameters)))
         self.decay = None
@@ -974,8 +980,9 @@ class FWLHead(nn.Module):
             and (compute_dtype or hidden_states.dtype) in (torch.float32, torch.float64)
         )
         preactivation = None
-        if (not fast_output or shared_z) and not return_hidden:
-            preactivation = slow.output_preactivation(inter["o"])  # every position's slow z
+        folded = shared_z and prev_gradient is not None and T >= _FOLD_CARRIED_SUM_MIN_POSITIONS
+        if (not fast_output or shared_z) and not return_hidden:  # every position's slow z (or, folded, E's read too)
+            preactivation = self._folded_preactivation(inter["o"], start) if folded else slow.output_preactivation(inter["o"])
             inter["logits"] = slow.transform_logits(preactivation)
         # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
         gradient_inter, last_gradient_logits, carried_read_done = inter, None, False
@@ -984,15 +991,15 @@ class FWLHead(nn.Module):
                 preactivation = slow.output_preactivation(inter["o"])
                 inter["logits"] = slow.transform_logits(preactivation)
             gradient_inter, last_gradient_logits, carried_read_done = self._segment_start_logits(
-                inter, preactivation, state, start, prev_gradient, shared_z)
+                inter, preactivation, state, start, prev_gradient, shared_z, folded)
         seen = SeenVocabulary(state, input_ids, mask, slow.vocab_size) if self.fast_vocabulary == "seen" else None
         # fast_vocabulary="seen" outside autograd: dCE/dz is held on the seen rows only ([B, T, n], `columns`)
         columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
         if columns is not None and self._gradient_depth == 0 and "logits" in inter:
             keys, values = self._seen_output_gradient_terms(inter, input_ids, mask, state, seen)
         else:
-            keys, values = self._gradient_terms(
-                gradient_inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place
+            keys, values = self._gradient_terms(  # (the segment-start logits are this call's own: in place)
+                gradient_inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place or carried_read_done
             )
             if seen is not None and "logits" in values:
                 full = values["logits"]
@@ -1021,24 +1028,63 @@ class FWLHead(nn.Module):
                 new_state[SEEN_TOKENS] = seen.seen_after
         return out, new_state, updates.final_writable
 
-    def _segment_start_logits(self, inter, preactivation, state, start, prev_gradient, shared_z):
+    def _segment_start_logits(self, inter, preactivation, state, start, prev_gradient, shared_z, folded=False):
         """(``inter`` with the logits at the segment start's fast weights, for dCE/dz; its last position's, kept;
         whether the slow z `preactivation` now holds the fast pass's read of E's carried sum): ``_forward``'s
-        segment-start step, `start` and `prev_gradient` as there."""
+        segment-start step, `start` and `prev_gradient` as there; `folded`: `preactivation` holds that read already
+        (``_folded_preactivation``)."""
         slow, z = self.slow, preactivation
-        read = self._read_sum(inter["o"], start)
-        at_start = self._subtract_sums(z, start, read)
-        if prev_gradient is not None:  # E's start is the carried sum: the previous position's rank-1 term
-            overlap = torch.bmm(inter["o"], state["prev.o"].transpose(1, 2).to(inter["o"].dtype))  # [B, T, 1]
-            alpha = self.step_size("output_embedding.weight").to(z.dtype)
-            at_start = at_start - alpha * overlap.to(z.dtype) * prev_gradient.to(z.dtype)
-        gradient_inter = {**inter, "logits": slow.transform_logits(at_start)}
-        last_gradient_logits = gradient_inter["logits"][:, -1:].clone()  # before z is made fast in place
-        # then E's read is that of the carried sum, which the fast pass would make again: it takes this one
+        read = None if folded else self._read_sum(inter["o"], start)
+        # E's read is that of the carried sum, which the fast pass would make again: it takes this one
         carried_read_done = prev_gradient is not None and shared_z
         if carried_read_done:
-            z.sub_(read.to(z.dtype))
+            at_start = self._carried_read_segment_start(z, inter["o"], state, start, read, prev_gradient)
+        else:
+            at_start = self._subtract_sums(z, start, read)
+            if prev_gradient is not None:  # E's start is the carried sum: the previous position's rank-1 term
+                overlap = torch.bmm(inter["o"], state["prev.o"].transpose(1, 2).to(inter["o"].dtype))  # [B, T, 1]
+                alpha = self.step_size("output_embedding.weight").to(z.dtype)
+                at_start = at_start - alpha * overlap.to(z.dtype) * prev_gradient.to(z.dtype)
+        gradient_inter = {**inter, "logits": slow.transform_logits(at_start)}
+        last_gradient_logits = gradient_inter["logits"][:, -1:].clone()  # before the gradient is taken in place
         return gradient_inter, last_gradient_logits, carried_read_done
+
+    def _carried_read_segment_start(self, z, o, state, start, read, prev_gradient) -> torch.Tensor:
+        """Outside autograd, at a segment boundary where E's start is the carried sum S: ``z -= read`` (``read`` =
+        ``alpha_E o S^T``, the fast pass's first term) in place, then the logits at the segment start's weights
+        ``z - alpha_E (o . o_prev) g_prev - sum_c alpha_c s_c`` (the previous position's rank-1 term and the output
+        biases' sums, eq. 1) in one batched product written into `read`'s memory: no new ``[B, T, V]`` tensor."""
+        if read is not None:
+            z.sub_(read.to(z.dtype))
+        overlap = torch.bmm(o, state["prev.o"].transpose(1, 2).to(o.dtype))  # [B, T, 1]
+        columns = [self.step_size("output_embedding.weight").to(z.dtype) * overlap.to(z.dtype)]
+        rows = [prev_gradient.to(z.dtype)]  # [B, 1, V]
+        for name, total in start.items():
+            if name != "output_embedding.weight":  # a bias c: every position's logits move by alpha_c s_c
+                columns.append(torch.ones_like(columns[0]))
+                rows.append(self.step_size(name).to(z.dtype) * total[:, None].to(z.dtype))
+        out = read if read is not None and read.dtype == z.dtype else None
+        return torch.baddbmm(z, torch.cat(columns, 2), torch.cat(rows, 1), alpha=-1, out=out)
+
+    def _folded_preactivation(self, o: torch.Tensor, start: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Outside autograd: ``z = o (E - alpha_E S)^T + c`` ``[B, T, V]`` (eq. 1), the slow z minus E's read of its
+        carried sum ``S = start[E] [B, V, D]``, in one product per batch row with the fast weights written out into a
+        scratch matrix kept between calls (a fresh ``[V, D]`` tensor would cost more in page faults than the product
+        it saves; the head holds one more copy of E). In float32 (or float64) only: E - alpha_E S in a 16-bit dtype
+        would round the update away, so there the slow z and the read stay two products."""
+        weight, bias = self.slow._output_layer()
+        S = start["output_embedding.weight"]
+        if weight.dtype != S.dtype or weight.dtype not in (torch.float32, torch.float64):
+            return self.slow.output_preactivation(o)
+        scratch = self._fold_scratch
+        if scratch is None or scratch.shape != weight.shape or scratch.dtype != weight.dtype or scratch.device != weight.device:
+            scratch = self._fold_scratch = torch.empty_like(weight)
+        alpha = float(self.step_size("output_embedding.weight"))
+        rows = []
+        for b in range(o.shape[0]):
+            torch.add(weight, S[b], alpha=-alpha, out=scratch)
+            rows.append(dense_linear(o[b].to(weight.dtype), scratch, bias))
+        return rows[0][None] if len(rows) == 1 else torch.stack(rows)
 
     def _forward_by_segments(self, hidden_states, input_ids, attention_mask, cache_layer, logits_to_keep, return_hidden):
         """``forward`` with ``gradient_point="segment_start"``: the call cut where segments of ``segment_length``

@@ -496,6 +496,36 @@ def test_segment_start_gradient_point_equals_the_per_token_reference_however_the
     assert (slow[6:] - in_fives[6:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_segment_start_calls_of_whole_segments_equal_the_reference_with_the_carried_read_folded_or_not(monkeypatch, fold):
+    """Calls that each score one whole segment (the scoring's case, where E's carried sum is read once for the
+    gradients and the fast pass): that read as a product with the sum S, or folded into the fast weights E - alpha S
+    (``FWLHead._folded_preactivation``, for calls of at least ``_FOLD_CARRIED_SUM_MIN_POSITIONS`` positions), equal
+    to per-token autograd from the definition; in a batch of two different texts each row equals its own."""
+    from modeling_fwp import fwl as fwl_module
+
+    monkeypatch.setattr(fwl_module, "_FOLD_CARRIED_SUM_MIN_POSITIONS", 1 if fold else 10**9)
+    base, alpha = tiny_llama(), 0.3
+    E = base.get_output_embeddings().weight.detach()
+    model = build_test_time_fwl(tiny_llama(), step_size=alpha, gradient_point="segment_start", segment_length=6)
+    texts = ids_of(19, seed=5, batch=2)
+    for ids in texts:
+        with torch.no_grad():
+            o = base.model(input_ids=ids[None]).last_hidden_state[0]
+        expected = gradient_point_reference(o, ids, E, alpha, "segment_start", 6)
+        scored = torch.from_numpy(score_document(model, ids, segment_length=6))
+        torch.testing.assert_close(scored, expected, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        out, rows = None, []
+        for a in range(0, 19, 6):
+            out = model(texts[:, a : a + 6], use_cache=True, past_key_values=out.past_key_values if out else None)
+            rows.append(out.logits)
+        batched = torch.cat(rows, 1)
+        for b in range(2):
+            torch.testing.assert_close(batched[b : b + 1], model(texts[b : b + 1]).logits, rtol=1e-5, atol=1e-5)
+    assert (model.fwl_head._fold_scratch is not None) == fold
+
+
 def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_cannot_do(tmp_path):
     """With autograd on (training), the same logits as without; the loss reaches the step sizes; saved and loaded, the
     same model. A hidden-layer parameter, a decay, bf16 gradients, the seen-rows restriction or a missing segment
