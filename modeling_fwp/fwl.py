@@ -1100,12 +1100,12 @@ class FWLHead(nn.Module):
         while p < T:
             piece = slice(p, p + min(T - p, self.segment_length - done))
             piece_mask = None if mask is None else mask[:, piece]
-            prev_gradient = None
-            if done == 0:  # a segment begins: the carried sums and the gradient of the last position before it
+            prev_gradient, start = None, {}  # inside slow_only() (nothing active): the slow head, no sums
+            if self._active and done == 0:  # a segment begins: the carried sums and the last position's gradient
                 keep = (piece.stop - piece.start) % self.segment_length != 0  # the segment goes on after the piece
                 start, prev_gradient = self._segment_start_sums(state, input_ids[:, piece], piece_mask,
                                                                 hidden_states.dtype, with_matrix=keep)
-            else:
+            elif self._active:
                 start = {key[len("start.") :]: t for key, t in state.items() if key.startswith("start.")}
             out, state, writable = self._forward(
                 hidden_states[:, piece], input_ids[:, piece], piece_mask, state or None, 0, True, return_hidden,

@@ -524,6 +524,8 @@ def test_segment_start_calls_of_whole_segments_equal_the_reference_with_the_carr
         for b in range(2):
             torch.testing.assert_close(batched[b : b + 1], model(texts[b : b + 1]).logits, rtol=1e-5, atol=1e-5)
     assert (model.fwl_head._fold_scratch is not None) == fold
+    with torch.no_grad(), model.fwl_head.slow_only():  # (3'): the untouched model, no segment-start sums made
+        torch.testing.assert_close(model(texts).logits, base(texts).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_cannot_do(tmp_path):
