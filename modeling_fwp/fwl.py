@@ -1053,7 +1053,8 @@ class FWLHead(nn.Module):
         """Outside autograd, at a segment boundary where E's start is the carried sum S: ``z -= read`` (``read`` =
         ``alpha_E o S^T``, the fast pass's first term) in place, then the logits at the segment start's weights
         ``z - alpha_E (o . o_prev) g_prev - sum_c alpha_c s_c`` (the previous position's rank-1 term and the output
-        biases' sums, eq. 1) in one batched product written into `read`'s memory: no new ``[B, T, V]`` tensor."""
+        biases' sums, eq. 1) in one batched product, written into `read`'s memory where there is one (`read` None:
+        `z` already holds it, ``_folded_preactivation``)."""
         if read is not None:
             z.sub_(read.to(z.dtype))
         overlap = torch.bmm(o, state["prev.o"].transpose(1, 2).to(o.dtype))  # [B, T, 1]
@@ -1070,7 +1071,7 @@ class FWLHead(nn.Module):
         """Outside autograd: ``z = o (E - alpha_E S)^T + c`` ``[B, T, V]`` (eq. 1), the slow z minus E's read of its
         carried sum ``S = start[E] [B, V, D]``, in one product per batch row with the fast weights written out into a
         scratch matrix kept between calls (a fresh ``[V, D]`` tensor would cost more in page faults than the product
-        it saves; the head holds one more copy of E). In float32 (or float64) only: E - alpha_E S in a 16-bit dtype
+        it saves: SmolLM2's, by hand, 78 ms fresh against 15 ms into the scratch; the head holds one more copy of E). In float32 (or float64) only: E - alpha_E S in a 16-bit dtype
         would round the update away, so there the slow z and the read stay two products."""
         weight, bias = self.slow._output_layer()
         S = start["output_embedding.weight"]
