@@ -149,6 +149,16 @@ def test_run_record_written_with_results(tmp_path):
     assert set(data["run"]) >= {"started", "finished", "wall_s", "git_commit", "versions", "machine",
                                 "load_average_start", "load_average_end"}
     assert data["run"]["versions"]["python"] and data["run"]["machine"]["cpus"] == os.cpu_count()
+    flags = data["run"]["machine"]["cpu_flags"]
+    assert flags is None or set(flags) <= set(result_file.CPU_VECTOR_FLAGS)
+    source = results_table.Source(tmp_path, "sub/x.json")
+    data["run"]["machine"]["cpu_flags"] = ["avx2", "avx512f"]  # the provenance line says which kernels could run
+    source.data = data
+    assert "avx2 avx512f); commit" in source.versions()
+    data["run"]["machine"]["cpu_flags"] = []
+    assert "no AVX2); commit" in source.versions()
+    del data["run"]["machine"]["cpu_flags"]  # a file written before the flags were recorded: nothing added
+    assert f"({data['run']['machine']['cpu_model']}); commit" in source.versions()
     assert (tmp_path / "copy.json").read_text() == path.read_text()
     with pytest.raises(ValueError, match="run"):
         record.write(tmp_path / "y.json", {"run": 1})
@@ -178,6 +188,25 @@ def test_trained_fwl_row_appears_only_when_timed(tmp_path):
                           "1.10x the base; its update on the seen rows 1.00x best")
 
 
+def test_trained_segment_start_row_quotes_the_trained_fwl_and_its_neighbours(tmp_path):
+    """bench_test_time_fwl with a segment-start trained FWL: (3)'s ratio to the base of the same run, beside its slow
+    head and both test-time updates; a method the file lacks reads n/a, never a number from elsewhere."""
+    seconds = {"base": 2.0, "test_time_fwl": 2.6, "test_time_fwl_segment_start": 2.8, "trained_fwl": 2.5,
+               "trained_fwl_slow_only": 1.9}
+    data = {"tokens": 1023, "settings": {"threads": 2, "repeats": 3, "fwl_model": "outputs/s/base_fwl/final"},
+            "seconds": {m: {"median": v, "best": v / 2, "all": [v / 2, v, v]} for m, v in seconds.items()}}
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    [row] = results_table.trained_segment_start_rows(results_table.Source(tmp_path, "a.json"))
+    assert "outputs/s/base_fwl/final" in row[0] and "3 interleaved rounds" in row[0]
+    assert row[1] == "**1.25x the base** median; 1.25x the base best"
+    assert row[2].startswith("its slow head alone (3') 0.95x; test-time FWL on (1): segment start 1.40x, the paper's "
+                             "update 1.30x; base 2.00 s median") and row[3] == "<= 1.2x the base"
+    del data["seconds"]["trained_fwl_slow_only"]
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    [row] = results_table.trained_segment_start_rows(results_table.Source(tmp_path, "b.json"))
+    assert row[2].startswith(results_table.NA)
+
+
 def test_one_table_row_quotes_the_goals_and_perplexities(tmp_path):
     """document_eval --one_table's file gives one row: (3)'s perplexity and ratio to (2), the gain ratio and time of
     the first goal, the test-time FWL on (1) for the second, met / not met as the file records them."""
@@ -195,7 +224,8 @@ def test_one_table_row_quotes_the_goals_and_perplexities(tmp_path):
     [row] = results_table.one_table_rows(results_table.Source(tmp_path, "t.json"))
     assert row[0].startswith("issue 17's one table: 2 held-out test articles of `data/wiki` (1,000 tokens")
     assert row[1] == ("**trained FWL (3): perplexity 15.400, 0.9625 of (2)'s, gain ratio 0.60 at 1.10x the base's "
-                      "time (goal met); test-time FWL on (1): 19.800, 0.9900 of (1)'s at 1.10x (goal not met)**")
+                      "time (goal met by this one-pass time); test-time FWL on (1): 19.800, 0.9900 of (1)'s at 1.10x "
+                      "(goal not met)**")
     assert "(2) + dynamic evaluation 15.000 at 3.00x the base's time" in row[2] and "(3') 15.900" in row[2]
     del data["goals"]
     (tmp_path / "u.json").write_text(json.dumps(data))

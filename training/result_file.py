@@ -7,7 +7,7 @@ with a ``"run"`` record:
 - ``command``: the command line as run, relative to the repository root, with the thread / kernel environment
   variables that were set (``OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py --threads 1``);
 - ``versions``: python, torch, transformers, numpy (read from the installed distributions at run time);
-- ``machine``: platform, CPU model (``/proc/cpuinfo``), CPU count, torch intra-op threads;
+- ``machine``: platform, CPU model and vector extensions (``/proc/cpuinfo``), CPU count, torch intra-op threads;
 - ``git_commit`` (and whether tracked files differed from it), ``started`` / ``finished`` (UTC), ``wall_s``;
 - ``load_average_start`` / ``load_average_end``: ``os.getloadavg()`` (1, 5, 15 minutes) before and after.
 
@@ -80,12 +80,30 @@ def cpu_model() -> Optional[str]:
         return None
 
 
+# CPU features that change which kernels run (oneDNN's AVX-512 and bf16 paths, AMX): a ratio measured with them is
+# not that of a CPU without them
+CPU_VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_vector_flags() -> Optional[List[str]]:
+    """The flags of ``CPU_VECTOR_FLAGS`` that /proc/cpuinfo lists for the first CPU (None where there is no such
+    file)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    return [flag for flag in CPU_VECTOR_FLAGS if flag in flags]
+
+
 def machine() -> Dict[str, Any]:
-    """Platform, CPU model, CPU count and (when torch is imported) torch's intra-op thread count."""
+    """Platform, CPU model and vector extensions, CPU count and (when torch is imported) torch's intra-op thread
+    count."""
     torch = sys.modules.get("torch")
     return {
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_vector_flags(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads() if torch is not None else None,
     }
