@@ -556,7 +556,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     goals = goal_summary({method: result["summary"] for method, result in results.items()})
     if goals:
         out["goals"] = goals
-        print(f"\nIssue 17's goals (step sizes chosen on valid; times of one pass each):\n{goal_report(goals)}")
+        print("\nIssue 17's goals (step sizes chosen on valid; times of one pass each, rough on a shared machine: "
+              f"benchmarks/bench_test_time_fwl.py times them in interleaved rounds):\n{goal_report(goals)}")
     if "base" in results:
         out["nll_change_vs_base"] = nll_change_by_bucket(results)
     if args.plot and "base" in results and len(results) > 1:
