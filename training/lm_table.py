@@ -310,7 +310,8 @@ def write_table(args: ParsedArguments) -> Path:
         "Perplexity per token of our tokenizer (mean ± standard deviation over seeds), on the valid / test splits; "
         "the paper's numbers are word-level WikiText-103 perplexities of 40M-parameter models trained for about "
         "120 epochs: compare the ranking, not the values.", "",
-        f"Command: `{first['run']['command']}`" if first else "No run yet.", "",
+        f"Command of the first row's run (each results file records its own): `{first['run']['command']}`"
+        if first else "No run yet.", "",
     ]
     if first:
         lines += [f"Data: `{first['data']['source']}` ({first['data']['train_tokens']} training tokens, "
