@@ -1032,47 +1032,44 @@ class FWLHead(nn.Module):
         """(``inter`` with the logits at the segment start's fast weights, for dCE/dz; its last position's, kept;
         whether the slow z `preactivation` now holds the fast pass's read of E's carried sum): ``_forward``'s
         segment-start step, `start` and `prev_gradient` as there; `folded`: `preactivation` holds that read already
-        (``_folded_preactivation``)."""
-        slow, z = self.slow, preactivation
-        read = None if folded else self._read_sum(inter["o"], start)
-        # E's read is that of the carried sum, which the fast pass would make again: it takes this one
+        (``_folded_preactivation``).
+
+        The logits at ``theta - alpha * start`` (eq. 1): ``z - alpha_E o S^T`` (E's read, `read`) minus the low-rank
+        rest, the previous position's term ``alpha_E (o . o_prev) g_prev`` (with `prev_gradient`) and the output
+        biases' ``alpha_c s_c``, in one batched product. Outside autograd at a boundary (`prev_gradient` with a
+        shared z), E's read is that of the carried sum, which the fast pass would make again: it is subtracted from z
+        in place for the fast pass to take, and the logits are written into the read's memory."""
+        slow, z, o = self.slow, preactivation, inter["o"]
+        read = None if folded else self._read_sum(o, start)
         carried_read_done = prev_gradient is not None and shared_z
+        out = None
         if carried_read_done:
-            at_start = self._carried_read_segment_start(z, inter["o"], state, start, read, prev_gradient)
-        else:
-            at_start = self._subtract_sums(z, start, read)
-            if prev_gradient is not None:  # E's start is the carried sum: the previous position's rank-1 term
-                overlap = torch.bmm(inter["o"], state["prev.o"].transpose(1, 2).to(inter["o"].dtype))  # [B, T, 1]
-                alpha = self.step_size("output_embedding.weight").to(z.dtype)
-                at_start = at_start - alpha * overlap.to(z.dtype) * prev_gradient.to(z.dtype)
+            if read is not None:
+                z.sub_(read.to(z.dtype))
+                out = read if read.dtype == z.dtype else None
+        elif read is not None:
+            z = z - read.to(z.dtype)
+        columns, rows = [], []
+        if prev_gradient is not None:  # E's start is the carried sum: the previous position's rank-1 term
+            overlap = torch.bmm(o, state["prev.o"].transpose(1, 2).to(o.dtype))  # [B, T, 1]
+            columns.append(self.step_size("output_embedding.weight").to(z.dtype) * overlap.to(z.dtype))
+            rows.append(prev_gradient.to(z.dtype))  # [B, 1, V]
+        for name, total in start.items():
+            if name != "output_embedding.weight":  # a bias c: every position's logits move by alpha_c s_c
+                columns.append(z.new_ones(*z.shape[:2], 1))
+                rows.append(self.step_size(name).to(z.dtype) * total[:, None].to(z.dtype))
+        at_start = torch.baddbmm(z, torch.cat(columns, 2), torch.cat(rows, 1), alpha=-1, out=out) if rows else z
         gradient_inter = {**inter, "logits": slow.transform_logits(at_start)}
         last_gradient_logits = gradient_inter["logits"][:, -1:].clone()  # before the gradient is taken in place
         return gradient_inter, last_gradient_logits, carried_read_done
-
-    def _carried_read_segment_start(self, z, o, state, start, read, prev_gradient) -> torch.Tensor:
-        """Outside autograd, at a segment boundary where E's start is the carried sum S: ``z -= read`` (``read`` =
-        ``alpha_E o S^T``, the fast pass's first term) in place, then the logits at the segment start's weights
-        ``z - alpha_E (o . o_prev) g_prev - sum_c alpha_c s_c`` (the previous position's rank-1 term and the output
-        biases' sums, eq. 1) in one batched product, written into `read`'s memory where there is one (`read` None:
-        `z` already holds it, ``_folded_preactivation``)."""
-        if read is not None:
-            z.sub_(read.to(z.dtype))
-        overlap = torch.bmm(o, state["prev.o"].transpose(1, 2).to(o.dtype))  # [B, T, 1]
-        columns = [self.step_size("output_embedding.weight").to(z.dtype) * overlap.to(z.dtype)]
-        rows = [prev_gradient.to(z.dtype)]  # [B, 1, V]
-        for name, total in start.items():
-            if name != "output_embedding.weight":  # a bias c: every position's logits move by alpha_c s_c
-                columns.append(torch.ones_like(columns[0]))
-                rows.append(self.step_size(name).to(z.dtype) * total[:, None].to(z.dtype))
-        out = read if read is not None and read.dtype == z.dtype else None
-        return torch.baddbmm(z, torch.cat(columns, 2), torch.cat(rows, 1), alpha=-1, out=out)
 
     def _folded_preactivation(self, o: torch.Tensor, start: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Outside autograd: ``z = o (E - alpha_E S)^T + c`` ``[B, T, V]`` (eq. 1), the slow z minus E's read of its
         carried sum ``S = start[E] [B, V, D]``, in one product per batch row with the fast weights written out into a
         scratch matrix kept between calls (a fresh ``[V, D]`` tensor would cost more in page faults than the product
-        it saves: SmolLM2's, by hand, 78 ms fresh against 15 ms into the scratch; the head holds one more copy of E). In float32 (or float64) only: E - alpha_E S in a 16-bit dtype
-        would round the update away, so there the slow z and the read stay two products."""
+        it saves: SmolLM2's, by hand, 78 ms fresh against 15 ms into the scratch; the head holds one more copy of
+        E). In float32 (or float64) only: E - alpha_E S in a 16-bit dtype would round the update away, so there the
+        slow z and the read stay two products."""
         weight, bias = self.slow._output_layer()
         S = start["output_embedding.weight"]
         if weight.dtype != S.dtype or weight.dtype not in (torch.float32, torch.float64):
@@ -1156,17 +1153,6 @@ class FWLHead(nn.Module):
             return alpha * torch.bmm(o.to(total.dtype), total.transpose(1, 2))
         # outside autograd oneDNN's matmul (fwp_kernels.dense_linear), about twice MKL's speed on this AMD CPU
         return torch.stack([dense_linear(o[b].to(total.dtype), total[b]) for b in range(o.shape[0])]).mul_(alpha)
-
-    def _subtract_sums(self, z: torch.Tensor, sums: Dict[str, torch.Tensor], read: Optional[torch.Tensor]) -> torch.Tensor:
-        """``z - alpha_E o S^T - sum_c alpha_c s_c``: the output layer at ``theta - alpha * sums`` (eq. 1), from the
-        slow ``z [B, T, V]`` and `read` = ``_read_sum(o, sums)`` (None without E); a new tensor unless `sums` is
-        empty."""
-        if read is not None:
-            z = z - read.to(z.dtype)
-        for name, total in sums.items():
-            if name != "output_embedding.weight":
-                z = z - self.step_size(name).to(z.dtype) * total[:, None].to(z.dtype)
-        return z
 
     def _gradient_terms(self, inter, input_ids, mask, state: State, compute_dtype, in_place: bool):
         """Per-token gradients (the grad L_i of eqs. 1-2) of the positions whose label is known: the previous call's
