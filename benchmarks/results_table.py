@@ -81,6 +81,11 @@ class Source:
         return (stored_median if stored_median is not None else statistics.median(rounds) if rounds else None,
                 stored_best if stored_best is not None else pick(rounds) if rounds else None)
 
+    def timings(self, *methods: str) -> Dict[str, Pair]:
+        """``{method: (median, best)}`` of a bench file's ``seconds.<method>`` (best / median from its rounds where
+        not stored)."""
+        return {m: self.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all") for m in methods}
+
     def provenance(self) -> str:
         """The file's name, the command as recorded and the 1-minute load average before -> after the run."""
         name = f"`{Path(self.path).name}`"
@@ -407,9 +412,8 @@ def compile_rows(s: Source) -> List[Row]:
 def test_time_fwl_rows(s: Source) -> List[Row]:
     """benchmarks/bench_test_time_fwl.py: scoring time of the test-time-only FWL on an untouched model, interleaved with
     the base model and dynamic evaluation."""
-    t = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
-         for m in ("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
-                   "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic")}
+    t = s.timings("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
+                  "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "dynamic_output", "dynamic")
     what = fill("test-time-only FWL, scoring time of one {k}-token document in segments of 128 with the cache carried, "
                 "{m} ({th} threads, {r} interleaved rounds)", k=s.get("tokens"), m=s.get("settings.model"),
                 th=s.get("settings.threads"), r=s.get("settings.repeats"))
@@ -424,8 +428,7 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
                     p=pdiv(t["dynamic_output"], t["base"]), q=pdiv(t["dynamic"], t["base"]))
     rows = [[what, ours, baseline, "<= 1.15x the base"]]
     if s.get("seconds.trained_fwl.median") is not None:  # run with --fwl_model: the trained FWL (3), issue 17's goal 1
-        trained = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
-                   for m in ("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")}
+        trained = s.timings("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")
         template, pairs = "{a:.2f}x the base", {"a": pdiv(trained["trained_fwl"], t["base"])}
         if s.get("seconds.trained_fwl_seen.median") is not None:  # timed since session 30
             template += "; its update on the seen rows {b:.2f}x"
@@ -441,8 +444,7 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
 def segment_start_rows(s: Source) -> List[Row]:
     """benchmarks/bench_test_time_fwl.py with the segment-start gradient point (``fwl_gradient_point``), interleaved
     with the paper's update and the base model."""
-    t = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
-         for m in ("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_segment_start")}
+    t = s.timings("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_segment_start")
     what = fill("test-time-only FWL with its gradients at each segment's start (`fwl_gradient_point=\"segment_start\"`, "
                 "segments of 128), same protocol, {k}-token document ({th} threads, {r} interleaved rounds)",
                 k=s.get("tokens"), th=s.get("settings.threads"), r=s.get("settings.repeats"))
@@ -455,8 +457,7 @@ def segment_start_rows(s: Source) -> List[Row]:
 def trained_segment_start_rows(s: Source) -> List[Row]:
     """benchmarks/bench_test_time_fwl.py with ``--fwl_model`` a trained FWL whose gradients are taken at each
     segment's start (issue 17's first goal), interleaved with its slow head, both test-time updates and the base."""
-    t = {m: s.pair(f"seconds.{m}.median", f"seconds.{m}.best", f"seconds.{m}.all")
-         for m in ("base", "test_time_fwl", "test_time_fwl_segment_start", "trained_fwl", "trained_fwl_slow_only")}
+    t = s.timings("base", "test_time_fwl", "test_time_fwl_segment_start", "trained_fwl", "trained_fwl_slow_only")
     what = fill("trained FWL (3) with its gradients at each segment's start (`fwl_gradient_point=\"segment_start\"`, "
                 "segments of 128), {f}: scoring time, same protocol, {k}-token document ({th} threads, {r} interleaved "
                 "rounds)", f=s.get("settings.fwl_model"), k=s.get("tokens"), th=s.get("settings.threads"),

@@ -71,13 +71,19 @@ def package_versions(packages: Sequence[str] = VERSIONED_PACKAGES) -> Dict[str, 
     return versions
 
 
-def cpu_model() -> Optional[str]:
-    """The ``model name`` line of /proc/cpuinfo (None where there is none)."""
+def cpuinfo_field(name: str) -> Optional[str]:
+    """The value of the first ``name`` line of /proc/cpuinfo ("" where the file has none; None where there is no
+    such file)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(name)), "")
     except OSError:
         return None
+
+
+def cpu_model() -> Optional[str]:
+    """The ``model name`` line of /proc/cpuinfo (None where there is none)."""
+    return cpuinfo_field("model name") or None
 
 
 # CPU features that change which kernels run (oneDNN's AVX-512 and bf16 paths, AMX): a ratio measured with them is
@@ -88,12 +94,8 @@ CPU_VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def cpu_vector_flags() -> Optional[List[str]]:
     """The flags of ``CPU_VECTOR_FLAGS`` that /proc/cpuinfo lists for the first CPU (None where there is no such
     file)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return None
-    return [flag for flag in CPU_VECTOR_FLAGS if flag in flags]
+    flags = cpuinfo_field("flags")
+    return None if flags is None else [flag for flag in CPU_VECTOR_FLAGS if flag in flags.split()]
 
 
 def machine() -> Dict[str, Any]:
