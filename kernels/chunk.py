@@ -427,11 +427,13 @@ def auto_chunk_size(device: torch.device, head_width: int, chunk_size: int) -> i
 
 # Mode "chunk" on CUDA by head width max(Dk, Dv): our Triton kernels multiply in IEEE fp32 (input_precision="ieee":
 # within 4e-7 of the float64 step loop on an H100, but no tensor cores) and scan the chunks of a head in one program.
-# At width 128 on an H100 (bench_gpu's kernel_times, B 4, H 16, T 4096, bf16 inputs, run3_bench_gpu.json) they took
-# 51.6 / 21.3 / 50.9 ms forward (delta / sum / gated rule) where the PyTorch chunk kernels took 5.1 / 2.0 / 6.5 ms
-# (forward + backward 62 / 26 / 64 vs 21 / 7 / 24 ms), so from that width on CUDA runs the PyTorch kernels. Narrower
-# heads (the papers' 16 to 64) keep Triton: not timed on a GPU.
-CUDA_TORCH_CHUNK_MIN_WIDTH = 128
+# On an H100 (bench_gpu's kernel_times, B 4, H 16, T 4096, bf16 inputs; benchmarks/results/gpu_check_h100/), ms,
+# Triton / PyTorch chunk kernel, delta / sum / gated rule: head 128 (run 3) forward 51.6 / 5.1, 21.3 / 2.0, 50.9 / 6.5,
+# forward + backward 62 / 21, 26 / 7, 64 / 24; head 64 (run 5) forward 10.4 / 7.2, 6.2 / 1.0, 23.7 / 9.9, forward +
+# backward 16.8 / 20.6, 8.2 / 3.4, 32.0 / 25.7. So CUDA runs the PyTorch kernels from width 64 on (the delta rule's
+# training step at 64 is the one case where Triton was faster, 0.82x). Narrower heads (the papers' 16 and 32) keep
+# Triton: not timed on a GPU.
+CUDA_TORCH_CHUNK_MIN_WIDTH = 64
 
 
 class CudaChunkKernel:

@@ -66,11 +66,12 @@ def triton_errors(rule: str, T: int, Dk: int, Dv: int, dtype: torch.dtype, B: in
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_chunk_mode_on_cuda_is_the_triton_kernel_below_head_width_128(rule):
+def test_chunk_mode_on_cuda_is_the_triton_kernel_below_head_width_64(rule):
     for T in (8, 4096):
         kernel = select_kernel(RECURRENCES[RECURRENCE[rule]], "auto", T, CUDA)
-        assert kernel.for_width(64).__module__ == f"fwp_kernels.{TRITON_MODULE[rule]}", (T, kernel)
-        assert kernel.for_width(128).__module__ == f"fwp_kernels.{RECURRENCE[rule]}_kernels", (T, kernel)
+        assert kernel.for_width(32).__module__ == f"fwp_kernels.{TRITON_MODULE[rule]}", (T, kernel)
+        for width in (64, 128):
+            assert kernel.for_width(width).__module__ == f"fwp_kernels.{RECURRENCE[rule]}_kernels", (T, width, kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -810,23 +810,23 @@ def test_triton_kernel_that_fits_at_no_depth_runs_the_pytorch_kernel(rule, monke
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_chunk_mode_on_cuda_runs_triton_below_head_width_128_and_pytorch_from_it(rule):
+def test_chunk_mode_on_cuda_runs_triton_below_head_width_64_and_pytorch_from_it(rule):
     """Mode "chunk" on CUDA (chosen without a GPU: the device type decides): the Triton kernel for heads narrower than
-    ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH`` (128), the PyTorch chunk kernel from there, by max(Dk, Dv), whose result
+    ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH`` (64), the PyTorch chunk kernel from there, by max(Dk, Dv), whose result
     the call returns (the H100's timings in kernels/chunk.py)."""
     pytest.importorskip("triton", reason="without triton, CUDA runs the PyTorch kernels at every width")
     from fwp_kernels.chunk import CUDA_TORCH_CHUNK_MIN_WIDTH, CudaChunkKernel
 
     kernel = cuda_chunk_kernels(rule)
-    assert isinstance(kernel, CudaChunkKernel) and CUDA_TORCH_CHUNK_MIN_WIDTH == 128
+    assert isinstance(kernel, CudaChunkKernel) and CUDA_TORCH_CHUNK_MIN_WIDTH == 64
     assert kernel.torch_kernel.__module__ == f"fwp_kernels.{RECURRENCE[rule]}_kernels"
     assert kernel.triton_kernel.__module__.startswith("fwp_kernels.triton_")
     calls = []
     spy = CudaChunkKernel(lambda *a: calls.append("triton"), lambda *a: calls.append("torch") or "result")
-    for Dk, Dv in ((64, 64), (127, 16), (128, 64), (16, 128), (128, 256)):
+    for Dk, Dv in ((32, 32), (63, 16), (64, 32), (16, 64), (128, 256)):
         inputs = make_inputs(rule, 1, 1, 3, Dk, Dv)
         result = spy(*positional(rule, inputs), None, False, 64)
-        assert calls[-1] == ("torch" if max(Dk, Dv) >= 128 else "triton"), (Dk, Dv)
+        assert calls[-1] == ("torch" if max(Dk, Dv) >= 64 else "triton"), (Dk, Dv)
         assert result == ("result" if calls[-1] == "torch" else None)
 
 
