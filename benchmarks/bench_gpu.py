@@ -4,7 +4,7 @@
    step loop on the same GPU (relative error of o and of the final state), at a 1.3B Delta Net layer's heads (D 128).
 2. ``kernel_times``: forward and forward + backward of the delta, sum and gated delta rules at B 4, H 16, T 4096,
    D 128 (and each of ``--head_sizes``; fp32 and bf16): our Triton kernel, our PyTorch chunk kernel on CUDA (mode
-   "chunk" on CUDA runs the first below head width 128, the second from it: the first H100 run's figures,
+   "chunk" on CUDA runs the first below head width 64, the second from it: the H100 runs' figures,
    ``chunk.CUDA_TORCH_CHUNK_MIN_WIDTH``),
    fla's chunk kernel, and the forward of our step loop. (transformers' ``torch_chunk_gated_delta_rule``, the CPU
    benchmarks' baseline, is left out: with fla installed it runs fla's kernels.)
@@ -111,7 +111,7 @@ def contenders(rule: str, with_fla: bool) -> Dict[str, Callable]:
     """name -> ``(q, k, v, *gates) -> (o, final)`` for the timings of section 2."""
     from test_kernels import RULE_FUNCTIONS, cuda_chunk_kernels
 
-    chunk = cuda_chunk_kernels(rule)  # mode "chunk" on CUDA: Triton below head width 128, PyTorch from it
+    chunk = cuda_chunk_kernels(rule)  # mode "chunk" on CUDA: Triton below head width 64, PyTorch from it
     out = {
         "ours_triton": lambda *a: chunk.triton_kernel(*a, None, True),
         "ours_torch_chunk": lambda *a: chunk.torch_kernel(*a, None, True),
