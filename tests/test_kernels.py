@@ -735,11 +735,13 @@ def test_triton_forward_matches_step_loop(triton_interpreted_errors, case):
 
 @pytest.mark.triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_triton_compiled_on_cuda():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rule", RULES)
+def test_triton_compiled_on_cuda(rule, dtype):
+    """One test per rule and dtype, so that pytest-xdist spreads Triton's compiles (CPU-bound, 10 to 40 s each on the
+    lent H100) over its processes: as one test, its compiles outran 330 s there (GPU run 6)."""
     pytest.importorskip("triton", reason="triton is not installed: the CUDA kernels need it")
-    cases = [
-        (rule, T, 64, 64, 64, dtype) for rule in RULES for T in (1, 100, 1000) for dtype in ("float32", "bfloat16")
-    ]
+    cases = [(rule, T, 64, 64, 64, dtype) for T in (1, 100, 1000)]
     for case, errors in _triton_errors(cases, device="cuda").items():
         assert max(errors.values()) < CUDA_TOL[getattr(torch, case.split("-")[-1])], (case, errors)
 
