@@ -46,6 +46,11 @@ _ONEDNN = onednn_linear_available()
 # oneDNN's bfloat16 matmul needs AVX-512 (or AMX); on an AVX2-only CPU it raises ("could not create a primitive
 # descriptor"), where F.linear computes the same product in its own kernels.
 _ONEDNN_BF16 = _ONEDNN and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+# BF16_WIDEN_NOTE. Without oneDNN's bfloat16 matmul (an AVX2-only CPU), F.linear multiplies bfloat16 in its own
+# kernels at 7 to 10 GFLOP/s on this 2-core AMD EPYC (1 thread, 2048 x 2048 weight, 16 to 512 rows), where widening x
+# and W to float32 for the float32 matmul and rounding the output once took 5 / 17 / 77 ms against 13 / 109 / 637 ms
+# (16 / 128 / 512 rows; measured at load 2, by hand). The result is F.linear's up to summation order: bfloat16 products
+# are exact in float32, and both accumulate in float32. One or two rows stream the bfloat16 weight instead.
 
 try:  # inside a saved model folder the C++ source travels as a string (transformers copies only Python modules)
     from .decode_linear_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
@@ -79,8 +84,9 @@ def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [*, K] @ weight [N, K]^T + bias [N]`` -> ``[*, N]``, as ``F.linear``. On CPU for float32 / bfloat16 outside
     autograd: up to ``STREAMING_MAX_ROWS`` rows of input (decoding) stream the weight (``csrc/decode_linear.cpp``),
-    more rows go through oneDNN's matmul (``weight`` may be a transposed view, e.g. ``E.t()`` for ``P @ E``); F.linear
-    otherwise. The same product up to summation order (float32 accumulation in every path)."""
+    more rows go through oneDNN's matmul (``weight`` may be a transposed view, e.g. ``E.t()`` for ``P @ E``), bfloat16
+    through the float32 one where the CPU has no bfloat16 matmul; F.linear otherwise. The same product up to summation
+    order (float32 accumulation in every path)."""
     if not _cpu_inference(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -90,6 +96,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
     elif _ONEDNN and (x.dtype != torch.bfloat16 or _ONEDNN_BF16):
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
+    elif x.dtype == torch.bfloat16 and not _ONEDNN_BF16:  # widened: the CPU has no bfloat16 matmul (BF16_WIDEN_NOTE)
+        widened_bias = None if bias is None else bias.float()
+        out = dense_linear(rows.float(), weight.float(), widened_bias).to(torch.bfloat16)
     else:
         return F.linear(x, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -149,3 +149,28 @@ def test_dense_linear_streams_up_to_two_rows_and_leaves_other_cases_to_matmuls(m
     leaf = weight.clone().requires_grad_(True)
     dense_linear(one, leaf, bias).sum().backward()
     assert leaf.grad is not None
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bfloat16_matmul_widens_where_the_cpu_has_no_bfloat16_matmul(monkeypatch, transposed):
+    """Without oneDNN's bfloat16 matmul (AVX2-only CPUs; forced here), three or more bfloat16 rows outside autograd are
+    the float32 product of the widened inputs rounded once (F.linear's bfloat16 kernels ran 6-8x slower there):
+    bit for bit that, and within one bfloat16 step of the float64 product; the weight may be a transposed view."""
+    monkeypatch.setattr(dense, "_ONEDNN_BF16", False)
+    f_linear = F.linear
+
+    def float_only_linear(x, weight, bias=None):
+        assert x.dtype != torch.bfloat16, "F.linear's bfloat16 kernels ran"
+        return f_linear(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", float_only_linear)
+    x, weight, bias, _, _ = random_layer(torch.bfloat16, N=24, K=40, V=70, seed=5)
+    if transposed:  # P @ E with E [V, K] as weight.t(): x must be [*, V]
+        weight, x, bias = weight.t(), torch.randn(24, 70).to(torch.bfloat16), None
+    with torch.no_grad():
+        got = dense_linear(x.view(2, 12, -1), weight, bias)
+        widened = dense_linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(24, -1), widened.to(torch.bfloat16))
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    step = expected.abs().clamp_min(1e-3) * 2.0 ** -7
+    assert ((got.view(24, -1).double() - expected).abs() <= step + 1e-4).all()
