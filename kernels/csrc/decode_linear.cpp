@@ -8,7 +8,7 @@
 // the vector unit, with x (a few KB) in L1. float32 W accumulates in float32;
 // bfloat16 W is widened to float32 on the fly (a shift: bf16 is the upper half of a float32), or multiplied in pairs
 // by AVX-512 BF16's dot product where the CPU has it, and accumulates in float32, the output rounded to bfloat16
-// once, as oneDNN's bf16 matmul does. Vector loops for AVX-512 and for AVX2 + FMA; a portable loop elsewhere.
+// once, as oneDNN's bf16 matmul does.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,7 +29,7 @@
 #define FWP_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 #define FWP_TORCH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -43,7 +43,7 @@ inline float widen(c10::BFloat16 x) {
   return f;
 }
 
-// One row of W against one row of x, float32 sums. The portable loop; the AVX-512 and AVX2 ones below replace it where the
+// One row of W against one row of x, float32 sums. The portable loop; the AVX-512 ones below replace it where the
 // kernel is built for a CPU that has them.
 template <typename W>
 inline float dot_portable(int64_t K, const W* w, const float* x) {
@@ -96,44 +96,6 @@ inline float dot_avx512(int64_t K, const c10::BFloat16* w, const c10::BFloat16* 
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// AVX2-only CPUs (no AVX-512): the same streaming with 256-bit vectors, four sums in flight and float32 W prefetched
-// 2 KB ahead; bfloat16 W widened eight at a time (zero-extended to 32 bits and shifted into a float32's upper half)
-// against x already widened to float32 (`xs`, in L1).
-inline float reduce_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 s = _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d));
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
-inline __m256 load_widened(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_widened(const c10::BFloat16* p) {
-  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
-
-template <typename W>
-inline float dot_avx2(int64_t K, const W* w, const float* x) {
-  constexpr int64_t kAhead = 2048 / sizeof(W);  // elements of W 2 KB ahead
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 32 <= K; j += 32) {
-    for (int64_t l = 0; l < 32 * static_cast<int64_t>(sizeof(W)); l += 64)  // each 64-byte line of this block's W
-      _mm_prefetch(reinterpret_cast<const char*>(w + j + kAhead) + l, _MM_HINT_T0);
-    s0 = _mm256_fmadd_ps(load_widened(w + j), _mm256_loadu_ps(x + j), s0);
-    s1 = _mm256_fmadd_ps(load_widened(w + j + 8), _mm256_loadu_ps(x + j + 8), s1);
-    s2 = _mm256_fmadd_ps(load_widened(w + j + 16), _mm256_loadu_ps(x + j + 16), s2);
-    s3 = _mm256_fmadd_ps(load_widened(w + j + 24), _mm256_loadu_ps(x + j + 24), s3);
-  }
-  for (; j + 8 <= K; j += 8) s0 = _mm256_fmadd_ps(load_widened(w + j), _mm256_loadu_ps(x + j), s0);
-  float tail = 0;
-  for (; j < K; ++j) tail += widen(w[j]) * x[j];
-  return reduce_avx2(s0, s1, s2, s3) + tail;
-}
-#endif
-
 // w . x for one row of W: `xs` is x widened to float32, `xw` x in W's dtype.
 template <typename W>
 inline float row_dot(int64_t K, const W* w, const float* xs, const W* xw) {
@@ -142,9 +104,6 @@ inline float row_dot(int64_t K, const W* w, const float* xs, const W* xw) {
 #endif
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<W, float>) return dot_avx512(K, w, xs);
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  return dot_avx2<W>(K, w, xs);
 #endif
   (void)xw;
   return dot_portable<W>(K, w, xs);
