@@ -527,6 +527,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_pretrained.json", pretrained_rows),
     ("benchmarks/results/bench_decode.json", decode_rows),
     ("benchmarks/results/bench_decode_batch2.json", decode_batch_rows),
+    ("benchmarks/results/bench_decode_avx2_bf16.json", decode_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
 )
