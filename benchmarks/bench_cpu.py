@@ -176,7 +176,7 @@ def linear_rows(size: dict) -> dict:
             fns[f"streaming_{rows}"] = lambda x=x, y=y: [
                 dense._CPU_KERNEL.ops.linear_rows(x, w, None, y) for w in weights]
             fns[f"f_linear_{rows}"] = lambda x=x: [F.linear(x, w) for w in weights]
-            if dense.onednn_linear_available() and (dtype != torch.bfloat16 or dense._ONEDNN_BF16):  # AVX2: no bf16
+            if dense.onednn_matmul_supports(dtype):
                 fns[f"onednn_{rows}"] = lambda x=x: [
                     torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in weights]
         t = timings(fns, size["repeats"])

@@ -68,6 +68,12 @@ _CPU_KERNEL = register_cpu_kernel(
 STREAMING_MAX_ROWS = 2
 
 
+def onednn_matmul_supports(dtype: torch.dtype) -> bool:
+    """Whether ``dense_linear`` hands products of `dtype` (float32 or bfloat16) to oneDNN's matmul: where PyTorch has
+    oneDNN, and for bfloat16 only where the CPU has a bfloat16 matmul (AVX-512 or AMX)."""
+    return _ONEDNN and (dtype != torch.bfloat16 or _ONEDNN_BF16)
+
+
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     """Whether ``x W^T + b`` may leave F.linear: CPU float32 / bfloat16 in one dtype, outside autograd and autocast
     (which casts F.linear's inputs)."""
@@ -94,9 +100,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if streaming and not torch.compiler.is_compiling() and _CPU_KERNEL.available():  # (no fake kernel to trace)
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
-    elif _ONEDNN and (x.dtype != torch.bfloat16 or _ONEDNN_BF16):
+    elif onednn_matmul_supports(x.dtype):
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
-    elif x.dtype == torch.bfloat16 and not _ONEDNN_BF16:  # widened: the CPU has no bfloat16 matmul (BF16_WIDEN_NOTE)
+    elif x.dtype == torch.bfloat16:  # widened: the CPU has no bfloat16 matmul (BF16_WIDEN_NOTE)
         widened_bias = None if bias is None else bias.float()
         out = dense_linear(rows.float(), weight.float(), widened_bias).to(torch.bfloat16)
     else:
