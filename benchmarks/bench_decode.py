@@ -75,7 +75,7 @@ def variant(name: str):
 def machine_peaks(dtype: torch.dtype, quick: bool) -> dict:
     """Matmul GFLOP/s in `dtype` (2048^3, through ``dense_linear``: oneDNN's matmul, or for bfloat16 on a CPU without a
     bfloat16 matmul the widened float32 one, the fastest product the CPU offers in that dtype; torch's own bfloat16
-    matmul ran at 0.3 GFLOP/s on the AVX2-only EPYC) and read bandwidth GB/s (x.sum() over 512 MB), current threads."""
+    matmul ran at 0.32 GFLOP/s on the AVX2-only EPYC) and read bandwidth GB/s (x.sum() over 512 MB), current threads."""
     n, mb = (256, 16) if quick else (2048, 512)
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     x = torch.ones(mb * 2**20 // 4)

@@ -49,8 +49,10 @@ _ONEDNN_BF16 = _ONEDNN and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported"
 # BF16_WIDEN_NOTE. Without oneDNN's bfloat16 matmul (an AVX2-only CPU), F.linear multiplies bfloat16 in its own
 # kernels at 7 to 10 GFLOP/s on this 2-core AMD EPYC (1 thread, 2048 x 2048 weight, 16 to 512 rows), where widening x
 # and W to float32 for the float32 matmul and rounding the output once took 5 / 17 / 77 ms against 13 / 109 / 637 ms
-# (16 / 128 / 512 rows; measured at load 2, by hand). The result is F.linear's up to summation order: bfloat16 products
-# are exact in float32, and both accumulate in float32. One or two rows stream the bfloat16 weight instead.
+# (16 / 128 / 512 rows; by hand at load 2: a rough guide). On a quiet machine, the whole 1.3B Delta Net's bfloat16
+# prefill ran 3.6x / 3.0x F.linear's at 1 / 2 threads (benchmarks/bench_decode.py, bench_decode_avx2_bf16.json). The
+# result is F.linear's up to summation order: bfloat16 products are exact in float32, and both accumulate in float32.
+# One or two rows stream the bfloat16 weight instead.
 
 try:  # inside a saved model folder the C++ source travels as a string (transformers copies only Python modules)
     from .decode_linear_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
