@@ -16,13 +16,14 @@ which costs two more vocabulary-sized products per position (the fast pass then 
 (``fwl_fast_vocabulary="seen"``): its products cover those rows only. ``test_time_fwl_segment_start`` takes its
 per-token gradients at the fast weights of each segment's start (``fwl_gradient_point="segment_start"``, segments
 of the scoring's 128 tokens; each call begins a segment, so its fast pass shares the segment start's read of the
-carried sum). ``dynamic_output`` is dynamic
+carried sum); ``test_time_fwl_segment_start_seen`` the same on the seen rows only. ``dynamic_output`` is dynamic
 evaluation of the test-time FWL's fast part (final norm and an untied copy of the output embedding,
 ``training.document_eval.output_side_parameter_names``; SGD after every segment): its nearest, cheaper rival.
 With ``--fwl_model`` (a model ``training.finetune_fwl`` trained, ``<output_dir>/base_fwl/final``), ``trained_fwl``
 times that trained FWL (issue 17's row (3), its learned step sizes as they are) and ``trained_fwl_slow_only`` the same
 model with its fast update off (row (3')), ``trained_fwl_seen`` the trained FWL with its update on the seen rows
-(``training.document_eval.load_fwl_model``); all three are added to the default methods when the option is given.
+(``training.document_eval.load_fwl_model``; for a model trained with ``fwl_gradient_point="segment_start"``, the
+seen rows at that gradient point); all three are added to the default methods when the option is given.
 
     python benchmarks/bench_test_time_fwl.py [--tokens 1024] [--repeats 3] [--methods base test_time_fwl dynamic]
     python benchmarks/bench_test_time_fwl.py --quick      # a tiny check that it runs
@@ -50,7 +51,8 @@ from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 
 METHODS = (
     "base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_bf16", "test_time_fwl_with_gain",
-    "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "test_time_fwl_segment_start", "dynamic_output", "dynamic",
+    "test_time_fwl_with_gain_bf16", "test_time_fwl_seen", "test_time_fwl_segment_start",
+    "test_time_fwl_segment_start_seen", "dynamic_output", "dynamic",
 )
 # Timed only with ``--fwl_model``: the trained FWL (3), its slow head alone (3'), (3) with its update on the seen rows.
 TRAINED_METHODS = ("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")
@@ -110,6 +112,7 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
         test_time_fwl_with_gain_bf16=variant(WITH_GAIN_FAST_PARAMETERS, "bfloat16"),
         test_time_fwl_seen=variant(args.fwl_fast_parameters, None, "seen"),
         test_time_fwl_segment_start=variant(args.fwl_fast_parameters, None, gradient_point="segment_start"),
+        test_time_fwl_segment_start_seen=variant(args.fwl_fast_parameters, None, "seen", "segment_start"),
         dynamic_output=dynamic_output,
     )
     return {method: runs[method]() for method in args.methods}

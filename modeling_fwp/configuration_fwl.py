@@ -79,8 +79,9 @@ class FWLHeadConfigMixin:
             the gradient of position j taken at the fast weights as of the start of j's segment (the slow weights
             minus alpha times the gradients of every earlier segment), so that the fast weights keep accumulating
             across segments as dynamic evaluation's do; within a segment the paper's update. Not in Clark et al.;
-            needs ``fwl_segment_length`` and only output-layer parameters fast (E, its bias, c), without decay,
-            ``fwl_gradient_dtype`` or ``fwl_fast_vocabulary="seen"``. Costs one more vocabulary-sized product per
+            needs ``fwl_segment_length`` and only output-layer parameters fast (E, its bias, c), without decay or
+            ``fwl_gradient_dtype``; with ``fwl_fast_vocabulary="seen"`` each gradient at the segment start is kept
+            on the seen rows as with the paper's point. Costs one more vocabulary-sized product per
             position (the read of the segment start's sums) in calls that do not begin a segment; in those that do
             (scoring in calls of ``fwl_segment_length``) the fast pass shares it.
         fwl_fast_vocabulary: "full" (the paper: dCE/dz over the whole vocabulary) or "seen": the output layer's

@@ -401,6 +401,8 @@ class DenseFWLSlowHead(FWLSlowHead):
         # torch's fused softmax, then the columns: on CPU 5-10x faster than exp(logits[cols] - logsumexp(logits)),
         # whose logsumexp is not fused (a rough profile by hand, SmolLM2's 49,152 rows, 128 positions: about 2 ms
         # against 19)
+        if columns.numel() == 0:  # nothing seen yet (a call of padding alone): no row may change
+            return logits.new_zeros(*logits.shape[:-1], 0)
         grad = torch.softmax(logits, -1).index_select(-1, columns)
         where = torch.full((logits.shape[-1],), -1, dtype=torch.long, device=logits.device)
         where[columns] = torch.arange(columns.numel(), device=logits.device)
@@ -711,7 +713,7 @@ class _FastUpdates:
                 target = torch.zeros(B, V, D, dtype=dtype, device=used.device)
         for b in range(B):
             rows = None if S is None else S[b].index_select(0, cols)  # [n, D]
-            if rows is not None:
+            if rows is not None and not self.carried_read_done:
                 q = scaled_query[b].to(used.dtype)
                 z[b].index_add_(1, cols, dense_linear(q, rows.to(used.dtype)).to(z.dtype), alpha=-1)
             if target is not None:
@@ -853,7 +855,6 @@ class FWLHead(nn.Module):
             "fast_parameters": (bool(hidden), f"output-layer parameters only {list(OUTPUT_LAYER_TERMS)}, not {hidden}"),
             "decay_init": (decay_init is not None, "None (a decay is not supported with it)"),
             "gradient_dtype": (self.gradient_dtype is not None, "None (exact gradients)"),
-            "fast_vocabulary": (self.fast_vocabulary != "full", "'full'"),
             "slow": (self.slow.merge_previous_position, "a slow head with a dense output layer"),
         }
         for argument, (bad, expected) in problems.items():
@@ -996,7 +997,7 @@ class FWLHead(nn.Module):
         # fast_vocabulary="seen" outside autograd: dCE/dz is held on the seen rows only ([B, T, n], `columns`)
         columns = seen.columns if seen is not None and not torch.is_grad_enabled() else None
         if columns is not None and self._gradient_depth == 0 and "logits" in inter:
-            keys, values = self._seen_output_gradient_terms(inter, input_ids, mask, state, seen)
+            keys, values = self._seen_output_gradient_terms(gradient_inter, input_ids, mask, state, seen)
         else:
             keys, values = self._gradient_terms(  # (the segment-start logits are this call's own: in place)
                 gradient_inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place or carried_read_done
@@ -1133,6 +1134,9 @@ class FWLHead(nn.Module):
         prev_weights, _ = _teaching_weights(state, mask, dtype)
         prev = {"o": state["prev.o"], "logits": state["prev.logits"]}
         g = self.slow.per_token_gradients(prev, input_ids[:, :1], prev_weights, 0)["logits"]  # dCE/dz, [B, 1, V]
+        if self.fast_vocabulary == "seen":  # the rows its entry (0 of this call's values) may change, as there
+            first_mask = None if mask is None else mask[:, :1]
+            g = SeenVocabulary(state, input_ids[:, :1], first_mask, self.slow.vocab_size).restrict(g)
         sums = {}
         for name in self.fast_parameter_names:
             carried = state.get(f"sum.{name}")

@@ -205,6 +205,16 @@ def test_trained_segment_start_row_quotes_the_trained_fwl_and_its_neighbours(tmp
     (tmp_path / "b.json").write_text(json.dumps(data))
     [row] = results_table.trained_segment_start_rows(results_table.Source(tmp_path, "b.json"))
     assert row[2].startswith(results_table.NA)
+    # timed with the update on the seen rows too (trained and test-time): both ratios quoted beside the others
+    data["seconds"]["trained_fwl_seen"] = {"median": 2.2, "best": 1.0, "all": [1.0, 2.2, 2.4]}
+    data["seconds"]["test_time_fwl_segment_start_seen"] = {"median": 2.1, "best": 1.1, "all": [1.1, 2.1, 2.3]}
+    data["seconds"]["trained_fwl_slow_only"] = {"median": 1.9, "best": 0.95, "all": [0.95, 1.9, 2.0]}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    [row] = results_table.trained_segment_start_rows(results_table.Source(tmp_path, "c.json"))
+    assert row[1] == ("**1.25x the base; its update on the seen rows (`fwl_fast_vocabulary=\"seen\"`) 1.10x** median; "
+                      "1.25x the base; its update on the seen rows (`fwl_fast_vocabulary=\"seen\"`) 1.00x best")
+    assert row[2].startswith("its slow head alone (3') 0.95x; test-time FWL on (1): segment start 1.40x, on the seen "
+                             "rows 1.05x, the paper's update 1.30x; base 2.00 s median")
 
 
 def test_one_table_row_quotes_the_goals_and_perplexities(tmp_path):

@@ -374,11 +374,12 @@ def test_trained_fwl_seen_rows_loads_the_saved_model_with_the_restriction(tmp_pa
         load_fwl_model(str(tmp_path / "plain"), "--fwl_model")
 
 
-def gradient_point_reference(o, ids, E, alpha, point, segment_length):
+def gradient_point_reference(o, ids, E, alpha, point, segment_length, seen_rows=False):
     """The output side (E, c) made fast one position at a time, each per-token gradient by autograd: weights at t =
     the segment's start minus alpha times the gradients of its earlier positions (none for
     "segment_start_no_in_segment"); a segment's start = the previous start minus alpha times all its gradients;
-    gradients at the slow (E, 0) for "slow", at the segment's start otherwise."""
+    gradients at the slow (E, 0) for "slow", at the segment's start otherwise. With `seen_rows`, the gradient of
+    position t keeps only E's rows and c's entries of the tokens x_0 .. x_{t+1}."""
     slow = (E.double(), torch.zeros(E.shape[0], dtype=torch.float64))
     start, nll, o, T = slow, [], o.double(), ids.numel() - 1
 
@@ -392,8 +393,10 @@ def gradient_point_reference(o, ids, E, alpha, point, segment_length):
                 s - alpha * g for s, g in zip(start, summed))
             nll.append(float(loss(current, t)))
             at = [w.clone().requires_grad_(True) for w in (slow if point == "slow" else start)]
+            seen = torch.zeros(E.shape[0], dtype=torch.float64)
+            seen[ids[: t + 2]] = 1
             for g, d in zip(summed, torch.autograd.grad(loss(at, t), at)):
-                g += d
+                g += d * seen.view(-1, *[1] * (d.dim() - 1)) if seen_rows else d
         start = tuple(s - alpha * g for s, g in zip(start, summed))
     return torch.tensor(nll, dtype=torch.float64)
 
@@ -465,20 +468,28 @@ def test_gradient_point_benchmark_command_line_on_the_base_and_on_a_trained_fwl(
         bench.main(common + ["--fwl_model", str(tmp_path / "fwl_gain")])
 
 
-def test_segment_start_gradient_point_equals_the_per_token_reference_however_the_text_is_split():
+@pytest.mark.parametrize("vocabulary", ["full", "seen"])
+def test_segment_start_gradient_point_equals_the_per_token_reference_however_the_text_is_split(vocabulary):
     """``fwl_gradient_point="segment_start"`` (segments of 6 positions) scored in calls of 5 (misaligned with the
-    segments), in one call, and one token at a time: equal to per-token autograd from the definition and to the
-    benchmark's loop; generation cached = uncached; "slow" differs once a segment has passed."""
+    segments), in one call, and one token at a time: equal to per-token autograd from the definition (with
+    ``fast_vocabulary="seen"``, each gradient on the rows of the tokens so far) and to the benchmark's loop;
+    generation cached = uncached; "slow" differs once a segment has passed."""
     base, ids, alpha = tiny_llama(), ids_of(17, seed=3)[0], 0.3
     with torch.no_grad():
         o = base.model(input_ids=ids[None]).last_hidden_state[0]
     E = base.get_output_embeddings().weight.detach()
-    expected = gradient_point_reference(o, ids, E, alpha, "segment_start", 6)
-    model = build_test_time_fwl(tiny_llama(), step_size=alpha, gradient_point="segment_start", segment_length=6)
+    seen = vocabulary == "seen"
+    expected = gradient_point_reference(o, ids, E, alpha, "segment_start", 6, seen_rows=seen)
+    model = build_test_time_fwl(tiny_llama(), step_size=alpha, gradient_point="segment_start", segment_length=6,
+                                fast_vocabulary=vocabulary)
     in_fives = torch.from_numpy(score_document(model, ids, segment_length=5))
     torch.testing.assert_close(in_fives, expected, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(gradient_point_module().output_side_nll(o, ids, E, alpha, "segment_start", 6).double(),
-                               expected, rtol=1e-4, atol=1e-5)
+    if seen:  # (the restriction changes the result: VOCAB = 40 rows, 15 of them seen at the end)
+        full = gradient_point_reference(o, ids, E, alpha, "segment_start", 6)
+        assert (full - expected).abs().max() > 1e-3
+    else:
+        torch.testing.assert_close(gradient_point_module().output_side_nll(o, ids, E, alpha, "segment_start", 6).double(),
+                                   expected, rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         whole = model(ids[None]).logits
         out, steps = None, []
@@ -491,28 +502,32 @@ def test_segment_start_gradient_point_equals_the_per_token_reference_however_the
     torch.testing.assert_close(F.cross_entropy(whole[0, :-1], ids[1:], reduction="none").double(), expected,
                                rtol=1e-4, atol=1e-5)
     assert torch.equal(cached, uncached)
-    slow = torch.from_numpy(score_document(build_test_time_fwl(tiny_llama(), step_size=alpha), ids, 5))
+    slow = torch.from_numpy(score_document(build_test_time_fwl(tiny_llama(), step_size=alpha,
+                                                               fast_vocabulary=vocabulary), ids, 5))
     torch.testing.assert_close(slow[:6], in_fives[:6])  # the first segment starts at the slow weights
     assert (slow[6:] - in_fives[6:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_segment_start_calls_of_whole_segments_equal_the_reference_with_the_carried_read_folded_or_not(monkeypatch, fold):
+@pytest.mark.parametrize("fold,vocabulary", [(False, "full"), (True, "full"), (False, "seen"), (True, "seen")])
+def test_segment_start_calls_of_whole_segments_equal_the_reference_with_the_carried_read_folded_or_not(
+        monkeypatch, fold, vocabulary):
     """Calls that each score one whole segment (the scoring's case, where E's carried sum is read once for the
     gradients and the fast pass): that read as a product with the sum S, or folded into the fast weights E - alpha S
     (``FWLHead._folded_preactivation``, for calls of at least ``_FOLD_CARRIED_SUM_MIN_POSITIONS`` positions), equal
-    to per-token autograd from the definition; in a batch of two different texts each row equals its own."""
+    to per-token autograd from the definition, with the gradients on the seen rows or not; in a batch of two
+    different texts each row equals its own."""
     from modeling_fwp import fwl as fwl_module
 
     monkeypatch.setattr(fwl_module, "_FOLD_CARRIED_SUM_MIN_POSITIONS", 1 if fold else 10**9)
     base, alpha = tiny_llama(), 0.3
     E = base.get_output_embeddings().weight.detach()
-    model = build_test_time_fwl(tiny_llama(), step_size=alpha, gradient_point="segment_start", segment_length=6)
+    model = build_test_time_fwl(tiny_llama(), step_size=alpha, gradient_point="segment_start", segment_length=6,
+                                fast_vocabulary=vocabulary)
     texts = ids_of(19, seed=5, batch=2)
     for ids in texts:
         with torch.no_grad():
             o = base.model(input_ids=ids[None]).last_hidden_state[0]
-        expected = gradient_point_reference(o, ids, E, alpha, "segment_start", 6)
+        expected = gradient_point_reference(o, ids, E, alpha, "segment_start", 6, seen_rows=vocabulary == "seen")
         scored = torch.from_numpy(score_document(model, ids, segment_length=6))
         torch.testing.assert_close(scored, expected, rtol=1e-4, atol=1e-5)
     with torch.no_grad():
@@ -528,14 +543,17 @@ def test_segment_start_calls_of_whole_segments_equal_the_reference_with_the_carr
         torch.testing.assert_close(model(texts).logits, base(texts).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_cannot_do(tmp_path):
-    """With autograd on (training), the same logits as without; the loss reaches the step sizes; saved and loaded, the
-    same model. A hidden-layer parameter, a decay, bf16 gradients, the seen-rows restriction or a missing segment
-    length: ValueError naming it."""
-    model = build_test_time_fwl(tiny_llama(), step_size=0.3, gradient_point="segment_start", segment_length=4)
+@pytest.mark.parametrize("vocabulary", ["full", "seen"])
+def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_cannot_do(tmp_path, vocabulary):
+    """With autograd on (training), the same logits as without (the gradients on the seen rows or not); the loss
+    reaches the step sizes; saved and loaded, the same model; left padding changes nothing. A hidden-layer
+    parameter, a decay, bf16 gradients or a missing segment length: ValueError naming it."""
+    model = build_test_time_fwl(tiny_llama(), step_size=0.3, gradient_point="segment_start", segment_length=4,
+                                fast_vocabulary=vocabulary)
     model.save_pretrained(tmp_path / "saved")
     loaded = FWLForCausalLM.from_pretrained(tmp_path / "saved").eval()
     assert (loaded.fwl_head.gradient_point, loaded.fwl_head.segment_length) == ("segment_start", 4)
+    assert loaded.fwl_head.fast_vocabulary == vocabulary
     model.fwl_head.raw_step_size.requires_grad_(True)
     ids = ids_of(11, seed=4, batch=2)
     mask = torch.ones_like(ids)
@@ -558,7 +576,6 @@ def test_segment_start_gradient_point_trains_like_it_scores_and_refuses_what_it_
     for change, argument in [(dict(fwl_fast_parameters=["norm.weight", "output_bias"]), "fast_parameters"),
                              (dict(fwl_decay_init=0.5), "decay_init"), (dict(fwl_gradient_dtype="bfloat16"),
                                                                        "gradient_dtype"),
-                             (dict(fwl_fast_vocabulary="seen"), "fast_vocabulary"),
                              (dict(fwl_segment_length=None), "fwl_segment_length")]:
         with pytest.raises(ValueError, match=argument):
             FWLForCausalLM.from_base_pretrained(tiny_llama(), **{**fwl_config, **change})
