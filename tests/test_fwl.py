@@ -581,6 +581,12 @@ def test_finetune_script_passes_the_head_options_to_the_new_fwl_model(tmp_path, 
                           "output_bias", "--fwl_gradient_point", "segment_start", "--fwl_segment_length", "8"]
     head = finetune_fwl.new_fwl_model(finetune_fwl.parse_args(output_side)).fwl_head
     assert (head.gradient_point, head.segment_length, head.decay) == ("segment_start", 8, None)
+    assert head.fast_vocabulary == "full"
+    head = finetune_fwl.new_fwl_model(finetune_fwl.parse_args(output_side + ["--fwl_fast_vocabulary", "seen"])).fwl_head
+    assert (head.gradient_point, head.fast_vocabulary) == ("segment_start", "seen")
+    with pytest.raises(ValueError, match="fast_vocabulary"):  # no fast output-layer parameter to restrict
+        finetune_fwl.new_fwl_model(finetune_fwl.parse_args(argv + ["--fwl_fast_parameters", "norm.weight",
+                                                                   "--fwl_fast_vocabulary", "seen"]))
     with pytest.raises(ValueError, match="fast_parameters"):  # the MLP head's parameters cannot use it
         finetune_fwl.new_fwl_model(finetune_fwl.parse_args(
             argv + ["--fwl_gradient_point", "segment_start", "--fwl_segment_length", "8"]))

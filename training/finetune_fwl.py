@@ -83,6 +83,10 @@ class ModelArguments:
         "choices": ["slow", "segment_start"],  # modeling_fwp.configuration_fwl.GRADIENT_POINTS (imported lazily here)
         "help": "where the per-token gradients are taken: the slow weights (the paper) or the fast weights of each "
                 "segment's start (output-layer fast parameters only; needs --fwl_segment_length)"})
+    fwl_fast_vocabulary: str = field(default="full", metadata={
+        "choices": ["full", "seen"],  # modeling_fwp.configuration_fwl.FAST_VOCABULARIES
+        "help": "the output layer's fast update on the whole vocabulary (the paper) or on the rows of the tokens seen "
+                "so far only (cheaper; needs a fast output-layer parameter)"})
     freeze_base: bool = field(default=False, metadata={"help": "train the FWL head only in stage (3)"})
     fwl_head_type: str = field(default="mlp", metadata={
         "choices": ["mlp", "output"],
@@ -406,7 +410,8 @@ def new_fwl_model(args: ParsedArguments) -> PreTrainedModel:
                   "fwl_residual": args.fwl_residual and args.fwl_head_type == "mlp"}
     if args.fwl_fast_parameters is not None:
         fwl_config["fwl_fast_parameters"] = args.fwl_fast_parameters
-    for name in ("fwl_intermediate_size", "fwl_decay_init", "fwl_segment_length", "fwl_gradient_point"):
+    for name in ("fwl_intermediate_size", "fwl_decay_init", "fwl_segment_length", "fwl_gradient_point",
+                 "fwl_fast_vocabulary"):
         if getattr(args, name) is not None:
             fwl_config[name] = getattr(args, name)
     return FWLForCausalLM.from_base_pretrained(args.model_name_or_path, freeze_base=args.freeze_base, **fwl_config)
