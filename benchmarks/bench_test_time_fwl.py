@@ -118,6 +118,16 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
     return {method: runs[method]() for method in args.methods}
 
 
+def trained_head_settings(runs: Dict[str, Tuple[torch.nn.Module, Optional[DynamicEvaluation], Callable]]) -> Dict:
+    """``{"trained_fwl_head": {gradient_point, fast_vocabulary, fast_parameters}}`` of the trained FWL (3) as loaded
+    (what its row in the results table says it was), or {} when no trained method is timed."""
+    head = next((runs[m][0].fwl_head for m in ("trained_fwl", "trained_fwl_slow_only") if m in runs), None)
+    if head is None:
+        return {}
+    return {"trained_fwl_head": {"gradient_point": head.gradient_point, "fast_vocabulary": head.fast_vocabulary,
+                                 "fast_parameters": list(head.fast_parameter_names)}}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="checkpoints/smollm2-135m")
@@ -177,7 +187,7 @@ def main(argv=None):
             print(f"{name}: {ratios[name]['of_medians']:.2f}x (of medians)")
     if not args.quick:
         record.write(args.output, {"settings": vars(args), "tokens": ids.numel() - 1, "seconds": timings,
-                                   "time_vs_base": ratios})
+                                   "time_vs_base": ratios, **trained_head_settings(runs)})
         print(f"results: {args.output}")
 
 

@@ -458,9 +458,10 @@ def trained_segment_start_rows(s: Source) -> List[Row]:
     """benchmarks/bench_test_time_fwl.py with ``--fwl_model`` a trained FWL whose gradients are taken at each
     segment's start (issue 17's first goal), interleaved with its slow head, both test-time updates and the base."""
     t = s.timings("base", "test_time_fwl", "test_time_fwl_segment_start", "trained_fwl", "trained_fwl_slow_only")
+    trained_on = ", trained with its update on the seen rows" if s.get("trained_fwl_head.fast_vocabulary") == "seen" else ""
     what = fill("trained FWL (3) with its gradients at each segment's start (`fwl_gradient_point=\"segment_start\"`, "
-                "segments of 128), {f}: scoring time, same protocol, {k}-token document ({th} threads, {r} interleaved "
-                "rounds)", f=s.get("settings.fwl_model"), k=s.get("tokens"), th=s.get("settings.threads"),
+                "segments of 128){t}, {f}: scoring time, same protocol, {k}-token document ({th} threads, {r} interleaved "
+                "rounds)", t=trained_on, f=s.get("settings.fwl_model"), k=s.get("tokens"), th=s.get("settings.threads"),
                 r=s.get("settings.repeats"))
     template, pairs = "{a:.2f}x the base", {"a": pdiv(t["trained_fwl"], t["base"])}
     others = dict(b=pdiv(t["trained_fwl_slow_only"], t["base"]), c=pdiv(t["test_time_fwl_segment_start"], t["base"]),

@@ -215,6 +215,11 @@ def test_trained_segment_start_row_quotes_the_trained_fwl_and_its_neighbours(tmp
                       "1.25x the base; its update on the seen rows (`fwl_fast_vocabulary=\"seen\"`) 1.00x best")
     assert row[2].startswith("its slow head alone (3') 0.95x; test-time FWL on (1): segment start 1.40x, on the seen "
                              "rows 1.05x, the paper's update 1.30x; base 2.00 s median")
+    assert "trained with its update on the seen rows" not in row[0]
+    data["trained_fwl_head"] = {"gradient_point": "segment_start", "fast_vocabulary": "seen"}  # as the bench records it
+    (tmp_path / "d.json").write_text(json.dumps(data))
+    [row] = results_table.trained_segment_start_rows(results_table.Source(tmp_path, "d.json"))
+    assert "segments of 128), trained with its update on the seen rows, outputs/s/base_fwl/final" in row[0]
 
 
 def test_one_table_row_quotes_the_goals_and_perplexities(tmp_path):

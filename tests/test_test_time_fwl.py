@@ -340,6 +340,12 @@ def test_bench_test_time_fwl_quick_times_every_method(tmp_path, word_tokenizer, 
     assert not (tmp_path / "unused.json").exists()  # --quick writes no result file
     with pytest.raises(ValueError, match="--fwl_model"):
         bench.main(["--quick", "--model", str(tmp_path / "model"), "--methods", "base", "trained_fwl"])
+    # the result file names what the trained FWL was (its row in the results table says it)
+    trained = FWLForCausalLM.from_pretrained(tmp_path / "fwl")
+    assert bench.trained_head_settings({"base": (None, None, None), "trained_fwl_slow_only": (trained, None, None)}) == {
+        "trained_fwl_head": {"gradient_point": "slow", "fast_vocabulary": "full",
+                             "fast_parameters": list(trained.fwl_head.fast_parameter_names)}}
+    assert bench.trained_head_settings({"base": (None, None, None)}) == {}
 
 
 def test_trained_fwl_seen_rows_loads_the_saved_model_with_the_restriction(tmp_path):
