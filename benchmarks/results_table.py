@@ -520,6 +520,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_generation.json", generation_rows),
     ("benchmarks/results/bench_kernels.json", kernel_rows),
     ("benchmarks/results/bench_kernels_avx2.json", kernel_rows),
+    ("benchmarks/results/bench_kernels_avx2_2t.json", kernel_rows),
     ("benchmarks/results/bench_training.json", training_rows),
     ("benchmarks/results/bench_rfwp.json", rfwp_rows),
     ("benchmarks/results/bench_transfo_xl.json", transfo_xl_rows),
