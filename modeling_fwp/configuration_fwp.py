@@ -5,6 +5,8 @@ fast-weight layer (``update_rule``, feature map, normalisation, and for the recu
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from transformers import PreTrainedConfig
 
 FEATURE_MAPS = ("elu", "dpfp", "favor", "relu", "identity", "silu")
@@ -27,7 +29,7 @@ LINEAR_LAYER_OPTIONS = (
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-def check_sizes(config, names, owner: str = "") -> None:
+def check_sizes(config: PreTrainedConfig, names: Iterable[str], owner: str = "") -> None:
     """Raises a ValueError naming the field unless each of ``config.<name>`` (``names``) is an int >= 1 (a size of 0
     builds empty tensors that fail much later, or not at all). ``owner`` prefixes the name (``"text_config."``)."""
     for name in names:

@@ -12,7 +12,7 @@ attribute selects.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -304,7 +304,7 @@ class GatedDeltaNetLayer(FastWeightLinearAttention):
         return out, {"fast_weight": fast_weight}
 
 
-def split_fused_qkv_projection(state_dict, prefix, *args) -> None:
+def split_fused_qkv_projection(state_dict: Dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
     """``load_state_dict`` pre-hook: a state dict of the older layout, one fused ``qkv_proj.weight [3 H d, D]`` (rows:
     W_q, W_k, W_v), is split into ``q_proj``, ``k_proj`` and ``v_proj`` in place."""
     fused = state_dict.pop(prefix + "qkv_proj.weight", None)

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -36,7 +36,7 @@ UNSUPPORTED_LOGIT_TRANSFORMS = {
 }
 
 
-def logit_softcapping(text_config) -> Optional[float]:
+def logit_softcapping(text_config: PreTrainedConfig) -> Optional[float]:
     """The soft-capping of a base model's logits (None: none); a ValueError naming the field if the base transforms
     its logits in a way the FWL's output layer does not reproduce."""
     config = text_config.get_text_config()

@@ -29,7 +29,10 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict
 
 from .packages import locate_data_package
 
@@ -407,7 +410,7 @@ def prepare_wiki(
     return paths
 
 
-def load_wiki_splits(data_dir: str | Path, by: str = "paragraph"):
+def load_wiki_splits(data_dir: str | Path, by: str = "paragraph") -> DatasetDict:
     """Load the prepared splits with datasets' "text" loader (offline): a DatasetDict with "text".
 
     `by="paragraph"` gives one example per document (blocks are separated by blank lines);

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 from transformers import (  # noqa: E402
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
@@ -114,7 +115,9 @@ def parse_args(argv: list[str] | None = None) -> ParsedArguments:
 # --------------------------------------------------------------------------------------------------
 
 
-def tokenize_splits(data_dir: Path, tokenizer: PreTrainedTokenizerBase, block_size: int):
+def tokenize_splits(
+    data_dir: Path, tokenizer: PreTrainedTokenizerBase, block_size: int
+) -> tuple[datasets.Dataset, torch.Tensor, torch.Tensor, int]:
     """Return (train segments Dataset with input_ids/labels, train ids, valid ids, train documents).
 
     Each document is followed by eos; documents are concatenated and cut into `block_size` segments
@@ -179,7 +182,9 @@ def unigram_loss(train_ids: list[int], blocks: list[torch.Tensor], vocab_size: i
 
 
 @torch.no_grad()
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> dict[str, Any]:
+def generate_text(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int, seed: int
+) -> dict[str, Any]:
     """Sample a continuation (seeded, cache on) and compare greedy decoding with and without cache."""
     model.eval()
     enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
@@ -289,7 +294,9 @@ def run_training(
     }
 
 
-def save_and_reload(model, tokenizer, model_dir: Path, probe: torch.Tensor, prompt: str) -> tuple[float, bool]:
+def save_and_reload(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_dir: Path, probe: torch.Tensor, prompt: str
+) -> tuple[float, bool]:
     """Saves model and tokenizer, loads them back with the Auto classes and returns (max |logit difference| on
     ``probe [1, T]``, whether the tokenizer round trip of ``prompt`` gives the same ids)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -44,7 +44,7 @@ import math  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, ContextManager, Dict, List, Literal, Mapping, Optional, Sequence, Tuple  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Literal, Mapping, Optional, Sequence, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -55,6 +55,9 @@ from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
 
 from .arguments import ParsedArguments, parse_arguments, require_positive  # noqa: E402
 from .dynamic_eval import DynamicEvaluation, detach_cache, eval_mode, swapped_parameters  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("training.document_eval")
 
@@ -142,7 +145,9 @@ class TokenScores:
         }
 
 
-def encode_documents(tokenizer, documents: Sequence[str], max_length: Optional[int]) -> List[torch.Tensor]:
+def encode_documents(
+    tokenizer: PreTrainedTokenizerBase, documents: Sequence[str], max_length: Optional[int]
+) -> List[torch.Tensor]:
     """Each document's ids followed by the tokenizer's eos (``[n]`` long tensors), cut to `max_length` tokens."""
     out = []
     for doc in documents:
@@ -151,7 +156,7 @@ def encode_documents(tokenizer, documents: Sequence[str], max_length: Optional[i
     return out
 
 
-def train_token_counts(tokenizer, documents: Sequence[str]) -> np.ndarray:
+def train_token_counts(tokenizer: PreTrainedTokenizerBase, documents: Sequence[str]) -> np.ndarray:
     """``[vocab]`` occurrences of every token id in `documents` (the training split): rare-token buckets."""
     counts = np.zeros(len(tokenizer), dtype=np.int64)
     for ids in tokenizer(list(documents), add_special_tokens=False).input_ids:
@@ -172,7 +177,7 @@ def prior_occurrences(ids: torch.Tensor) -> np.ndarray:
 
 
 def segment_nll(
-    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cache, params: Optional[Dict[str, torch.Tensor]]
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cache: Any, params: Optional[Dict[str, torch.Tensor]]
 ) -> Tuple[torch.Tensor, Any]:
     """``[T]`` NLL of ``targets [1, T]`` given ``inputs [1, T]`` and the carried cache (``params`` swapped in);
     returns (nll, the cache after the segment). The model gets ``input_ids`` (the FWL learns from them)."""

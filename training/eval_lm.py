@@ -246,7 +246,7 @@ class DynamicEvalArguments:
         "help": "adapt only these parameters (names or fnmatch globs; default: all)"})
 
 
-def parse_args(argv=None) -> ParsedArguments:
+def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
     """The command line (``--help``: every option with its default); ValueError names a bad option."""
     args = parse_arguments((EvalArguments, DynamicEvalArguments), argv, description=__doc__)
     require_positive(args, ("block_size", "mem_len", "max_eval_tokens", "threads", "window_size", "stride",
@@ -263,7 +263,7 @@ def parse_args(argv=None) -> ParsedArguments:
     return args
 
 
-def main(argv=None) -> List[Dict[str, object]]:
+def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     if args.threads:

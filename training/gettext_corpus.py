@@ -22,7 +22,10 @@ import hashlib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3: train_seq2seq's PAD, BOS, EOS
 
@@ -67,7 +70,7 @@ def split_of(source: str, valid_permille: int, test_permille: int) -> str:
     return "valid" if bucket < valid_permille else "test" if bucket < valid_permille + test_permille else "train"
 
 
-def train_bpe(texts: Sequence[str], vocab_size: int):
+def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     """A joint BPE (``tokenizers``) over both languages, as the paper's shared 32K BPE: ids 0..3 are
     ``SPECIAL_TOKENS``; Metaspace pre-tokenisation, so decoding gives back the text."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers

@@ -59,6 +59,7 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
@@ -213,7 +214,9 @@ def build_config(args: ParsedArguments, tokenizer: PreTrainedTokenizerBase) -> P
     return config
 
 
-def evaluate_split(model, tokenizer, split: str, documents: List[str], args: ParsedArguments) -> List[Dict[str, Any]]:
+def evaluate_split(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, split: str, documents: List[str], args: ParsedArguments
+) -> List[Dict[str, Any]]:
     """Two evaluation entries (``model_cards`` format) for a split: perplexity with the state carried through the
     whole split (batch 1), and perplexity of independent segments (each read from an empty state)."""
     if not documents:

@@ -37,13 +37,13 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Literal, Optional, Sequence
+from typing import Any, Dict, List, Literal, Optional, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
-    BartConfig, BartForConditionalGeneration, Seq2SeqTrainer, Seq2SeqTrainingArguments,
+    BartConfig, BartForConditionalGeneration, PreTrainedModel, Seq2SeqTrainer, Seq2SeqTrainingArguments,
 )
 
 from modeling_fwp import FastWeightSeq2SeqConfig, FastWeightSeq2SeqForConditionalGeneration  # noqa: E402
@@ -179,7 +179,7 @@ def collate(examples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     return batch
 
 
-def build_model(args: ModelArguments, vocab_size: int, max_len: int):
+def build_model(args: ModelArguments, vocab_size: int, max_len: int) -> PreTrainedModel:
     """The fast-weight model of the arguments, or the softmax baseline (BART) of the same size."""
     common = dict(vocab_size=vocab_size, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
                   decoder_start_token_id=PAD)
@@ -209,7 +209,9 @@ def build_model(args: ModelArguments, vocab_size: int, max_len: int):
 
 
 @torch.no_grad()
-def score(model, task: CipherTask, examples, num_beams: int, batch_size: int) -> Dict[str, float]:
+def score(
+    model: PreTrainedModel, task: CipherTask, examples: Sequence[Dict[str, Any]], num_beams: int, batch_size: int
+) -> Dict[str, float]:
     """Beam-search translations of ``examples``: corpus BLEU and chrF (sacrebleu) and exact-match accuracy."""
     import sacrebleu
 

@@ -34,7 +34,7 @@ import time  # noqa: E402
 from collections import Counter  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Dict, List, Optional  # noqa: E402
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 from transformers import TrainingArguments, default_data_collator  # noqa: E402
@@ -45,6 +45,9 @@ from modeling_fwp.convert_transfo_xl import build_word_level_tokenizer  # noqa: 
 
 from .arguments import ParsedArguments, parse_arguments, require_positive  # noqa: E402
 from .trainer_utils import StateCarryingTrainer, budget_optimizers, segment_dataset  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("training.train_transfo_xl")
 
@@ -70,7 +73,7 @@ def build_word_vocabulary(documents: List[str], min_count: int = 3, max_size: Op
     return SPECIALS + words[: None if max_size is None else max_size - len(SPECIALS)]
 
 
-def encode_stream(tokenizer, documents: List[str]) -> torch.Tensor:
+def encode_stream(tokenizer: PreTrainedTokenizerBase, documents: List[str]) -> torch.Tensor:
     """One stream of ids: every document followed by ``<eos>``."""
     ids: List[int] = []
     for doc in documents:
@@ -98,7 +101,9 @@ def small_config(vocab_size: int, args: ParsedArguments) -> TransfoXLConfig:
     )
 
 
-def continued_model(directory: Path, args: Any):
+def continued_model(
+    directory: Path, args: Any
+) -> Tuple[TransfoXLForCausalLM, PreTrainedTokenizerBase, int]:
     """(model, tokenizer, first data segment) to continue the run saved in `directory`: its architecture and weights,
     plus a new FWL head when ``args.use_fwl`` (the only parameters not found in the checkpoint)."""
     from transformers import AutoTokenizer
@@ -199,7 +204,7 @@ TRAINING_DEFAULTS = dict(
 )
 
 
-def parse_args(argv=None) -> ParsedArguments:
+def parse_args(argv: Optional[List[str]] = None) -> ParsedArguments:
     """The command line (``--help``: every option with its default); ValueError names a bad option."""
     args = parse_arguments((TransfoXLModelArguments, TransfoXLDataArguments, TrainingArguments), argv,
                            description=__doc__, defaults=TRAINING_DEFAULTS)
@@ -211,7 +216,7 @@ def parse_args(argv=None) -> ParsedArguments:
     return args
 
 
-def main(argv=None) -> Dict[str, object]:
+def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     if args.threads:
