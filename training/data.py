@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
+from .packages import locate_data_package
+
 if TYPE_CHECKING:
     from datasets import DatasetDict
-
-from .packages import locate_data_package
 
 logger = logging.getLogger(__name__)
 
