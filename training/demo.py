@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> ParsedArguments:
 
 def tokenize_splits(
     data_dir: Path, tokenizer: PreTrainedTokenizerBase, block_size: int
-) -> tuple[datasets.Dataset, torch.Tensor, torch.Tensor, int]:
+) -> tuple[datasets.Dataset, list[int], list[int], int]:
     """Return (train segments Dataset with input_ids/labels, train ids, valid ids, train documents).
 
     Each document is followed by eos; documents are concatenated and cut into `block_size` segments

@@ -418,7 +418,7 @@ def new_fwl_model(args: ParsedArguments) -> PreTrainedModel:
 
 
 def whole_documents_stage(args: ParsedArguments, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                          finetuned: Stage, banner: Callable[[str], None]) -> Optional[Dict[str, object]]:
+                          finetuned: Stage, banner: Callable[[str, str, float], None]) -> Optional[Dict[str, object]]:
     """The last stage: issue 17 item 4's rows ((1), (2), (2) + dynamic evaluation, (3) = `model`, (3'), the
     test-time-only FWL on (2) and on (1)) on whole held-out documents (``--document_eval_*``) with the goals' check;
     None when the documents' test.txt is missing."""
