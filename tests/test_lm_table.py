@@ -52,6 +52,42 @@ def test_table_shows_mean_and_spread_over_seeds(tmp_path):
     assert "| 11.0 ± 1.4 |" in row and "| 0, 1 |" in row and "| 31.8 / 32.8 |" in row and "| 2.00 |" in row
 
 
+def test_full_context_row_is_compared_with_the_papers_full_context_number():
+    runs = [{"seed": 0, "parameters": 2e6, "training": {"tokens_per_second": 100.0, "carry_state": True},
+             "evaluation": [{"split": "test", "protocol": "carried_state", "perplexity": 50.0}]}]
+    row = lm_table.table_row("delta_rnn", runs, full_context=True)
+    assert row.startswith("| Delta RNN + full context | 0 |") and row.endswith("| - | 31.8 / 32.8 | 44.6 |")
+    assert "| 50.0 |" in row
+
+
+def test_carried_state_runs_are_kept_apart_and_get_their_own_row(tiny_wiki, tmp_path):
+    """``--carry_state``: trained with the state carried (train_lm's StateCarryingTrainer), written to
+    ``<family>_full_context_seed<seed>.json`` beside the independent-segment run of the same family and seed (whose
+    file does not mark it done), and shown in a row of its own."""
+    results = tmp_path / "results"
+    results.mkdir()
+    segments = {"run": {"command": "python -m training.lm_table --families delta_net"}, "family": "delta_net",
+                "seed": 0, "parameters": 10.5e6, "training": {"tokens_per_second": 500.0, "tokens_seen": 192,
+                                                              "block_size": 32, "carry_state": False},
+                "data": {"source": "data/wiki", "train_tokens": 650160, "vocab_size": 300},
+                "window_size": 32, "stride": 8,
+                "evaluation": [{"split": "test", "protocol": "sliding_window", "perplexity": 77.7}]}
+    (results / "delta_net_seed0.json").write_text(json.dumps(segments))
+    argv = quick_argv(tiny_wiki, tmp_path) + ["--families", "delta_net", "--carry_state", "--results_files_dir",
+                                              str(results)]
+    done = lm_table.main(argv)
+    assert [p.name for p in done["runs"]] == ["delta_net_full_context_seed0.json"]
+    carried = json.loads(done["runs"][0].read_text())
+    assert carried["training"]["carry_state"] and carried["training"]["num_streams"] == 2
+    assert (tmp_path / "table" / "runs" / "delta_net_full_context_seed0" / "model").is_dir()
+    rows = [line for line in (tmp_path / "lm_table.md").read_text().splitlines() if line.startswith("| Delta Net")]
+    assert [r.split(" |")[0] for r in rows] == ["| Delta Net", "| Delta Net + full context"]
+    assert "| 77.7 |" in rows[0] and "| 77.7 |" not in rows[1]
+    carried_test = next(e["perplexity"] for e in carried["evaluation"] if (e["split"], e["protocol"]) ==
+                        ("test", "carried_state"))
+    assert f"| {carried_test:.1f} |" in rows[1]
+
+
 def test_resumes_from_a_checkpoint(tmp_path):
     args = lm_table.parse_args(["--results_dir", str(tmp_path)])
     argv = lm_table.train_lm_argv(args, "delta_lstm", 1, tmp_path / "tok")
@@ -68,6 +104,7 @@ def test_resumes_from_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("argv, option", [
     (["--families", "delta_net", "gpt9"], "--families"), (["--stride", "300"], "--stride"),
     (["--hidden_size", "100"], "--hidden_size"), (["--train_tokens", "0"], "--train_tokens"),
+    (["--carry_state"], "--carry_state"),  # the default families hold the softmax baseline: nothing fixed to carry
 ])
 def test_bad_options_name_the_option(argv, option):
     with pytest.raises(ValueError, match=option):

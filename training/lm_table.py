@@ -23,6 +23,10 @@ is rendered into ``--table_file``.
     python -m training.lm_table --seeds 0 1 2 --threads 2          # or: fwp-lm-table ...
     python -m training.lm_table --quick --results_dir /tmp/lm_table --table_file /tmp/lm_table.md   # a smoke run
 
+``--carry_state`` trains with the state carried across segments (``train_lm --carry_state``: the papers' "+ full
+context" rows, Irie et al. 2021 sec. 4.1); such runs are kept apart (``<family>_full_context_seed<seed>``) and get
+their own rows, beside the paper's "+ full context" numbers. The softmax baseline has no fixed-size state to carry.
+
 ``--quick``: tiny models (2 layers, d 32), a few steps, two families (Delta Net, Llama), one seed, short
 evaluation; every other default is the paper's small setting (16 layers, d 128, 8 heads, feed-forward 2048, span
 256). ``--train_lm_args`` passes further options to ``training.train_lm`` (e.g. ``"--save_steps 200"``).
@@ -72,6 +76,7 @@ PAPER_TABLE_1 = {
     "delta_lstm": (32.6, 33.8, 47.3), "recurrent_delta_net": (34.1, 35.2, 44.1),
 }
 PAPER_FULL_CONTEXT = {"delta_rnn": (31.8, 32.8), "recurrent_delta_net": (32.5, 33.6)}
+FULL_CONTEXT_SUFFIX = "_full_context"  # runs trained with the state carried (--carry_state)
 SPLITS = ("valid", "test")
 PROTOCOLS = ("sliding_window", "carried_state")
 
@@ -139,6 +144,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ParsedArguments:
         raise ValueError(f"--hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
                          f"{args.num_attention_heads}")
     args.window_size = args.window_size or args.block_size
+    if args.carry_state and SOFTMAX_BASELINE in args.families:
+        raise ValueError(f"--carry_state: the softmax baseline ({SOFTMAX_BASELINE}) has no fixed-size state to carry "
+                         "(its key/value cache grows with the text); leave it out of --families")
     if args.stride > args.window_size:
         raise ValueError(f"--stride ({args.stride}) must not exceed --window_size ({args.window_size})")
     return args
@@ -157,7 +165,7 @@ def model_type_and_overrides(args: ParsedArguments, family: str) -> Tuple[str, D
 
 def train_lm_argv(args: ParsedArguments, family: str, seed: int, tokenizer_dir: Path) -> List[str]:
     """The ``training.train_lm`` command line of one run (resuming from its newest checkpoint when it has one)."""
-    run_dir = Path(args.results_dir) / "runs" / f"{family}_seed{seed}"
+    run_dir = Path(args.results_dir) / "runs" / run_name(args, family, seed)
     model_type, overrides = model_type_and_overrides(args, family)
     steps = math.ceil(args.train_tokens / (args.per_device_train_batch_size * args.block_size))
     argv = ["--model_type", model_type, "--config_overrides", json.dumps(overrides), "--data_dir", args.data_dir,
@@ -229,9 +237,14 @@ def results_files_dir(args: ParsedArguments) -> Path:
     return Path(args.results_files_dir) if args.results_files_dir else Path(args.results_dir) / "results"
 
 
+def run_name(args: ParsedArguments, family: str, seed: int) -> str:
+    """``<family>_seed<seed>``, or ``<family>_full_context_seed<seed>`` for a run trained with the state carried."""
+    return f"{family}{FULL_CONTEXT_SUFFIX if args.carry_state else ''}_seed{seed}"
+
+
 def results_file(args: ParsedArguments, family: str, seed: int) -> Path:
     """Where the results of one (family, seed) go; its existence marks the run done."""
-    return results_files_dir(args) / f"{family}_seed{seed}.json"
+    return results_files_dir(args) / f"{run_name(args, family, seed)}.json"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -262,12 +275,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_results(folder: Path) -> Dict[str, List[Dict[str, Any]]]:
-    """The results files in `folder` (``results_files_dir``), grouped by family."""
-    grouped: Dict[str, List[Dict[str, Any]]] = {}
+def load_results(folder: Path) -> Dict[Tuple[str, bool], List[Dict[str, Any]]]:
+    """The results files in `folder` (``results_files_dir``), grouped by (family, trained with the state carried)."""
+    grouped: Dict[Tuple[str, bool], List[Dict[str, Any]]] = {}
     for path in sorted(Path(folder).glob("*.json")):
         result = json.loads(path.read_text(encoding="utf-8"))
-        grouped.setdefault(result["family"], []).append(result)
+        full_context = bool(result["training"].get("carry_state", False))
+        grouped.setdefault((result["family"], full_context), []).append(result)
     return grouped
 
 
@@ -285,25 +299,34 @@ def perplexities(runs: List[Dict[str, Any]], split: str, protocol: str) -> List[
     return [e["perplexity"] for r in runs for e in r["evaluation"] if (e["split"], e["protocol"]) == (split, protocol)]
 
 
-def table_row(family: str, runs: List[Dict[str, Any]]) -> str:
-    """One markdown row: ours (mean over seeds) and the paper's Table 1 numbers."""
+def table_row(family: str, runs: List[Dict[str, Any]], full_context: bool = False) -> str:
+    """One markdown row: ours (mean over seeds) and the paper's Table 1 numbers. A row of runs trained with the
+    state carried (`full_context`) is compared with the paper's "+ full context" number only."""
     title = "Transformer (Llama)" if family == SOFTMAX_BASELINE else FAST_WEIGHT_FAMILIES[family].facts.title
+    title += " + full context" if full_context else ""
     ours = [mean_and_spread(perplexities(runs, s, p)) for p in PROTOCOLS for s in SPLITS]
-    paper = PAPER_TABLE_1.get(family)
+    paper = None if full_context else PAPER_TABLE_1.get(family)
     full = PAPER_FULL_CONTEXT.get(family)
     cells = [
         title, ", ".join(str(r["seed"]) for r in runs), f"{runs[0]['parameters'] / 1e6:.2f}",
         mean_and_spread([r["training"]["tokens_per_second"] for r in runs], 0), *ours,
         f"{paper[0]} / {paper[1]}" if paper else "-", f"{full[0]} / {full[1]}" if full else "-",
-        f"{paper[2]}" if paper else "-",
+        f"{PAPER_TABLE_1[family][2]}" if family in PAPER_TABLE_1 else "-",
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def batch_streams(grouped: Dict[Tuple[str, bool], List[Dict[str, Any]]]) -> str:
+    """The number(s) of parallel streams of the runs trained with the state carried, e.g. ``"8"``."""
+    streams = sorted({r["training"].get("num_streams", "?") for (_, full), runs in grouped.items() if full
+                      for r in runs}, key=str)
+    return " or ".join(str(s) for s in streams)
 
 
 def write_table(args: ParsedArguments) -> Path:
     """Renders the results found in ``results_files_dir`` into ``--table_file``; returns the file."""
     grouped = load_results(results_files_dir(args))
-    order = [f for f in KNOWN_FAMILIES if f in grouped]
+    order = [(f, full) for f in KNOWN_FAMILIES for full in (False, True) if (f, full) in grouped]
     first = grouped[order[0]][0] if order else None
     lines = [
         "# Language-modelling table (Irie et al. 2021, Table 1, at this machine's scale)", "",
@@ -317,13 +340,17 @@ def write_table(args: ParsedArguments) -> Path:
         lines += [f"Data: `{first['data']['source']}` ({first['data']['train_tokens']} training tokens, "
                   f"vocabulary {first['data']['vocab_size']}); {first['training']['tokens_seen']} tokens seen per run "
                   f"(span {first['training']['block_size']}); sliding window {first['window_size']}, stride "
-                  f"{first['stride']}; carried state: segments of {first['training']['block_size']}, batch 1.", ""]
+                  f"{first['stride']}; carried state: segments of {first['training']['block_size']}, batch 1."
+                  + (" Rows \"+ full context\": trained with the state carried from segment to segment (in "
+                     f"{batch_streams(grouped)} parallel streams, detached at every boundary, reset every epoch)."
+                     if any(full for _, full in order) else ""), ""]
     lines += [
         "| model | seeds | params (M) | train tokens/s | valid, sliding | test, sliding | valid, carried | "
         "test, carried | paper valid / test | paper + full context | paper params (M) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
-        *[table_row(f, grouped[f]) for f in order], "",
-        "Results files: `" + str(results_files_dir(args)) + "/<family>_seed<seed>.json`.", "",
+        *[table_row(f, grouped[(f, full)], full) for f, full in order], "",
+        "Results files: `" + str(results_files_dir(args)) + "/<family>_seed<seed>.json` (trained with the state "
+        f"carried: `<family>{FULL_CONTEXT_SUFFIX}_seed<seed>.json`).", "",
     ]
     path = Path(args.table_file)
     path.parent.mkdir(parents=True, exist_ok=True)
