@@ -24,7 +24,7 @@ is rendered into ``--table_file``.
     python -m training.lm_table --quick --results_dir /tmp/lm_table --table_file /tmp/lm_table.md   # a smoke run
 
 ``--carry_state`` trains with the state carried across segments (``train_lm --carry_state``: the papers' "+ full
-context" rows, Irie et al. 2021 sec. 4.1); such runs are kept apart (``<family>_full_context_seed<seed>``) and get
+context" rows, Irie et al. 2021 Table 1 and appendix A.1); such runs are kept apart (``<family>_full_context_seed<seed>``) and get
 their own rows, beside the paper's "+ full context" numbers. The softmax baseline has no fixed-size state to carry.
 
 ``--quick``: tiny models (2 layers, d 32), a few steps, two families (Delta Net, Llama), one seed, short
