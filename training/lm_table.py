@@ -23,9 +23,10 @@ is rendered into ``--table_file``.
     python -m training.lm_table --seeds 0 1 2 --threads 2          # or: fwp-lm-table ...
     python -m training.lm_table --quick --results_dir /tmp/lm_table --table_file /tmp/lm_table.md   # a smoke run
 
-``--carry_state`` trains with the state carried across segments (``train_lm --carry_state``: the papers' "+ full
-context" rows, Irie et al. 2021 Table 1 and appendix A.1); such runs are kept apart (``<family>_full_context_seed<seed>``) and get
-their own rows, beside the paper's "+ full context" numbers. The softmax baseline has no fixed-size state to carry.
+``--carry_state`` trains with the state carried across segments (``train_lm --carry_state``: the "+ full context"
+rows of Irie et al. 2021, Table 1 and appendix A.1); such runs are kept apart (``<family>_full_context_seed<seed>``)
+and get their own rows, beside the paper's "+ full context" numbers. The softmax baseline has no fixed-size state to
+carry.
 
 ``--quick``: tiny models (2 layers, d 32), a few steps, two families (Delta Net, Llama), one seed, short
 evaluation; every other default is the paper's small setting (16 layers, d 128, 8 heads, feed-forward 2048, span
