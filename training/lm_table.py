@@ -317,7 +317,7 @@ def table_row(family: str, runs: List[Dict[str, Any]], full_context: bool = Fals
     return "| " + " | ".join(cells) + " |"
 
 
-def batch_streams(grouped: Dict[Tuple[str, bool], List[Dict[str, Any]]]) -> str:
+def carried_state_streams(grouped: Dict[Tuple[str, bool], List[Dict[str, Any]]]) -> str:
     """The number(s) of parallel streams of the runs trained with the state carried, e.g. ``"8"``."""
     streams = sorted({r["training"].get("num_streams", "?") for (_, full), runs in grouped.items() if full
                       for r in runs}, key=str)
@@ -343,7 +343,8 @@ def write_table(args: ParsedArguments) -> Path:
                   f"(span {first['training']['block_size']}); sliding window {first['window_size']}, stride "
                   f"{first['stride']}; carried state: segments of {first['training']['block_size']}, batch 1."
                   + (" Rows \"+ full context\": trained with the state carried from segment to segment (in "
-                     f"{batch_streams(grouped)} parallel streams, detached at every boundary, reset every epoch)."
+                     f"{carried_state_streams(grouped)} parallel streams, detached at every boundary, reset every "
+                     "epoch)."
                      if any(full for _, full in order) else ""), ""]
     lines += [
         "| model | seeds | params (M) | train tokens/s | valid, sliding | test, sliding | valid, carried | "
