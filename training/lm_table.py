@@ -329,6 +329,9 @@ def write_table(args: ParsedArguments) -> Path:
     grouped = load_results(results_files_dir(args))
     order = [(f, full) for f in KNOWN_FAMILIES for full in (False, True) if (f, full) in grouped]
     first = grouped[order[0]][0] if order else None
+    full_context_note = (" Rows \"+ full context\": trained with the state carried from segment to segment (in "
+                         f"{carried_state_streams(grouped)} parallel streams, detached at every boundary, reset every "
+                         "epoch)." if any(full for _, full in order) else "")
     lines = [
         "# Language-modelling table (Irie et al. 2021, Table 1, at this machine's scale)", "",
         "Perplexity per token of our tokenizer (mean ± standard deviation over seeds), on the valid / test splits; "
@@ -342,10 +345,7 @@ def write_table(args: ParsedArguments) -> Path:
                   f"vocabulary {first['data']['vocab_size']}); {first['training']['tokens_seen']} tokens seen per run "
                   f"(span {first['training']['block_size']}); sliding window {first['window_size']}, stride "
                   f"{first['stride']}; carried state: segments of {first['training']['block_size']}, batch 1."
-                  + (" Rows \"+ full context\": trained with the state carried from segment to segment (in "
-                     f"{carried_state_streams(grouped)} parallel streams, detached at every boundary, reset every "
-                     "epoch)."
-                     if any(full for _, full in order) else ""), ""]
+                  + full_context_note, ""]
     lines += [
         "| model | seeds | params (M) | train tokens/s | valid, sliding | test, sliding | valid, carried | "
         "test, carried | paper valid / test | paper + full context | paper params (M) |",
