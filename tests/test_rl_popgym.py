@@ -86,6 +86,17 @@ def test_bad_arguments_name_the_option():
         rl.main(["--total_frames", "0"])
     with pytest.raises(TypeError, match="core"):
         rl.PolicyCore(torch.nn.GRU(3, 4))
+    with pytest.raises(ValueError, match="--algorithm"):
+        rl.RLArguments(algorithm="a3c")
+    with pytest.raises(ValueError, match="--ppo_epochs, --gae_lambda only apply to --algorithm ppo"):
+        rl.RLArguments(algorithm="impala", ppo_epochs=2, gae_lambda=0.9)
+
+
+def test_algorithm_defaults_fill_only_what_was_left_out():
+    ppo, impala = rl.RLArguments(), rl.RLArguments(algorithm="impala", num_envs=2)  # no minibatch check for IMPALA
+    assert (ppo.learning_rate, ppo.max_grad_norm) == (3e-4, 0.5)
+    assert (impala.learning_rate, impala.max_grad_norm) == (6e-4, 40.0)  # Irie et al. 2021, appendix C
+    assert rl.RLArguments(algorithm="impala", learning_rate=1e-3).learning_rate == 1e-3
 
 
 @needs_rl
@@ -118,6 +129,67 @@ def test_collected_logits_equal_the_recurrent_mode_recomputation(core):
     torch.testing.assert_close(recomputed, stored, rtol=1e-4, atol=1e-5)
 
 
+def vtrace_reference(value, next_value, reward, done, terminated, log_pi, log_mu, gamma):
+    """V-trace written from Espeholt et al. (2018), sec. 4.1, eq. (1) and sec. 4.2, one env row at a time, backwards:
+    v_s = V(x_s) + rho_s delta_s + gamma c_s (v_{s+1} - V(x_{s+1})), delta_s = r_s + gamma V(x_{s+1}) - V(x_s), the
+    policy-gradient advantage rho_s (r_s + gamma v_{s+1} - V(x_s)); rho and c clipped at 1; the trace cut where an
+    episode ends and the bootstrap dropped where it terminates. All inputs ``[B, T]``."""
+    B, T = value.shape
+    targets, advantages = torch.zeros(B, T), torch.zeros(B, T)
+    for b in range(B):
+        correction = 0.0  # v_{s+1} - V(x_{s+1}) of the same episode
+        for t in reversed(range(T)):
+            rho = min(1.0, float(torch.exp(log_pi[b, t] - log_mu[b, t])))
+            bootstrap = 0.0 if terminated[b, t] else gamma * float(next_value[b, t])
+            trace = 0.0 if done[b, t] else gamma * rho * correction
+            correction = rho * (float(reward[b, t]) + bootstrap - float(value[b, t])) + trace
+            targets[b, t] = float(value[b, t]) + correction
+            v_next = float(next_value[b, t]) if done[b, t] or t == T - 1 else float(targets[b, t + 1])
+            advantages[b, t] = rho * (float(reward[b, t]) + (0.0 if terminated[b, t] else gamma * v_next)
+                                      - float(value[b, t]))
+    return advantages, targets
+
+
+@needs_rl
+def test_impala_learner_follows_the_vtrace_equations():
+    """The IMPALA learner's V-trace targets and advantages on a collected batch, with episode ends inside and the
+    behaviour log-probabilities perturbed (so that rho and c clip on some steps and not on others), equal the step
+    loop written from the equations, given the values and the target policy's log-probabilities the learner used."""
+    from torchrl.collectors import Collector
+    from torchrl.modules import set_recurrent_mode
+
+    args = small_args(core="recurrent_delta_net", env="RepeatPreviousEasy", num_envs=2, rollout_length=80,
+                      algorithm="impala", gamma=0.9)
+    torch.manual_seed(0)
+    agent = rl.build_agent(args)
+    assert isinstance(agent["optimizer"], torch.optim.RMSprop)
+    assert agent["optimizer"].defaults["eps"] == 0.01 and agent["optimizer"].defaults["lr"] == 6e-4
+    collector = Collector(agent["env"], agent["actor"], frames_per_batch=160, total_frames=160)
+    batch = next(iter(collector)).clone()
+    collector.shutdown()
+    done = batch["next", "done"].squeeze(-1)
+    assert done[:, :-1].any(), "RepeatPreviousEasy episodes (52 steps) must end inside 80 steps"
+    key = "action_log_prob"  # the behaviour policy mu
+    log_mu = batch[key] + 0.5 * torch.randn(batch[key].shape)
+    batch.set(key, log_mu)
+    with set_recurrent_mode(True), torch.no_grad():
+        agent["advantage"](batch)
+        logits = agent["actor"](batch.exclude("logits", key))["logits"]
+    log_pi = torch.distributions.Categorical(logits=logits).log_prob(batch["action"])
+    rho = torch.exp(log_pi - log_mu)
+    assert (rho > 1).any() and (rho < 1).any()
+    expected_adv, expected_targets = vtrace_reference(
+        batch["state_value"].squeeze(-1), batch["next", "state_value"].squeeze(-1), batch["next", "reward"].squeeze(-1),
+        done, batch["next", "terminated"].squeeze(-1), log_pi, log_mu, args.gamma)
+    torch.testing.assert_close(batch["advantage"].squeeze(-1), expected_adv, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(batch["value_target"].squeeze(-1), expected_targets, rtol=1e-4, atol=1e-5)
+    # the learning rate is annealed linearly to 0 at --total_frames (polybeast's schedule)
+    updates = args.total_frames // (args.num_envs * args.rollout_length)
+    for _ in range(updates):
+        agent["scheduler"].step()
+    assert agent["optimizer"].param_groups[0]["lr"] == 0.0
+
+
 @needs_rl
 @pytest.mark.parametrize("core", ["lstm", "recurrent_delta_net"])
 def test_end_to_end_writes_the_learning_curve(core, tmp_path):
@@ -136,3 +208,14 @@ def test_end_to_end_writes_the_learning_curve(core, tmp_path):
     assert set(params) >= {"lstm", "recurrent_delta_net", "policy"} and written["frames_per_s"] > 0
     assert abs(params["lstm"] - params["recurrent_delta_net"]) / params["recurrent_delta_net"] < 0.02
     assert written["library"]["torchrl"] and (out / "curve.png").stat().st_size > 0
+
+
+@needs_rl
+def test_impala_end_to_end_learns_with_the_papers_settings(tmp_path):
+    """--algorithm impala trains (the loss terms are recorded and the weights move) and records its settings."""
+    results = rl.main(["--algorithm", "impala", "--core", "recurrent_delta_net", "--env", "RepeatPreviousEasy",
+                       "--total_frames", "240", "--num_envs", "2", "--rollout_length", "60", "--hidden_size", "32",
+                       "--num_heads", "2", "--intermediate_size", "64", "--output_dir", str(tmp_path)])
+    written = json.loads((tmp_path / "curve.json").read_text())
+    assert written["args"]["algorithm"] == "impala" and written["args"]["learning_rate"] == 6e-4
+    assert results["frames"] == 240 and {"loss_objective", "loss_critic", "loss_entropy"} <= set(written["curve"][0])

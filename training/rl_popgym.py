@@ -1,27 +1,34 @@
-"""PPO with a recurrent policy on POPGym's memory tasks: a fast-weight core as a drop-in for the LSTM core.
+"""A recurrent policy on POPGym's memory tasks, trained with PPO or IMPALA's V-trace actor-critic (torchrl): a
+fast-weight core as a drop-in for the LSTM core.
 
 Irie et al. (2021, sec. 4.4, appendix C) replace the LSTM core of IMPALA agents on Atari by a Recurrent Delta Net or a
 Delta RNN. Atari is out of reach of a small CPU machine; this script runs the same comparison at small scale on
 POPGym's memory tasks (Morad et al. 2023: `RepeatPreviousEasy`, `CountRecallEasy`, `AutoencodeEasy`, ...), with
-torchrl's PPO (``ClipPPOLoss``, ``GAE``, its ``Collector`` over ``SerialEnv``), not IMPALA/V-trace. The recurrent core
-is the only thing that changes between runs:
+torchrl's ``Collector`` over a ``SerialEnv``. The recurrent core is the only thing that changes between runs:
 
 - ``--core lstm``: ``torch.nn.LSTM`` (one layer), its width chosen so that its parameter count is the closest to the
   fast-weight core's of the same ``--hidden_size`` / ``--num_layers`` (``--match_core``);
-- ``--core recurrent_delta_net | delta_lstm | delta_net``: ``modeling_fwp.FastWeightRecurrentCore`` (the paper's small
-  RDN: 2 layers, d 128, 4 heads, feed-forward 512 are the defaults).
+- ``--core recurrent_delta_net | delta_rnn | delta_lstm | delta_net``: ``modeling_fwp.FastWeightRecurrentCore`` (the
+  paper's small RDN: 2 layers, d 128, 4 heads, feed-forward 512 are the defaults).
 
 Both sit behind :class:`PolicyCore` (``core(x [B, T, D], state, reset [B, T]) -> (y, state)``; an episode start
 zeroes that row's state before its step) inside :class:`TensorDictCore`, the torchrl module that reads the stored
 state and ``is_init`` (torchrl's ``InitTracker``) from the rollout: one step per call while collecting, whole
-``[env, time]`` rows from their stored first state under ``torchrl.modules.set_recurrent_mode(True)`` for GAE and the
-loss (truncated backpropagation over ``--rollout_length`` steps, the paper's span 50 by default).
+``[env, time]`` rows from their stored first state under ``torchrl.modules.set_recurrent_mode(True)`` for the
+advantages and the loss (truncated backpropagation over ``--rollout_length`` steps, the paper's span 50 by default).
 
-PPO hyper-parameters: clip 0.2, entropy 0.01, critic coefficient 1.0 and the smooth-L1 value loss are torchrl
-``ClipPPOLoss``'s defaults; GAE gamma 0.99 / lambda 0.95, Adam lr 3e-4, 4 epochs over 4 minibatches of environment
-rows per batch and gradient-norm clipping 0.5 are the usual PPO settings (Schulman et al. 2017; torchrl's PPO
-examples), not tuned here. The paper's IMPALA values that carry over: entropy 0.01, 32 environments per batch,
-backpropagation span 50.
+The learner (``--algorithm``, :func:`build_learner`):
+
+- ``ppo`` (default): torchrl's ``ClipPPOLoss`` (clip 0.2, entropy 0.01, critic coefficient 1.0, smooth-L1 value loss:
+  its defaults) and ``GAE`` (gamma 0.99, lambda 0.95), Adam lr 3e-4, 4 epochs over 4 minibatches of environment rows
+  per batch, gradient-norm clipping 0.5: the usual PPO settings (Schulman et al. 2017; torchrl's PPO examples), not
+  tuned here.
+- ``impala``: the paper's learner (Espeholt et al. 2018, as Torchbeast's polybeast runs it): V-trace targets
+  (:class:`VTraceTargets`), torchrl's ``A2CLoss`` summed over the batch, RMSProp lr 6e-4 (epsilon 0.01) annealed
+  linearly to 0, gradient clipping 40, entropy 0.01 (Irie et al. 2021, appendix C); one update per batch, collected
+  by the learner's own policy (no asynchronous actors).
+
+The paper's values that carry over to both: entropy 0.01, 32 environments per batch, backpropagation span 50.
 
     OMP_NUM_THREADS=1 python -m training.rl_popgym --core recurrent_delta_net --env RepeatPreviousEasy --seed 0 \\
         --total_frames 200000 --output_dir runs/rl/rdn_s0
@@ -55,12 +62,18 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 CORES = ("lstm", "recurrent_delta_net", "delta_rnn", "delta_lstm", "delta_net")
 FEATURES_KEY = "core_features"
+ALGORITHMS = ("ppo", "impala")
+# What --learning_rate / --max_grad_norm mean when left out. PPO: the usual settings (Schulman et al. 2017; torchrl's
+# examples). IMPALA: Irie et al. (2021, appendix C): RMSProp, lr 6e-4 (epsilon 0.01), gradient clipping at 40.
+ALGORITHM_DEFAULTS = {"ppo": {"learning_rate": 3e-4, "max_grad_norm": 0.5},
+                      "impala": {"learning_rate": 6e-4, "max_grad_norm": 40.0}}
+PPO_ONLY = {"ppo_epochs": 4, "num_minibatches": 4, "clip_epsilon": 0.2, "gae_lambda": 0.95}  # their defaults
 State = Tuple[torch.Tensor, ...]
 
 
 @dataclass
 class RLArguments:
-    """The experiment: environment, core, PPO."""
+    """The experiment: environment, core, learner (PPO or IMPALA)."""
 
     core: str = field(default="recurrent_delta_net", metadata={"help": "the policy's recurrent core", "choices": CORES})
     env: str = field(default="RepeatPreviousEasy", metadata={"help": "a POPGym env name (popgym-<env>-v0)"})
@@ -75,14 +88,18 @@ class RLArguments:
     match_core: str = field(default="recurrent_delta_net", metadata={
         "help": "with --core lstm: the fast-weight core whose parameter count the LSTM matches", "choices": CORES[1:]})
     lstm_hidden_size: Optional[int] = field(default=None, metadata={"help": "LSTM width; None: matched (--match_core)"})
-    learning_rate: float = field(default=3e-4, metadata={"help": "Adam learning rate"})
-    ppo_epochs: int = field(default=4, metadata={"help": "passes over each batch"})
-    num_minibatches: int = field(default=4, metadata={"help": "minibatches (of whole env rows) per pass"})
-    clip_epsilon: float = field(default=0.2, metadata={"help": "PPO clip (ClipPPOLoss default)"})
+    algorithm: str = field(default="ppo", metadata={"help": "learner: PPO or IMPALA's V-trace actor-critic",
+                                                     "choices": ALGORITHMS})
+    learning_rate: Optional[float] = field(default=None, metadata={
+        "help": "None: the algorithm's (PPO: Adam 3e-4; IMPALA: RMSProp 6e-4, the paper's, annealed linearly to 0)"})
+    ppo_epochs: int = field(default=4, metadata={"help": "passes over each batch (PPO only)"})
+    num_minibatches: int = field(default=4, metadata={"help": "minibatches (of whole env rows) per pass (PPO only)"})
+    clip_epsilon: float = field(default=0.2, metadata={"help": "PPO clip (ClipPPOLoss default; PPO only)"})
     entropy_coeff: float = field(default=0.01, metadata={"help": "entropy bonus (ClipPPOLoss default; paper 0.01)"})
     gamma: float = field(default=0.99, metadata={"help": "discount"})
-    gae_lambda: float = field(default=0.95, metadata={"help": "GAE lambda"})
-    max_grad_norm: float = field(default=0.5, metadata={"help": "gradient-norm clipping"})
+    gae_lambda: float = field(default=0.95, metadata={"help": "GAE lambda (PPO only)"})
+    max_grad_norm: Optional[float] = field(default=None, metadata={
+        "help": "gradient-norm clipping; None: the algorithm's (PPO 0.5; IMPALA 40, the paper's)"})
     output_dir: str = field(default="runs/rl_popgym", metadata={"help": "where curve.json (and curve.png) go"})
     plot: bool = field(default=False, metadata={"help": "also write curve.png (matplotlib)"})
 
@@ -91,10 +108,18 @@ class RLArguments:
             raise ValueError(f"--core must be one of {CORES}, got {self.core!r}")
         if self.match_core not in CORES[1:]:
             raise ValueError(f"--match_core must be one of {CORES[1:]}, got {self.match_core!r}")
-        if self.num_minibatches > self.num_envs:
-            raise ValueError(f"--num_minibatches ({self.num_minibatches}) must be at most --num_envs ({self.num_envs})")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.gae_lambda <= 1.0:
             raise ValueError(f"--gamma and --gae_lambda must lie in [0, 1], got {self.gamma}, {self.gae_lambda}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"--algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        changed = [f"--{name}" for name, value in PPO_ONLY.items() if getattr(self, name) != value]
+        if self.algorithm != "ppo" and changed:
+            raise ValueError(f"{', '.join(changed)} only apply to --algorithm ppo, got --algorithm {self.algorithm}")
+        if self.algorithm == "ppo" and self.num_minibatches > self.num_envs:
+            raise ValueError(f"--num_minibatches ({self.num_minibatches}) must be at most --num_envs ({self.num_envs})")
+        for name, value in ALGORITHM_DEFAULTS[self.algorithm].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
 
 
 # --------------------------------------------------------------------------------------------------- the cores
@@ -300,21 +325,24 @@ def episode_returns(batch: Any) -> List[float]:
     return batch.get(("next", "episode_reward")).squeeze(-1)[done].tolist()
 
 
-# ------------------------------------------------------------------------------------------------------ PPO
+# -------------------------------------------------------------------------------------------------- learners
 
 
-def ppo_update(batch: Any, loss_module: Any, advantage: Any, optimizer: torch.optim.Optimizer,
-               args: RLArguments) -> Dict[str, float]:
-    """``--ppo_epochs`` passes of ClipPPOLoss over `batch` ``[num_envs, T]``, in minibatches of whole env rows (the
-    recurrent core runs each row from its stored first state); advantages recomputed before each pass."""
+def policy_update(batch: Any, agent: Dict[str, Any], args: RLArguments) -> Dict[str, float]:
+    """One learner update on `batch` ``[num_envs, T]``, in torchrl's recurrent mode (the core runs each env row from
+    its stored first state). PPO: ``--ppo_epochs`` passes of ClipPPOLoss in ``--num_minibatches`` minibatches of whole
+    rows, GAE recomputed before each pass. IMPALA: V-trace targets, then one step of the actor-critic loss on the whole
+    batch (Espeholt et al. 2018), the learning rate annealed after it. Returns the mean of each loss term."""
     from torchrl.modules import set_recurrent_mode
 
+    loss_module, optimizer = agent["loss"], agent["optimizer"]
+    passes, minibatches = (args.ppo_epochs, args.num_minibatches) if args.algorithm == "ppo" else (1, 1)
     totals: Dict[str, float] = {}
     with set_recurrent_mode(True):
-        for _ in range(args.ppo_epochs):
+        for _ in range(passes):
             with torch.no_grad():
-                advantage(batch)
-            for rows in torch.randperm(batch.shape[0]).chunk(args.num_minibatches):
+                agent["advantage"](batch)
+            for rows in torch.randperm(batch.shape[0]).chunk(minibatches):
                 losses = loss_module(batch[rows])
                 parts = {k: v for k, v in losses.items() if k.startswith("loss_")}
                 loss = sum(parts.values())
@@ -323,34 +351,87 @@ def ppo_update(batch: Any, loss_module: Any, advantage: Any, optimizer: torch.op
                 nn.utils.clip_grad_norm_(loss_module.parameters(), args.max_grad_norm)
                 optimizer.step()
                 for k, v in parts.items():
-                    totals[k] = totals.get(k, 0.0) + float(v.detach()) / (args.ppo_epochs * args.num_minibatches)
+                    totals[k] = totals.get(k, 0.0) + float(v.detach()) / (passes * minibatches)
+    if agent["scheduler"] is not None:
+        agent["scheduler"].step()
     return totals
 
 
-def build_agent(args: RLArguments) -> Dict[str, Any]:
-    """Env, core, actor, critic, loss, GAE, optimizer and the parameter counts."""
-    from torchrl.objectives import ClipPPOLoss
+class VTraceTargets:
+    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, sec. 4.1, eq. (1); sec. 4.2), rho and c
+    clipped at 1, written into a ``[num_envs, T]`` batch as ``value_target`` and ``advantage``.
+
+    The values come from `values` (a GAE estimator; only its shifted value pass is used: ``state_value`` and
+    ``("next", "state_value")``), the recursion from torchrl's ``vtrace_advantage_estimate``. The importance weights
+    are pi(a_t | x_t) / mu(a_t | x_t) of the action taken, mu being the stored ``action_log_prob``. (torchrl 0.14.1's
+    ``VTrace`` module takes pi of the policy's mode instead of the action taken; on-policy with rho clipped at 1 that
+    happens to give 1 as well, off-policy it does not; tests/test_rl_popgym.py checks ours off-policy.)"""
+
+    def __init__(self, actor: Any, values: Any, gamma: float) -> None:
+        self.actor, self.values, self.gamma = actor, values, gamma
+
+    def __call__(self, batch: Any) -> Any:
+        from torchrl.objectives.value.functional import vtrace_advantage_estimate
+
+        self.values(batch)
+        logits = self.actor(batch.select(*self.actor.in_keys).clone())["logits"]
+        log_pi = torch.distributions.Categorical(logits=logits).log_prob(batch["action"]).unsqueeze(-1)
+        log_mu = batch["action_log_prob"].reshape(log_pi.shape)
+        advantage, target = vtrace_advantage_estimate(
+            self.gamma, log_pi, log_mu, batch["state_value"], batch["next", "state_value"], batch["next", "reward"],
+            batch["next", "done"], batch["next", "terminated"], rho_thresh=1.0, c_thresh=1.0, time_dim=1)
+        batch.set("advantage", advantage)
+        batch.set("value_target", target)
+        return batch
+
+
+def build_learner(args: RLArguments, actor: Any, critic: Any) -> Dict[str, Any]:
+    """``{"loss", "advantage", "optimizer", "scheduler"}`` of ``--algorithm``.
+
+    PPO: ClipPPOLoss, GAE, Adam, a constant learning rate. IMPALA, as the paper ran it (Irie et al. 2021, appendix C,
+    with polybeast's remaining defaults): V-trace targets and advantages (rho and c clipped at 1), the policy-gradient
+    loss plus 0.5 * baseline cost 0.5 of the summed squared value errors plus the entropy term, all summed over the
+    batch as polybeast does; RMSProp (alpha 0.99, epsilon 0.01), the learning rate annealed linearly to 0 at
+    ``--total_frames``. Here the learner trains on each batch as soon as it is collected, so the behaviour policy is
+    the learner's own and the importance weights are 1 up to the policy's float noise: V-trace reduces to n-step
+    returns over the rollout (the asynchronous actors that make them differ are not simulated)."""
+    from torchrl.objectives import A2CLoss, ClipPPOLoss
     from torchrl.objectives.value import GAE
 
+    # shifted: one core pass over [root steps, last next step] (the values at t + 1 are the next row's, with the state
+    # chain intact); the vmapped two-pass path would run the core on the "next" observations alone, which lack each
+    # episode's first observation. No vmap: the cores split rows at episode starts (data-dependent shapes). One
+    # approximation remains, torchrl's: the bootstrap step after the row's last step gets that step's is_init, so where
+    # an episode starts at the last step, its bootstrap value is computed from a zero state (about 1 row in 50).
+    if args.algorithm == "ppo":
+        loss_module = ClipPPOLoss(actor, critic, clip_epsilon=args.clip_epsilon, entropy_coeff=args.entropy_coeff,
+                                  functional=False)
+        advantage = GAE(gamma=args.gamma, lmbda=args.gae_lambda, value_network=critic, time_dim=1,
+                        shifted=True, deactivate_vmap=True)
+        optimizer = torch.optim.Adam(loss_module.parameters(), lr=args.learning_rate)
+        return {"loss": loss_module, "advantage": advantage, "optimizer": optimizer, "scheduler": None}
+    loss_module = A2CLoss(actor, critic, entropy_coeff=args.entropy_coeff, critic_coeff=0.25, loss_critic_type="l2",
+                          reduction="sum", functional=False)
+    advantage = VTraceTargets(actor, GAE(gamma=args.gamma, lmbda=1.0, value_network=critic, time_dim=1, shifted=True,
+                                         deactivate_vmap=True), args.gamma)
+    optimizer = torch.optim.RMSprop(loss_module.parameters(), lr=args.learning_rate, alpha=0.99, eps=0.01)
+    updates = max(1, args.total_frames // (args.num_envs * args.rollout_length))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0 - min(done, updates) / updates)
+    return {"loss": loss_module, "advantage": advantage, "optimizer": optimizer, "scheduler": scheduler}
+
+
+def build_agent(args: RLArguments) -> Dict[str, Any]:
+    """Env, core, actor, critic, the learner (:func:`build_learner`) and the parameter counts."""
     probe = make_env(args.env, args.seed)
     obs_size, num_actions = probe.observation_spec["observation"].shape[-1], int(probe.action_spec.space.n)
     core, counts = build_core(obs_size, args)
     core_module = TensorDictCore(PolicyCore(core))
     env = make_batched_env(args, core_module)
     actor, critic = build_policy(env, core_module, num_actions)
-    loss_module = ClipPPOLoss(actor, critic, clip_epsilon=args.clip_epsilon, entropy_coeff=args.entropy_coeff,
-                              functional=False)
-    advantage = GAE(gamma=args.gamma, lmbda=args.gae_lambda, value_network=critic, time_dim=1,
-                    shifted=True, deactivate_vmap=True)
-    # shifted: one core pass over [root steps, last next step] (the values at t + 1 are the next row's, with the state
-    # chain intact); the vmapped two-pass path would run the core on the "next" observations alone, which lack each
-    # episode's first observation. No vmap: the cores split rows at episode starts (data-dependent shapes). One
-    # approximation remains, torchrl's: the bootstrap step after the row's last step gets that step's is_init, so where
-    # an episode starts at the last step, its bootstrap value is computed from a zero state (about 1 row in 50).
-    optimizer = torch.optim.Adam(loss_module.parameters(), lr=args.learning_rate)
-    counts["policy"] = count_parameters(loss_module)
-    return {"env": env, "actor": actor, "loss": loss_module, "advantage": advantage, "optimizer": optimizer,
-            "counts": counts, "observation_size": obs_size, "num_actions": num_actions}
+    learner = build_learner(args, actor, critic)
+    counts["policy"] = count_parameters(learner["loss"])
+    return {"env": env, "actor": actor, **learner, "counts": counts, "observation_size": obs_size,
+            "num_actions": num_actions}
 
 
 def train(args: RLArguments) -> Dict[str, Any]:
@@ -368,7 +449,7 @@ def train(args: RLArguments) -> Dict[str, Any]:
         frames += batch.numel()
         returns = episode_returns(batch)
         tick = time.perf_counter()
-        losses = ppo_update(batch, agent["loss"], agent["advantage"], agent["optimizer"], args)
+        losses = policy_update(batch, agent, args)
         update_s += time.perf_counter() - tick
         collector.update_policy_weights_()
         if returns:

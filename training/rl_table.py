@@ -4,9 +4,10 @@ and one plot of the seeds' learning curves per environment.
     python -m training.rl_table docs/results/rl_popgym --output docs/results/rl_popgym/table.md \
         --plot docs/figures/rl_popgym_{env}.png
 
-Every ``curve.json`` under the folder is one run (its ``args`` name the core, the environment and the seed). Runs of
-the same environment and core (an LSTM matched to another core's size is its own row: "LSTM (322 units, for
-recurrent_delta_net)") are seeds of one row: the row gives the mean and the standard deviation over seeds of
+Every ``curve.json`` under the folder is one run (its ``args`` name the core, the environment, the seed and the
+learner). Runs of the same environment, core and learner (an LSTM matched to another core's size is its own row:
+"LSTM (322 units, for recurrent_delta_net)"; another learner than PPO too: "Recurrent Delta Net, IMPALA") are seeds
+of one row: the row gives the mean and the standard deviation over seeds of
 the final return (the mean episodic return of the last ``--final_fraction`` of each run's frames) and of the mean
 return over the whole run (the area under the learning curve, divided by its length), with the core's parameters and
 frames/s. The plot draws each row's mean curve over seeds, with the seeds' range shaded.
@@ -38,14 +39,16 @@ class Row:
 
 
 def describe(run: Dict) -> Tuple[str, str, int]:
-    """(environment, row label, the core's parameter count) of one ``rl_popgym`` result."""
+    """(environment, row label, the core's parameter count) of one ``rl_popgym`` result; runs of another learner than
+    PPO (``--algorithm``, absent from runs before it existed) are their own rows: "Recurrent Delta Net, IMPALA"."""
     args, counts = run["args"], run["parameters"]
     core = args["core"]
+    learner = "" if args.get("algorithm", "ppo") == "ppo" else f", {args['algorithm'].upper()}"
     if core != "lstm":
-        return args["env"], CORE_NAMES.get(core, core), counts[core]
+        return args["env"], CORE_NAMES.get(core, core) + learner, counts[core]
     units = counts["lstm_hidden_size"]
     matched = f", for {args['match_core']}" if args.get("match_core") and not args.get("lstm_hidden_size") else ""
-    return args["env"], f"LSTM ({units} units{matched})", counts["lstm"]
+    return args["env"], f"LSTM ({units} units{matched}){learner}", counts["lstm"]
 
 
 def final_return(run: Dict, final_fraction: float) -> float:
