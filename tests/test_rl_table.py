@@ -42,6 +42,12 @@ def test_rows_average_seeds_and_keep_matched_lstms_apart(tmp_path):
     table = rl_table.render(rows)
     assert f"| Recurrent Delta Net | 900 | 0, 1 | 16,000 | +0.400 ± {statistics.stdev([0.6, 0.2]):.3f} |" in table
     assert "| LSTM (10 units, for recurrent_delta_net) | 1,000 | 0 | 16,000 | -0.500 | -0.500 | 100.0 |" in table
+    # frames until the mean of 3 consecutive points reaches 0.5: seed 0 at its 6th point (0.4, 0.6, 0.8), seed 1 never
+    assert [rl_table.frames_to_return(run, 0.5, window=3) for run in rdn.runs] == [1600 * 6, None]
+    assert rl_table.frames_to_return(rdn.runs[0], 0.0) == 1600 * 10  # the default 10-point window: the whole curve
+    learned = rl_table.render(rows, learned_return=0.3)
+    assert "| frames to a return of +0.30 (per seed) | frames/s |\n|---|---|---|---|---|---|---|---|" in learned
+    assert "| Recurrent Delta Net | 900 | 0, 1 | 16,000 | +0.400 ± " in learned and "| 16,000, - | 100.5 |" in learned
 
 
 def test_plot_and_bad_input(tmp_path):

@@ -66,6 +66,16 @@ def mean_return(run: Dict) -> float:
     return sum(point["mean_return"] for point in run["curve"]) / len(run["curve"])
 
 
+def frames_to_return(run: Dict, threshold: float, window: int = 10) -> Optional[int]:
+    """The frames at the first curve point where the mean of the last `window` points (the batches in which episodes
+    ended) reaches `threshold`; None if it never does."""
+    returns = [point["mean_return"] for point in run["curve"]]
+    for i in range(window - 1, len(returns)):
+        if statistics.mean(returns[i - window + 1:i + 1]) >= threshold:
+            return run["curve"][i]["frames"]
+    return None
+
+
 def load(folder: str | Path) -> List[Row]:
     """Every ``curve.json`` under `folder`, grouped into rows (environment, then label order)."""
     rows: Dict[Tuple[str, str], Row] = {}
@@ -89,21 +99,25 @@ def _mean_std(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):+.3f} ± {statistics.stdev(values):.3f}"
 
 
-def render(rows: Sequence[Row], final_fraction: float = 0.1) -> str:
-    """A markdown table per environment: one row per core, statistics over its seeds."""
+def render(rows: Sequence[Row], final_fraction: float = 0.1, learned_return: Optional[float] = None) -> str:
+    """A markdown table per environment: one row per core, statistics over its seeds; with `learned_return`, a column
+    of each seed's frames until the return reached it (:func:`frames_to_return`; "-": never)."""
     lines: List[str] = []
+    learned = "" if learned_return is None else f" frames to a return of {learned_return:+.2f} (per seed) |"
     for env in sorted({row.env for row in rows}):
         lines += [f"**{env}**", "",
                   f"| core | parameters (core) | seeds | frames per run | final return (last {final_fraction:.0%}) | "
-                  "mean return over the run | frames/s |", "|---|---|---|---|---|---|---|"]
+                  f"mean return over the run |{learned} frames/s |", "|---" * (7 + bool(learned)) + "|"]
         for row in (r for r in rows if r.env == env):
             frames = sorted({run["frames"] for run in row.runs})
             rate = statistics.mean(run["frames_per_s"] for run in row.runs)
+            reached = [frames_to_return(run, learned_return) for run in row.runs] if learned else []
+            reached = f" {', '.join('-' if f is None else f'{f:,}' for f in reached)} |" if learned else ""
             lines.append(
                 f"| {row.label} | {row.core_parameters:,} | {', '.join(map(str, row.seeds()))} | "
                 f"{', '.join(f'{f:,}' for f in frames)} | "
                 f"{_mean_std([final_return(run, final_fraction) for run in row.runs])} | "
-                f"{_mean_std([mean_return(run) for run in row.runs])} | {rate:.1f} |")
+                f"{_mean_std([mean_return(run) for run in row.runs])} |{reached} {rate:.1f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -128,7 +142,8 @@ def plot(rows: Sequence[Row], pattern: str) -> List[Path]:
                 ax.fill_between(frames, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
         ax.set_xlabel("frames")
         ax.set_ylabel("mean episodic return")
-        ax.set_title(f"POPGym {env}: PPO, recurrent cores")
+        learners = sorted({run["args"].get("algorithm", "ppo").upper() for r in rows if r.env == env for run in r.runs})
+        ax.set_title(f"POPGym {env}: {' and '.join(learners)}, recurrent cores")
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = Path(pattern.format(env=env))
@@ -147,13 +162,16 @@ def main(argv: Optional[List[str]] = None) -> str:
     parser.add_argument("--plot", help="PNG path per environment, with {env} in it")
     parser.add_argument("--final_fraction", type=float, default=0.1, help="the share of frames the final return "
                         "averages over (0 < f <= 1)")
+    parser.add_argument("--learned_return", type=float, help="add a column: the frames until the mean return of 10 "
+                        "consecutive points reached this (e.g. -0.4 on RepeatPreviousEasy, whose uniform policy gets "
+                        "-0.5)")
     args = parser.parse_args(argv)
     if not 0 < args.final_fraction <= 1:
         raise ValueError(f"--final_fraction must be in (0, 1], got {args.final_fraction}")
     if args.plot and "{env}" not in args.plot:
         raise ValueError(f"--plot must contain {{env}} (one figure per environment), got {args.plot!r}")
     rows = load(args.folder)
-    table = render(rows, args.final_fraction)
+    table = render(rows, args.final_fraction, args.learned_return)
     print(table)
     if args.output:
         Path(args.output).write_text(table)
