@@ -137,9 +137,10 @@ def plot(rows: Sequence[Row], pattern: str) -> List[Path]:
             curves = [{p["frames"]: p["mean_return"] for p in run["curve"]} for run in row.runs]
             frames = sorted(set.intersection(*(set(c) for c in curves)))
             values = [[c[f] for c in curves] for f in frames]
-            ax.plot(frames, [statistics.mean(v) for v in values], label=f"{row.label} ({len(curves)} seeds)")
+            (line,) = ax.plot(frames, [statistics.mean(v) for v in values], label=f"{row.label} ({len(curves)} seeds)")
             if len(curves) > 1:
-                ax.fill_between(frames, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
+                ax.fill_between(frames, [min(v) for v in values], [max(v) for v in values], alpha=0.2,
+                                color=line.get_color())
         ax.set_xlabel("frames")
         ax.set_ylabel("mean episodic return")
         learners = sorted({run["args"].get("algorithm", "ppo").upper() for r in rows if r.env == env for run in r.runs})
