@@ -60,6 +60,17 @@ def test_full_context_row_is_compared_with_the_papers_full_context_number():
     assert "| 50.0 |" in row
 
 
+def test_in_order_ablation_row_says_so():
+    """A run of ``--train_lm_args --in_order`` (data in order, state reset) is not labelled as shuffled segments."""
+    runs = [{"seed": 0, "parameters": 2e6, "training": {"tokens_per_second": 100.0, "in_order": True},
+             "evaluation": []}]
+    assert lm_table.table_row("recurrent_delta_net", runs).startswith(
+        "| Recurrent Delta Net (data in order, state reset) | 0 |")
+    runs[0]["training"]["carry_state"] = True
+    assert lm_table.table_row("recurrent_delta_net", runs, full_context=True).startswith(
+        "| Recurrent Delta Net + full context | 0 |")
+
+
 def test_carried_state_runs_are_kept_apart_and_get_their_own_row(tiny_wiki, tmp_path):
     """``--carry_state``: trained with the state carried (train_lm's StateCarryingTrainer), written to
     ``<family>_full_context_seed<seed>.json`` beside the independent-segment run of the same family and seed (whose

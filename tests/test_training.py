@@ -273,6 +273,30 @@ def test_state_is_carried_between_steps(tiny_corpus, tmp_path):
     assert all(not t.requires_grad for layer in trainer.carried_state.layers for t in layer.states.values())
 
 
+def test_in_order_trainer_reads_streams_in_order_from_an_empty_state(tmp_path):
+    """``train_lm --in_order``: row b of step i holds segment i of stream b, as with the carried state, but every
+    step's forward starts from an empty state (no cache passed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments, default_data_collator
+
+    ids = torch.arange(2000) % 50
+    ds = train_lm.segment_dataset(ids, 8, num_streams=2)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "fwp_delta_net", vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2))
+    seen = []
+
+    def spy(module, args, kwargs):
+        seen.append((kwargs["input_ids"].clone(), kwargs.get("cache")))
+
+    model.register_forward_pre_hook(spy, with_kwargs=True)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, use_cpu=True,
+                             report_to="none", save_strategy="no", remove_unused_columns=False, disable_tqdm=True)
+    train_lm.InOrderTrainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator).train()
+    streams = ids[: 2 * (len(ids) // 16) * 8].view(2, -1, 8)  # [stream, segment, token]
+    assert len(seen) == 3
+    for step, (input_ids, cache) in enumerate(seen):
+        assert torch.equal(input_ids, streams[:, step]) and cache is None
+
+
 def test_synthetic_smoke(tmp_path):
     results = synthetic.main(["--task", "retrieval", "--model_type", "delta_net", "llama", "--max_steps", "2",
                               "--per_device_train_batch_size", "4", "--hidden_size", "16", "--num_hidden_layers", "1",

@@ -305,6 +305,8 @@ def table_row(family: str, runs: List[Dict[str, Any]], full_context: bool = Fals
     state carried (`full_context`) is compared with the paper's "+ full context" number only."""
     title = "Transformer (Llama)" if family == SOFTMAX_BASELINE else FAST_WEIGHT_FAMILIES[family].facts.title
     title += " + full context" if full_context else ""
+    if not full_context and runs[0]["training"].get("in_order"):
+        title += " (data in order, state reset)"  # train_lm --in_order: the ablation of full-context training
     ours = [mean_and_spread(perplexities(runs, s, p)) for p in PROTOCOLS for s in SPLITS]
     paper = None if full_context else PAPER_TABLE_1.get(family)
     full = PAPER_FULL_CONTEXT.get(family)

@@ -10,6 +10,8 @@ followed by the tokenizer's eos), cut into fixed-length segments of ``--block_si
   shuffling) and the fast-weight state of each row is carried from one step to the next through
   ``cache``, detached at every segment boundary (truncated back-propagation). The state is reset at the
   start of every epoch and when resuming from a checkpoint.
+- With ``--in_order`` the data are read as with ``--carry_state`` (parallel streams, in order) but every segment
+  starts from an empty state: the ablation that separates full-context training's data order from its carried state.
 
 Evaluation (valid and test) reports both protocols: perplexity with the state carried over the whole split (batch 1,
 ``training.eval_lm.score_split``) and perplexity of independent segments (``training.demo.evaluate_loss``).
@@ -85,7 +87,8 @@ from .hub_options import hub_request, push_if_requested  # noqa: E402
 from .result_file import environment  # noqa: E402
 from .tokenizer import gpt2_tokenizer, train_bpe_tokenizer  # noqa: E402
 from .train_transfo_xl import encode_stream, read_documents  # noqa: E402
-from .trainer_utils import StateCarryingTrainer, segment_dataset  # noqa: E402,F401  (segment_dataset: API)
+from .trainer_utils import (  # noqa: E402,F401  (segment_dataset: API)
+    InOrderTrainer, StateCarryingTrainer, segment_dataset)
 
 logger = logging.getLogger("training.train_lm")
 
@@ -119,6 +122,9 @@ class LMDataArguments(DataArguments):
     block_size: int = field(default=256, metadata={"help": "tokens per training / evaluation segment"})
     carry_state: bool = field(default=False, metadata={
         "help": "carry the state between consecutive segments of a stream (full-context training)"})
+    in_order: bool = field(default=False, metadata={
+        "help": "read the train split in parallel streams, in order, as --carry_state does, but start every segment "
+                "from an empty state (an ablation of full-context training)"})
     max_eval_tokens: Optional[int] = field(default=None, metadata={
         "help": "score only the first N tokens of each split"})
 
@@ -267,7 +273,8 @@ class TrainedModel:
 
 def train_model(args: ParsedArguments) -> TrainedModel:
     """The training half of the script: data, tokenizer, a model from ``--model_type`` / ``--config_overrides``,
-    Trainer (``StateCarryingTrainer`` with ``--carry_state``), resumed with ``--resume_from_checkpoint``."""
+    Trainer (``StateCarryingTrainer`` with ``--carry_state``, ``InOrderTrainer`` with ``--in_order``), resumed with
+    ``--resume_from_checkpoint``."""
     set_seed(args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     training_args = trainer_arguments(args)
@@ -275,10 +282,12 @@ def train_model(args: ParsedArguments) -> TrainedModel:
     with training_args.main_process_first(desc="tokenizer"):
         tokenizer = build_tokenizer(args, documents["train"])
     train_ids = encode_stream(tokenizer, documents["train"])
-    num_streams = training_args.world_size * args.per_device_train_batch_size if args.carry_state else 1
+    in_order = args.carry_state or args.in_order
+    num_streams = training_args.world_size * args.per_device_train_batch_size if in_order else 1
     train_ds = segment_dataset(train_ids, args.block_size, num_streams)
     logger.info("train: %d tokens -> %d segments of %d (%s)", train_ids.numel(), len(train_ds), args.block_size,
-                f"{num_streams} streams, state carried" if args.carry_state else "independent segments")
+                f"{num_streams} streams, state {'carried' if args.carry_state else 'reset every segment'}"
+                if in_order else "independent segments")
 
     config = build_config(args, tokenizer)
     model = AutoModelForCausalLM.from_config(config)
@@ -286,7 +295,7 @@ def train_model(args: ParsedArguments) -> TrainedModel:
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     logger.info("%s: %.2fM parameters", type(model).__name__, n_params / 1e6)
 
-    trainer_cls = StateCarryingTrainer if args.carry_state else Trainer
+    trainer_cls = StateCarryingTrainer if args.carry_state else InOrderTrainer if args.in_order else Trainer
     trainer = trainer_cls(model=model, args=training_args, train_dataset=train_ds, data_collator=default_data_collator)
     resume = True if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
     start = time.perf_counter()
@@ -299,7 +308,7 @@ def train_model(args: ParsedArguments) -> TrainedModel:
             "dataset": args.dataset_name, "tokenizer": args.tokenizer_name,
             "vocab_size": len(tokenizer), "train_tokens": int(train_ids.numel()), "train_segments": len(train_ds)}
     training = {
-        "steps": steps, "block_size": args.block_size, "carry_state": args.carry_state,
+        "steps": steps, "block_size": args.block_size, "carry_state": args.carry_state, "in_order": in_order,
         "num_streams": num_streams, "world_size": training_args.world_size,
         "tokens_seen": steps * tokens_per_step, "seconds": train_s,
         "tokens_per_second": train_output.metrics.get("train_samples_per_second", 0.0) * args.block_size,

@@ -6,6 +6,7 @@
 - :class:`WallClockBudget` and :func:`budget_schedule`: training for a number of minutes rather than steps; the
   schedule is transformers' ``cosine_with_min_lr`` whose end moves with the estimate of the steps that fit. With a
   fixed ``--max_steps`` Trainer's own ``--lr_scheduler_type`` runs instead and the budget only stops.
+- :class:`InOrderTrainer`: the train set read in order (parallel streams), each segment from an empty state.
 - :class:`StateCarryingTrainer`: full-context training, the state carried from one segment to the next
   (truncated back-propagation through time).
 """
@@ -184,9 +185,19 @@ def segment_dataset(
     return datasets.Dataset.from_dict(columns).with_format("torch")
 
 
-class StateCarryingTrainer(Trainer):
-    """``Trainer`` that reads the train set in order and passes each step's final state (``cache``, detached) to the
-    next step: row ``b`` of a batch continues row ``b`` of the previous batch (``train_lm.segment_dataset`` with
+class InOrderTrainer(Trainer):
+    """``Trainer`` that reads the train set in order (no shuffling): with ``train_lm.segment_dataset``'s parallel
+    streams, row ``b`` of a batch holds the segment after row ``b`` of the previous batch. Each segment still starts
+    from an empty state (``train_lm --in_order``: the data order of full-context training without its carried state).
+    """
+
+    def _get_train_sampler(self, train_dataset=None) -> SequentialSampler:
+        return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+
+class StateCarryingTrainer(InOrderTrainer):
+    """``InOrderTrainer`` that also passes each step's final state (``cache``, detached) to the next step: row ``b``
+    of a batch continues row ``b`` of the previous batch (``train_lm.segment_dataset`` with
     ``num_streams = world_size * batch_size``). The state is reset at the start of training and of every epoch.
 
     Args:
@@ -199,9 +210,6 @@ class StateCarryingTrainer(Trainer):
         self.carried_state = None
         self.forward_kwargs = dict(forward_kwargs or {})
         self.add_callback(_ResetStateCallback(self))
-
-    def _get_train_sampler(self, train_dataset=None) -> SequentialSampler:
-        return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
