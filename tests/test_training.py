@@ -233,6 +233,32 @@ def test_train_lm_smoke_carry_state_and_resume(tiny_corpus, tmp_path):
     assert resumed["training"]["steps"] == 3
 
 
+def test_train_lm_continues_a_saved_model(tiny_corpus, tmp_path):
+    """``--model_name_or_path``: training starts from the saved weights (with learning rate 1e-12 they come back
+    unchanged, and the first logged loss is the saved model's); a tokenizer of another vocabulary is refused."""
+    common = ["--train_file", str(tiny_corpus / "train.txt"), "--validation_file", str(tiny_corpus / "valid.txt"),
+              "--per_device_train_batch_size", "2", "--block_size", "16", "--save_steps", "100", "--logging_steps",
+              "1", "--warmup_steps", "0", "--max_eval_tokens", "100", "--max_steps", "2"]
+    first = tmp_path / "first"
+    train_lm.main(common + ["--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2",
+                            "--vocab_size", "300", "--output_dir", str(first), "--max_steps", "20",
+                            "--learning_rate", "1e-2"])
+    saved = str(first / "model")
+    again = train_lm.main(common + ["--model_name_or_path", saved, "--tokenizer_name", saved, "--learning_rate", "1e-12",
+                                    "--weight_decay", "0", "--carry_state", "--output_dir", str(tmp_path / "again")])
+    before = transformers.AutoModelForCausalLM.from_pretrained(saved).state_dict()
+    after = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again" / "model")).state_dict()
+    assert all(torch.allclose(before[k], after[k], rtol=0, atol=1e-9) for k in before)
+    fresh = json.loads((first / "results.json").read_text())["training"]["loss_curve"][0]["loss"]
+    assert again["training"]["loss_curve"][0]["loss"] < fresh - 0.01  # from the trained weights, not a new model
+    with pytest.raises(ValueError, match="--model_name_or_path .* vocabulary"):
+        train_lm.main(common + ["--model_name_or_path", saved, "--tokenizer_name", "bpe", "--vocab_size", "280",
+                                "--output_dir", str(tmp_path / "bad")])
+    with pytest.raises(ValueError, match="--config_overrides"):
+        train_lm.main(common + ["--model_name_or_path", saved, "--tokenizer_name", saved, "--config_overrides",
+                                "hidden_size=16", "--output_dir", str(tmp_path / "bad")])
+
+
 def test_train_lm_under_accelerate_launch_two_processes_equals_one_process(tiny_corpus, tmp_path):
     """Full-context training under `accelerate launch --multi_gpu --num_processes 2` (gloo): rank r reads stream r, so
     two processes with batch 1 take the same steps as one process with batch 2 over the same 2 streams."""

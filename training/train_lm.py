@@ -22,7 +22,9 @@ by default the offline Wikipedia corpus (``training.data``, prepared into ``--da
 
 Options: this script's own (model, data, evaluation) and every ``TrainingArguments`` option (``--bf16``,
 ``--report_to``, ``--save_total_limit``, ``--gradient_checkpointing``, ...); ``--help`` lists them with their
-defaults. ``--resume_from_checkpoint latest`` continues from the newest checkpoint under ``<output_dir>/checkpoints``.
+defaults. ``--resume_from_checkpoint latest`` continues from the newest checkpoint under ``<output_dir>/checkpoints``;
+``--model_name_or_path <saved model> --tokenizer_name <its tokenizer>`` trains a saved model further (new optimizer
+and schedule), e.g. one trained on independent segments, now with ``--carry_state``.
 
     python -m training.train_lm --model_type fwp_delta_net \\
         --config_overrides hidden_size=128,num_hidden_layers=2,feature_map=dpfp --max_steps 200 --carry_state \\
@@ -102,8 +104,11 @@ SPLITS = ("train", "valid", "test")
 
 @dataclass
 class ModelArguments:
-    """The model trained from scratch and its tokenizer."""
+    """The model (trained from scratch, or continued from a saved one) and its tokenizer."""
 
+    model_name_or_path: Optional[str] = field(default=None, metadata={
+        "help": "continue training this saved model (a folder or Hub id) instead of a new one from --model_type; "
+                "--tokenizer_name must give its tokenizer (e.g. the same folder)"})
     model_type: str = field(default="fwp_delta_net", metadata={
         "help": "a registered model_type (fwp_linear_transformer, fwp_delta_net, fwp_delta_rnn, ...)"})
     config_overrides: Optional[str] = field(default=None, metadata={
@@ -220,6 +225,21 @@ def build_config(args: ParsedArguments, tokenizer: PreTrainedTokenizerBase) -> P
     return config
 
 
+def build_model(args: ParsedArguments, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A new model of ``build_config``, or the saved ``--model_name_or_path`` (its vocabulary must be the
+    tokenizer's: ValueError otherwise)."""
+    if not args.model_name_or_path:
+        return AutoModelForCausalLM.from_config(build_config(args, tokenizer))
+    if args.config_overrides:
+        raise ValueError("--config_overrides applies to a new model; with --model_name_or_path leave it out")
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    if model.config.vocab_size != len(tokenizer):
+        raise ValueError(f"--model_name_or_path {args.model_name_or_path!r} has a vocabulary of "
+                         f"{model.config.vocab_size}, the tokenizer ({args.tokenizer_name!r}) {len(tokenizer)}: pass "
+                         "the model's own tokenizer with --tokenizer_name")
+    return model
+
+
 def evaluate_split(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, split: str, documents: List[str], args: ParsedArguments
 ) -> List[Dict[str, Any]]:
@@ -272,9 +292,9 @@ class TrainedModel:
 
 
 def train_model(args: ParsedArguments) -> TrainedModel:
-    """The training half of the script: data, tokenizer, a model from ``--model_type`` / ``--config_overrides``,
-    Trainer (``StateCarryingTrainer`` with ``--carry_state``, ``InOrderTrainer`` with ``--in_order``), resumed with
-    ``--resume_from_checkpoint``."""
+    """The training half of the script: data, tokenizer, a model from ``--model_type`` / ``--config_overrides`` (or
+    ``--model_name_or_path``), Trainer (``StateCarryingTrainer`` with ``--carry_state``, ``InOrderTrainer`` with
+    ``--in_order``), resumed with ``--resume_from_checkpoint``."""
     set_seed(args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     training_args = trainer_arguments(args)
@@ -289,8 +309,7 @@ def train_model(args: ParsedArguments) -> TrainedModel:
                 f"{num_streams} streams, state {'carried' if args.carry_state else 'reset every segment'}"
                 if in_order else "independent segments")
 
-    config = build_config(args, tokenizer)
-    model = AutoModelForCausalLM.from_config(config)
+    model = build_model(args, tokenizer)
     model.config.use_cache = False
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     logger.info("%s: %.2fM parameters", type(model).__name__, n_params / 1e6)
