@@ -12,7 +12,6 @@ Segment 0 is the same text read the same way in both, so its difference is 0.
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -22,9 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
-
 from .arguments import parse_arguments, require_positive
+from .dynamic_eval import score_segments
 from .result_file import RunRecord
 from .train_transfo_xl import encode_stream, read_documents
 
@@ -43,23 +41,16 @@ class CurveArguments:
     output: Optional[str] = field(default=None, metadata={"help": "a JSON results file (RunRecord)"})
 
 
-@torch.no_grad()
 def segment_losses(model: PreTrainedModel, ids: torch.Tensor, segment_length: int) -> Dict[str, List[float]]:
     """Mean loss of every segment of the stream ``ids [N]``, ``{"carried": [S], "empty": [S]}``: segment i is
-    ``ids[i*L : (i+1)*L]`` predicting the token after each position (the last segment may be shorter)."""
-    model.eval()
-    losses: Dict[str, List[float]] = {"carried": [], "empty": []}
-    cache = None
+    ``ids[i*L : (i+1)*L]`` predicting the token after each position (the last segment may be shorter), scored by
+    ``dynamic_eval.score_segments`` over the whole stream (carried) and over the segment alone (empty)."""
+    carried = [nll / n for nll, n, _ in score_segments(model, ids[None], segment_length)]
+    empty = []
     for start in range(0, ids.numel() - 1, segment_length):
-        inputs = ids[None, start : min(start + segment_length, ids.numel() - 1)]
-        targets = ids[None, start + 1 : start + 1 + inputs.shape[1]]
-        for name, state in (("carried", cache), ("empty", None)):
-            outputs = model(input_ids=inputs, use_cache=True, **{CACHE_ARGUMENT: state})
-            loss = torch.nn.functional.cross_entropy(outputs.logits[0].float(), targets[0])
-            losses[name].append(float(loss))
-            if name == "carried":
-                cache = output_cache(outputs)
-    return losses
+        nll, n, _ = next(score_segments(model, ids[None, start : start + segment_length + 1], segment_length))
+        empty.append(nll / n)
+    return {"carried": carried, "empty": empty}
 
 
 def doubling_buckets(losses: Dict[str, List[float]]) -> List[Dict[str, Any]]:
