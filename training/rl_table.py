@@ -111,8 +111,9 @@ def render(rows: Sequence[Row], final_fraction: float = 0.1, learned_return: Opt
         for row in (r for r in rows if r.env == env):
             frames = sorted({run["frames"] for run in row.runs})
             rate = statistics.mean(run["frames_per_s"] for run in row.runs)
-            seeds_frames = (frames_to_return(run, learned_return) for run in row.runs) if learned else ()
-            reached = f" {', '.join('-' if f is None else f'{f:,}' for f in seeds_frames)} |" if learned else ""
+            reached = "" if learned_return is None else " " + ", ".join(
+                "-" if f is None else f"{f:,}"
+                for f in (frames_to_return(run, learned_return) for run in row.runs)) + " |"
             lines.append(
                 f"| {row.label} | {row.core_parameters:,} | {', '.join(map(str, row.seeds()))} | "
                 f"{', '.join(f'{f:,}' for f in frames)} | "
