@@ -191,6 +191,46 @@ def test_impala_learner_follows_the_vtrace_equations():
 
 
 @needs_rl
+@pytest.mark.parametrize("algorithm", ["ppo", "impala"])
+def test_learner_losses_equal_torchrls_losses_on_the_whole_policy(algorithm):
+    """learner_losses runs the core once and gives its features to both heads; torchrl's loss module given the whole
+    actor and the whole critic runs the core once for each. Same loss terms, same gradients on every parameter."""
+    from torchrl.collectors import Collector
+    from torchrl.modules import set_recurrent_mode
+    from torchrl.objectives import A2CLoss, ClipPPOLoss
+
+    args = small_args(core="recurrent_delta_net", env="RepeatPreviousEasy", num_envs=4, rollout_length=30,
+                      algorithm=algorithm)
+    torch.manual_seed(0)
+    agent = rl.build_agent(args)
+    collector = Collector(agent["env"], agent["actor"], frames_per_batch=120, total_frames=240)
+    batch = [b.clone() for b in collector][-1]  # the second batch: stored states carried over, episode starts inside
+    collector.shutdown()
+    if algorithm == "ppo":
+        reference = ClipPPOLoss(agent["actor"], agent["critic"], clip_epsilon=args.clip_epsilon,
+                                entropy_coeff=args.entropy_coeff, functional=False)
+    else:
+        reference = A2CLoss(agent["actor"], agent["critic"], entropy_coeff=args.entropy_coeff, critic_coeff=0.25,
+                            loss_critic_type="l2", reduction="sum", functional=False)
+    params = agent["parameters"]
+    assert sum(p.numel() for p in params) == agent["counts"]["policy"] == rl.count_parameters(
+        torch.nn.ModuleList([agent["actor"], agent["critic"]]))
+    with set_recurrent_mode(True):
+        with torch.no_grad():
+            agent["advantage"](batch)
+        ours = rl.learner_losses(batch[1:], agent)
+        grads = torch.autograd.grad(sum(ours.values()), params)
+        theirs = {k: v for k, v in reference(batch[1:]).items() if k.startswith("loss_")}
+        expected = torch.autograd.grad(sum(theirs.values()), params)
+    assert sorted(ours) == sorted(theirs) and len(ours) == 3
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    assert all(float(g.abs().sum()) > 0 for g in grads)  # the core gets gradients from both heads' losses
+
+
+@needs_rl
 @pytest.mark.parametrize("core", ["lstm", "recurrent_delta_net"])
 def test_end_to_end_writes_the_learning_curve(core, tmp_path):
     out = tmp_path / core

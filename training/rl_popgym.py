@@ -304,19 +304,24 @@ def make_batched_env(args: RLArguments, core_module: Optional[TensorDictCore] = 
     return TransformedEnv(env, core_module.make_primer()) if core_module is not None else env
 
 
-def build_policy(env: Any, core_module: TensorDictCore, num_actions: int) -> Tuple[Any, Any]:
-    """``(actor, critic)`` sharing the core: a categorical actor head and a value head on its features."""
+def build_policy(env: Any, core_module: TensorDictCore, num_actions: int) -> Dict[str, Any]:
+    """The policy's modules, sharing one core: ``actor`` (core + categorical head; the collector's and V-trace's)
+    and ``critic`` (core + value head; the value estimators'), and the two heads alone, ``actor_head`` and
+    ``value_head``, on the core's features (the losses': :func:`learner_losses` runs the core once for both)."""
     from tensordict.nn import TensorDictModule, TensorDictSequential
     from torchrl.modules import ProbabilisticActor
 
     width = core_module.core.output_size
-    logits = TensorDictSequential(core_module, TensorDictModule(nn.Linear(width, num_actions), [FEATURES_KEY],
-                                                                ["logits"]))
-    actor = ProbabilisticActor(logits, in_keys=["logits"], distribution_class=torch.distributions.Categorical,
-                               return_log_prob=True, spec=env.action_spec)
-    critic = TensorDictSequential(core_module, TensorDictModule(nn.Linear(width, 1), [FEATURES_KEY],
-                                                                ["state_value"]))
-    return actor, critic
+    logits_head = TensorDictModule(nn.Linear(width, num_actions), [FEATURES_KEY], ["logits"])
+    value_head = TensorDictModule(nn.Linear(width, 1), [FEATURES_KEY], ["state_value"])
+
+    def categorical(module: Any) -> Any:
+        return ProbabilisticActor(module, in_keys=["logits"], distribution_class=torch.distributions.Categorical,
+                                  return_log_prob=True, spec=env.action_spec)
+
+    return {"actor": categorical(TensorDictSequential(core_module, logits_head)),
+            "critic": TensorDictSequential(core_module, value_head),
+            "actor_head": categorical(logits_head), "value_head": value_head}
 
 
 def episode_returns(batch: Any) -> List[float]:
@@ -328,6 +333,15 @@ def episode_returns(batch: Any) -> List[float]:
 # -------------------------------------------------------------------------------------------------- learners
 
 
+def learner_losses(minibatch: Any, agent: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """The learner's loss terms (``loss_*``, scalars) on `minibatch` ``[rows, T]``, in recurrent mode. The core runs
+    once over the rows, with gradients, and writes its features; the loss module's actor and critic are the heads
+    alone and read them (torchrl's losses would run a shared core once for the actor and again for the critic)."""
+    agent["core"](minibatch)
+    losses = agent["loss"](minibatch)
+    return {k: v for k, v in losses.items() if k.startswith("loss_")}
+
+
 def policy_update(batch: Any, agent: Dict[str, Any], args: RLArguments) -> Dict[str, float]:
     """One learner update on `batch` ``[num_envs, T]``, in torchrl's recurrent mode (the core runs each env row from
     its stored first state). PPO: ``--ppo_epochs`` passes of ClipPPOLoss in ``--num_minibatches`` minibatches of whole
@@ -335,7 +349,7 @@ def policy_update(batch: Any, agent: Dict[str, Any], args: RLArguments) -> Dict[
     batch (Espeholt et al. 2018), the learning rate annealed after it. Returns the mean of each loss term."""
     from torchrl.modules import set_recurrent_mode
 
-    loss_module, optimizer = agent["loss"], agent["optimizer"]
+    optimizer = agent["optimizer"]
     passes, minibatches = (args.ppo_epochs, args.num_minibatches) if args.algorithm == "ppo" else (1, 1)
     totals: Dict[str, float] = {}
     with set_recurrent_mode(True):
@@ -343,12 +357,10 @@ def policy_update(batch: Any, agent: Dict[str, Any], args: RLArguments) -> Dict[
             with torch.no_grad():
                 agent["advantage"](batch)
             for rows in torch.randperm(batch.shape[0]).chunk(minibatches):
-                losses = loss_module(batch[rows])
-                parts = {k: v for k, v in losses.items() if k.startswith("loss_")}
-                loss = sum(parts.values())
+                parts = learner_losses(batch[rows], agent)
                 optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(loss_module.parameters(), args.max_grad_norm)
+                sum(parts.values()).backward()
+                nn.utils.clip_grad_norm_(agent["parameters"], args.max_grad_norm)
                 optimizer.step()
                 for k, v in parts.items():
                     totals[k] = totals.get(k, 0.0) + float(v.detach()) / (passes * minibatches)
@@ -385,8 +397,9 @@ class VTraceTargets:
         return batch
 
 
-def build_learner(args: RLArguments, actor: Any, critic: Any) -> Dict[str, Any]:
-    """``{"loss", "advantage", "optimizer", "scheduler"}`` of ``--algorithm``.
+def build_learner(args: RLArguments, policy: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"loss", "advantage", "parameters", "optimizer", "scheduler"}`` of ``--algorithm``, for the modules of
+    :func:`build_policy`: the advantage estimators run ``actor`` / ``critic``, the loss the heads alone.
 
     PPO: ClipPPOLoss, GAE, Adam, a constant learning rate. IMPALA, as the paper ran it (Irie et al. 2021, appendix C,
     with polybeast's remaining defaults): V-trace targets and advantages (rho and c clipped at 1), the policy-gradient
@@ -403,34 +416,39 @@ def build_learner(args: RLArguments, actor: Any, critic: Any) -> Dict[str, Any]:
     # episode's first observation. No vmap: the cores split rows at episode starts (data-dependent shapes). One
     # approximation remains, torchrl's: the bootstrap step after the row's last step gets that step's is_init, so where
     # an episode starts at the last step, its bootstrap value is computed from a zero state (about 1 row in 50).
+    actor, critic, heads = policy["actor"], policy["critic"], (policy["actor_head"], policy["value_head"])
+    parameters = list(nn.ModuleList([actor, critic]).parameters())  # the core's once, and both heads'
     if args.algorithm == "ppo":
-        loss_module = ClipPPOLoss(actor, critic, clip_epsilon=args.clip_epsilon, entropy_coeff=args.entropy_coeff,
+        loss_module = ClipPPOLoss(*heads, clip_epsilon=args.clip_epsilon, entropy_coeff=args.entropy_coeff,
                                   functional=False)
         advantage = GAE(gamma=args.gamma, lmbda=args.gae_lambda, value_network=critic, time_dim=1,
                         shifted=True, deactivate_vmap=True)
-        optimizer = torch.optim.Adam(loss_module.parameters(), lr=args.learning_rate)
-        return {"loss": loss_module, "advantage": advantage, "optimizer": optimizer, "scheduler": None}
-    loss_module = A2CLoss(actor, critic, entropy_coeff=args.entropy_coeff, critic_coeff=0.25, loss_critic_type="l2",
+        optimizer = torch.optim.Adam(parameters, lr=args.learning_rate)
+        return {"loss": loss_module, "advantage": advantage, "parameters": parameters, "optimizer": optimizer,
+                "scheduler": None}
+    loss_module = A2CLoss(*heads, entropy_coeff=args.entropy_coeff, critic_coeff=0.25, loss_critic_type="l2",
                           reduction="sum", functional=False)
     advantage = VTraceTargets(actor, GAE(gamma=args.gamma, lmbda=1.0, value_network=critic, time_dim=1, shifted=True,
                                          deactivate_vmap=True), args.gamma)
-    optimizer = torch.optim.RMSprop(loss_module.parameters(), lr=args.learning_rate, alpha=0.99, eps=0.01)
+    optimizer = torch.optim.RMSprop(parameters, lr=args.learning_rate, alpha=0.99, eps=0.01)
     updates = max(1, args.total_frames // (args.num_envs * args.rollout_length))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0 - min(done, updates) / updates)
-    return {"loss": loss_module, "advantage": advantage, "optimizer": optimizer, "scheduler": scheduler}
+    return {"loss": loss_module, "advantage": advantage, "parameters": parameters, "optimizer": optimizer,
+            "scheduler": scheduler}
 
 
 def build_agent(args: RLArguments) -> Dict[str, Any]:
-    """Env, core, actor, critic, the learner (:func:`build_learner`) and the parameter counts."""
+    """Env, core, the policy's modules (:func:`build_policy`), the learner (:func:`build_learner`) and the parameter
+    counts."""
     probe = make_env(args.env, args.seed)
     obs_size, num_actions = probe.observation_spec["observation"].shape[-1], int(probe.action_spec.space.n)
     core, counts = build_core(obs_size, args)
     core_module = TensorDictCore(PolicyCore(core))
     env = make_batched_env(args, core_module)
-    actor, critic = build_policy(env, core_module, num_actions)
-    learner = build_learner(args, actor, critic)
-    counts["policy"] = count_parameters(learner["loss"])
-    return {"env": env, "actor": actor, **learner, "counts": counts, "observation_size": obs_size,
+    policy = build_policy(env, core_module, num_actions)
+    learner = build_learner(args, policy)
+    counts["policy"] = sum(p.numel() for p in learner["parameters"])
+    return {"env": env, "core": core_module, **policy, **learner, "counts": counts, "observation_size": obs_size,
             "num_actions": num_actions}
 
 
