@@ -52,6 +52,33 @@ def test_table_shows_mean_and_spread_over_seeds(tmp_path):
     assert "| 11.0 ± 1.4 |" in row and "| 0, 1 |" in row and "| 31.8 / 32.8 |" in row and "| 2.00 |" in row
 
 
+def test_rank_correlation_is_spearmans_with_mean_ranks_for_ties():
+    assert lm_table.rank_correlation([10.0, 20.0, 30.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    # ranks [1, 2, 3] against [1.5, 1.5, 3]: covariance 1.5, variances 2 and 1.5
+    assert lm_table.rank_correlation([1.0, 2.0, 3.0], [5.0, 5.0, 7.0]) == pytest.approx(1.5 / (2 * 1.5) ** 0.5)
+    with pytest.raises(ValueError, match="same length"):
+        lm_table.rank_correlation([1.0, 2.0], [1.0])
+
+
+def test_relative_table_compares_each_row_with_the_baseline_beside_the_paper():
+    def runs(valid, test, **training):
+        return [{"seed": 0, "training": training, "evaluation": [
+            {"split": "valid", "protocol": "sliding_window", "perplexity": valid},
+            {"split": "test", "protocol": "sliding_window", "perplexity": test}]}]
+
+    grouped = {("llama", False): runs(100.0, 200.0), ("delta_lstm", False): runs(90.0, 210.0),
+               ("linear_transformer", False): runs(150.0, 300.0), ("delta_net", False): runs(1.0, 1.0, in_order=True),
+               ("delta_rnn", True): runs(1.0, 1.0, carry_state=True)}
+    lines = lm_table.relative_to_baseline(grouped)
+    assert "| Delta LSTM | -10.0% | +5.0% | -1.2% | -0.9% |" in lines
+    assert "| Linear Transformer | +50.0% | +50.0% | +12.4% | +12.3% |" in lines
+    assert not any(line.startswith(("| Delta Net", "| Delta RNN")) for line in lines)  # ablation, full context
+    # valid ranks (LSTM, Llama, LT) agree with the paper's; test ranks (Llama, LSTM, LT) swap the first two
+    assert lines[-2] == "Spearman rank correlation of these 3 rows with the paper's: 1.00 valid, 0.50 test."
+    del grouped[("llama", False)]
+    assert lm_table.relative_to_baseline(grouped) == []
+
+
 def test_full_context_row_is_compared_with_the_papers_full_context_number():
     runs = [{"seed": 0, "parameters": 2e6, "training": {"tokens_per_second": 100.0, "carry_state": True},
              "evaluation": [{"split": "test", "protocol": "carried_state", "perplexity": 50.0}]}]

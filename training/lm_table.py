@@ -319,6 +319,44 @@ def table_row(family: str, runs: List[Dict[str, Any]], full_context: bool = Fals
     return "| " + " | ".join(cells) + " |"
 
 
+def rank_correlation(ours: Sequence[float], paper: Sequence[float]) -> float:
+    """Spearman's rank correlation of two equally long sequences: Pearson's correlation of their ranks, tied values
+    given the mean of their ranks (the paper's Table 1 has ties)."""
+    import pandas as pd
+
+    if len(ours) != len(paper) or len(ours) < 2:
+        raise ValueError(f"need two sequences of the same length >= 2, got {len(ours)} and {len(paper)}")
+    return float(pd.Series(list(ours)).rank().corr(pd.Series(list(paper)).rank()))
+
+
+def relative_to_baseline(grouped: Dict[Tuple[str, bool], List[Dict[str, Any]]]) -> List[str]:
+    """Markdown lines: each row's mean sliding-window perplexity relative to the softmax baseline's (the rows trained
+    on shuffled independent segments that the paper's Table 1 has), beside the paper's relative to its Transformer,
+    and the rank correlation of the rows with the paper's on each split. No lines without the baseline or with fewer
+    than three such rows."""
+    rows = [f for f in KNOWN_FAMILIES if f in PAPER_TABLE_1 and (f, False) in grouped
+            and not grouped[(f, False)][0]["training"].get("in_order")]
+    if SOFTMAX_BASELINE not in rows or len(rows) < 3:
+        return []
+    ours = {f: [statistics.mean(perplexities(grouped[(f, False)], s, "sliding_window")) for s in SPLITS] for f in rows}
+    base, paper_base = ours[SOFTMAX_BASELINE], PAPER_TABLE_1[SOFTMAX_BASELINE]
+
+    def percent(value: float, reference: float) -> str:
+        return f"{100 * (value / reference - 1):+.1f}%"
+
+    lines = ["Sliding window, each row's mean relative to the softmax baseline's (ours: the Llama; the paper: its "
+             "Transformer):", "", "| model | valid, ours | test, ours | valid, paper | test, paper |",
+             "|---|---|---|---|---|"]
+    for f in sorted(rows, key=lambda f: ours[f][0]):
+        title = "Transformer (Llama)" if f == SOFTMAX_BASELINE else FAST_WEIGHT_FAMILIES[f].facts.title
+        lines.append(f"| {title} | " + " | ".join([percent(ours[f][i], base[i]) for i in range(2)]
+                                                  + [percent(PAPER_TABLE_1[f][i], paper_base[i]) for i in range(2)])
+                     + " |")
+    correlation = [rank_correlation([ours[f][i] for f in rows], [PAPER_TABLE_1[f][i] for f in rows]) for i in range(2)]
+    return lines + ["", f"Spearman rank correlation of these {len(rows)} rows with the paper's: "
+                    f"{correlation[0]:.2f} valid, {correlation[1]:.2f} test.", ""]
+
+
 def carried_state_streams(grouped: Dict[Tuple[str, bool], List[Dict[str, Any]]]) -> str:
     """The number(s) of parallel streams of the runs trained with the state carried, e.g. ``"8"``."""
     streams = sorted({r["training"].get("num_streams", "?") for (_, full), runs in grouped.items() if full
@@ -353,6 +391,7 @@ def write_table(args: ParsedArguments) -> Path:
         "test, carried | paper valid / test | paper + full context | paper params (M) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *[table_row(f, grouped[(f, full)], full) for f, full in order], "",
+        *relative_to_baseline(grouped),
         "Results files: `" + str(results_files_dir(args)) + "/<family>_seed<seed>.json` (trained with the state "
         f"carried: `<family>{FULL_CONTEXT_SUFFIX}_seed<seed>.json`).", "",
     ]
