@@ -423,16 +423,15 @@ def build_learner(args: RLArguments, policy: Dict[str, Any]) -> Dict[str, Any]:
                                   functional=False)
         advantage = GAE(gamma=args.gamma, lmbda=args.gae_lambda, value_network=critic, time_dim=1,
                         shifted=True, deactivate_vmap=True)
-        optimizer = torch.optim.Adam(parameters, lr=args.learning_rate)
-        return {"loss": loss_module, "advantage": advantage, "parameters": parameters, "optimizer": optimizer,
-                "scheduler": None}
-    loss_module = A2CLoss(*heads, entropy_coeff=args.entropy_coeff, critic_coeff=0.25, loss_critic_type="l2",
-                          reduction="sum", functional=False)
-    advantage = VTraceTargets(actor, GAE(gamma=args.gamma, lmbda=1.0, value_network=critic, time_dim=1, shifted=True,
-                                         deactivate_vmap=True), args.gamma)
-    optimizer = torch.optim.RMSprop(parameters, lr=args.learning_rate, alpha=0.99, eps=0.01)
-    updates = max(1, args.total_frames // (args.num_envs * args.rollout_length))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0 - min(done, updates) / updates)
+        optimizer, scheduler = torch.optim.Adam(parameters, lr=args.learning_rate), None
+    else:
+        loss_module = A2CLoss(*heads, entropy_coeff=args.entropy_coeff, critic_coeff=0.25, loss_critic_type="l2",
+                              reduction="sum", functional=False)
+        advantage = VTraceTargets(actor, GAE(gamma=args.gamma, lmbda=1.0, value_network=critic, time_dim=1,
+                                             shifted=True, deactivate_vmap=True), args.gamma)
+        optimizer = torch.optim.RMSprop(parameters, lr=args.learning_rate, alpha=0.99, eps=0.01)
+        updates = max(1, args.total_frames // (args.num_envs * args.rollout_length))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0 - min(done, updates) / updates)
     return {"loss": loss_module, "advantage": advantage, "parameters": parameters, "optimizer": optimizer,
             "scheduler": scheduler}
 
