@@ -3,9 +3,10 @@ torchrl's loss modules given the whole actor and the whole critic (the core run 
 
 For each core and learner, one whole ``policy_update`` (PPO: 4 epochs of GAE and 4 minibatch steps; IMPALA: the
 V-trace targets and one step on the whole batch) is timed both ways, round-robin, on the same collected batch (32
-envs x 50 steps, the paper's batch and span, by default); the advantage passes are the same in both. Time is the CPU time of the
-calling thread with one intra-op thread (as ``bench_rfwp.py``: robust to other jobs on the machine); wall-clock
-times are reported beside it. The loss terms of both ways are checked equal before timing.
+envs x 50 steps, the paper's batch and span, by default); the advantage passes are the same in both, and one of them
+is timed alone beside them. Time is the CPU time of the calling thread with one intra-op thread (as
+``bench_rfwp.py``: robust to other jobs on the machine); wall-clock times are reported beside it. The loss terms of
+both ways are checked equal before timing.
 
     python benchmarks/bench_rl_update.py [--cores recurrent_delta_net lstm] [--rounds 5] [--num_envs 32]
 
@@ -38,11 +39,12 @@ def whole_policy_loss(agent: Dict[str, Any], args: rl.RLArguments) -> Any:
                    loss_critic_type="l2", reduction="sum", functional=False)
 
 
-def update_variants(core: str, algorithm: str, num_envs: int, rollout_length: int) -> Tuple[Callable, Callable, Any]:
-    """``(ours, theirs, check)``: one whole ``policy_update`` on a collected batch (PPO: 4 epochs of GAE and 4
-    minibatch steps; IMPALA: V-trace targets and one step), with the learner's loss (the core run once) or with
-    torchrl's loss on the whole actor and critic (the core run once per head); `check` returns both ways' loss terms
-    on the same minibatch before any update."""
+def update_variants(core: str, algorithm: str, num_envs: int,
+                    rollout_length: int) -> Tuple[Dict[str, Callable], Callable]:
+    """``({"core once", "core per head", "advantage pass"}, check)``: one whole ``policy_update`` on a collected batch
+    (PPO: 4 epochs of GAE and 4 minibatch steps; IMPALA: V-trace targets and one step), with the learner's loss (the
+    core run once) or with torchrl's loss on the whole actor and critic (the core run once per head), and one advantage
+    pass alone (the same in both); `check` returns both ways' loss terms on the same batch before any update."""
     from torchrl.collectors import Collector
     from torchrl.modules import set_recurrent_mode
 
@@ -61,15 +63,20 @@ def update_variants(core: str, algorithm: str, num_envs: int, rollout_length: in
             agent["advantage"](batch)
             return rl.learner_losses(batch, agent), rl.learner_losses(batch, theirs)
 
-    return (lambda: rl.policy_update(batch, agent, args)), (lambda: rl.policy_update(batch, theirs, args)), check
+    def advantage_pass() -> None:
+        with set_recurrent_mode(True), torch.no_grad():
+            agent["advantage"](batch)
+
+    return {"core once": lambda: rl.policy_update(batch, agent, args),
+            "core per head": lambda: rl.policy_update(batch, theirs, args), "advantage pass": advantage_pass}, check
 
 
-def time_pair(ours: Callable, theirs: Callable, check: Callable, rounds: int) -> Dict[str, Any]:
-    """Round-robin CPU and wall times of the two ways, after checking their loss terms equal."""
+def time_pair(ways: Dict[str, Callable], check: Callable, rounds: int) -> Dict[str, Any]:
+    """Round-robin CPU and wall times of the two ways (and of the advantage pass), after checking that the two ways'
+    loss terms are equal."""
     expected, got = check()
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
-    ways = {"core once": ours, "core per head": theirs}
     times: Dict[str, list] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, fn in ways.items():
@@ -100,7 +107,8 @@ def main() -> None:
             pair = time_pair(*update_variants(core, algorithm, args.num_envs, args.rollout_length), args.rounds)
             results[f"{core}/{algorithm}"] = pair
             print(f"{core:>20} {algorithm:>6}: core once {pair['cpu_s']['core once']['median']:.3f} s, core per head "
-                  f"{pair['cpu_s']['core per head']['median']:.3f} s CPU (median): "
+                  f"{pair['cpu_s']['core per head']['median']:.3f} s, advantage pass "
+                  f"{pair['cpu_s']['advantage pass']['median']:.3f} s CPU (median): "
                   f"{pair['speedup_cpu']['of_medians']:.2f}x (wall {pair['speedup_wall']['of_medians']:.2f}x)",
                   flush=True)
     report = {"settings": {k: getattr(args, k) for k in ("num_envs", "rollout_length", "rounds", "threads")},

@@ -516,6 +516,22 @@ def assisted_rows(s: Source) -> List[Row]:
              both("greedy {m:.1f} ms/token", m=greedy), "the greedy tokens"]]
 
 
+def rl_update_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_rl_update.py: a whole RL learner update with the core run once vs once per head."""
+    rows = []
+    for key, title in (("recurrent_delta_net/ppo", "RDN, PPO"), ("recurrent_delta_net/impala", "RDN, IMPALA"),
+                       ("lstm/ppo", "LSTM, PPO"), ("lstm/impala", "LSTM, IMPALA")):
+        r = f"results.{key}.cpu_s."
+        once = s.pair(r + "core once.median", r + "core once.best")
+        per_head = s.pair(r + "core per head.median", r + "core per head.best")
+        rows.append([fill("RL learner update ({}): the core run once for both heads vs torchrl's losses running it "
+                          "once per head, {} envs x {} steps, 1 thread, thread CPU time", title,
+                          s.get("settings.num_envs"), s.get("settings.rollout_length")),
+                     both("{r:.2f}x faster ({t:.3f} s)", True, r=pdiv(per_head, once), t=once),
+                     both("once per head {t:.3f} s", t=per_head), "faster, same losses"])
+    return rows
+
+
 README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_generation.json", generation_rows),
     ("benchmarks/results/bench_kernels.json", kernel_rows),
@@ -542,6 +558,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_avx2_bf16.json", decode_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
+    ("benchmarks/results/bench_rl_update.json", rl_update_rows),
 )
 
 
