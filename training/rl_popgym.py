@@ -29,6 +29,7 @@ The learner (``--algorithm``, :func:`build_learner`):
   by the learner's own policy (no asynchronous actors).
 
 The paper's values that carry over to both: entropy 0.01, 32 environments per batch, backpropagation span 50.
+In both, the loss runs the core once per minibatch and both heads read its features (:func:`learner_losses`).
 
     OMP_NUM_THREADS=1 python -m training.rl_popgym --core recurrent_delta_net --env RepeatPreviousEasy --seed 0 \\
         --total_frames 200000 --output_dir runs/rl/rdn_s0
