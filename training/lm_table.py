@@ -300,11 +300,15 @@ def perplexities(runs: List[Dict[str, Any]], split: str, protocol: str) -> List[
     return [e["perplexity"] for r in runs for e in r["evaluation"] if (e["split"], e["protocol"]) == (split, protocol)]
 
 
+def family_title(family: str) -> str:
+    """The row's model name: the family's title, "Transformer (Llama)" for the softmax baseline."""
+    return "Transformer (Llama)" if family == SOFTMAX_BASELINE else FAST_WEIGHT_FAMILIES[family].facts.title
+
+
 def table_row(family: str, runs: List[Dict[str, Any]], full_context: bool = False) -> str:
     """One markdown row: ours (mean over seeds) and the paper's Table 1 numbers. A row of runs trained with the
     state carried (`full_context`) is compared with the paper's "+ full context" number only."""
-    title = "Transformer (Llama)" if family == SOFTMAX_BASELINE else FAST_WEIGHT_FAMILIES[family].facts.title
-    title += " + full context" if full_context else ""
+    title = family_title(family) + (" + full context" if full_context else "")
     if not full_context and runs[0]["training"].get("in_order"):
         title += " (data in order, state reset)"  # train_lm --in_order: the ablation of full-context training
     ours = [mean_and_spread(perplexities(runs, s, p)) for p in PROTOCOLS for s in SPLITS]
@@ -348,8 +352,7 @@ def relative_to_baseline(grouped: Dict[Tuple[str, bool], List[Dict[str, Any]]]) 
              "Transformer):", "", "| model | valid, ours | test, ours | valid, paper | test, paper |",
              "|---|---|---|---|---|"]
     for f in sorted(rows, key=lambda f: ours[f][0]):
-        title = "Transformer (Llama)" if f == SOFTMAX_BASELINE else FAST_WEIGHT_FAMILIES[f].facts.title
-        lines.append(f"| {title} | " + " | ".join([percent(ours[f][i], base[i]) for i in range(2)]
+        lines.append(f"| {family_title(f)} | " + " | ".join([percent(ours[f][i], base[i]) for i in range(2)]
                                                   + [percent(PAPER_TABLE_1[f][i], paper_base[i]) for i in range(2)])
                      + " |")
     correlation = [rank_correlation([ours[f][i] for f in rows], [PAPER_TABLE_1[f][i] for f in rows]) for i in range(2)]
