@@ -27,18 +27,6 @@ from training import rl_popgym as rl  # noqa: E402
 from training.result_file import RunRecord, ratio, summarize  # noqa: E402
 
 
-def whole_policy_loss(agent: Dict[str, Any], args: rl.RLArguments) -> Any:
-    """torchrl's loss module of `args.algorithm`, with the same settings as the learner's, on the whole actor and
-    the whole critic (so that it runs the core once for each)."""
-    from torchrl.objectives import A2CLoss, ClipPPOLoss
-
-    if args.algorithm == "ppo":
-        return ClipPPOLoss(agent["actor"], agent["critic"], clip_epsilon=args.clip_epsilon,
-                           entropy_coeff=args.entropy_coeff, functional=False)
-    return A2CLoss(agent["actor"], agent["critic"], entropy_coeff=args.entropy_coeff, critic_coeff=0.25,
-                   loss_critic_type="l2", reduction="sum", functional=False)
-
-
 def update_variants(core: str, algorithm: str, num_envs: int,
                     rollout_length: int) -> Tuple[Dict[str, Callable], Callable]:
     """``({"core once", "core per head", "advantage pass"}, check)``: one whole ``policy_update`` on a collected batch
@@ -56,16 +44,16 @@ def update_variants(core: str, algorithm: str, num_envs: int,
                           total_frames=2 * num_envs * rollout_length)
     batch = [b.clone() for b in collector][-1]  # stored states carried over, an episode start in every row
     collector.shutdown()
-    theirs = dict(agent, loss=whole_policy_loss(agent, args), core=lambda minibatch: minibatch)
-
-    def check() -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-        with set_recurrent_mode(True), torch.no_grad():
-            agent["advantage"](batch)
-            return rl.learner_losses(batch, agent), rl.learner_losses(batch, theirs)
+    theirs = dict(agent, loss=rl.build_loss(args, agent["actor"], agent["critic"]), core=lambda minibatch: minibatch)
 
     def advantage_pass() -> None:
         with set_recurrent_mode(True), torch.no_grad():
             agent["advantage"](batch)
+
+    def check() -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        advantage_pass()
+        with set_recurrent_mode(True), torch.no_grad():
+            return rl.learner_losses(batch, agent), rl.learner_losses(batch, theirs)
 
     return {"core once": lambda: rl.policy_update(batch, agent, args),
             "core per head": lambda: rl.policy_update(batch, theirs, args), "advantage pass": advantage_pass}, check

@@ -206,12 +206,16 @@ def test_learner_losses_equal_torchrls_losses_on_the_whole_policy(algorithm):
     collector = Collector(agent["env"], agent["actor"], frames_per_batch=120, total_frames=240)
     batch = [b.clone() for b in collector][-1]  # the second batch: stored states carried over, episode starts inside
     collector.shutdown()
-    if algorithm == "ppo":
-        reference = ClipPPOLoss(agent["actor"], agent["critic"], clip_epsilon=args.clip_epsilon,
-                                entropy_coeff=args.entropy_coeff, functional=False)
-    else:
-        reference = A2CLoss(agent["actor"], agent["critic"], entropy_coeff=args.entropy_coeff, critic_coeff=0.25,
-                            loss_critic_type="l2", reduction="sum", functional=False)
+    reference = rl.build_loss(args, agent["actor"], agent["critic"])  # the learner's settings, on the whole modules
+    assert type(reference) is type(agent["loss"]) is (ClipPPOLoss if algorithm == "ppo" else A2CLoss)
+    settings = (("clip_epsilon", 0.2), ("critic_coeff", 1.0), ("loss_critic_type", "smooth_l1"), ("reduction", "mean"))
+    if algorithm == "impala":  # polybeast's: baseline cost 0.5 of half the squared error, summed over the batch
+        settings = (("critic_coeff", 0.25), ("loss_critic_type", "l2"), ("reduction", "sum"))
+    for loss in (reference, agent["loss"]):
+        assert float(loss.entropy_coeff) == pytest.approx(0.01) and not loss.functional
+        for name, value in settings:
+            got = getattr(loss, name)
+            assert (float(got) == pytest.approx(value)) if isinstance(value, float) else got == value, name
     params = agent["parameters"]
     assert sum(p.numel() for p in params) == agent["counts"]["policy"] == rl.count_parameters(
         torch.nn.ModuleList([agent["actor"], agent["critic"]]))

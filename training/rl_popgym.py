@@ -398,6 +398,19 @@ class VTraceTargets:
         return batch
 
 
+def build_loss(args: RLArguments, actor: Any, critic: Any) -> Any:
+    """torchrl's loss module of ``--algorithm`` on `actor` and `critic`: ClipPPOLoss (PPO), or A2CLoss with
+    polybeast's baseline cost 0.5 of half the squared value error, summed over the batch (IMPALA). The learner gives
+    it the heads alone (:func:`learner_losses`); given the whole actor and critic it runs the core once for each."""
+    from torchrl.objectives import A2CLoss, ClipPPOLoss
+
+    if args.algorithm == "ppo":
+        return ClipPPOLoss(actor, critic, clip_epsilon=args.clip_epsilon, entropy_coeff=args.entropy_coeff,
+                           functional=False)
+    return A2CLoss(actor, critic, entropy_coeff=args.entropy_coeff, critic_coeff=0.25, loss_critic_type="l2",
+                   reduction="sum", functional=False)
+
+
 def build_learner(args: RLArguments, policy: Dict[str, Any]) -> Dict[str, Any]:
     """``{"loss", "advantage", "parameters", "optimizer", "scheduler"}`` of ``--algorithm``, for the modules of
     :func:`build_policy`: the advantage estimators run ``actor`` / ``critic``, the loss the heads alone.
@@ -409,7 +422,6 @@ def build_learner(args: RLArguments, policy: Dict[str, Any]) -> Dict[str, Any]:
     ``--total_frames``. Here the learner trains on each batch as soon as it is collected, so the behaviour policy is
     the learner's own and the importance weights are 1 up to the policy's float noise: V-trace reduces to n-step
     returns over the rollout (the asynchronous actors that make them differ are not simulated)."""
-    from torchrl.objectives import A2CLoss, ClipPPOLoss
     from torchrl.objectives.value import GAE
 
     # shifted: one core pass over [root steps, last next step] (the values at t + 1 are the next row's, with the state
@@ -419,15 +431,12 @@ def build_learner(args: RLArguments, policy: Dict[str, Any]) -> Dict[str, Any]:
     # an episode starts at the last step, its bootstrap value is computed from a zero state (about 1 row in 50).
     actor, critic, heads = policy["actor"], policy["critic"], (policy["actor_head"], policy["value_head"])
     parameters = list(nn.ModuleList([actor, critic]).parameters())  # the core's once, and both heads'
+    loss_module = build_loss(args, *heads)
     if args.algorithm == "ppo":
-        loss_module = ClipPPOLoss(*heads, clip_epsilon=args.clip_epsilon, entropy_coeff=args.entropy_coeff,
-                                  functional=False)
         advantage = GAE(gamma=args.gamma, lmbda=args.gae_lambda, value_network=critic, time_dim=1,
                         shifted=True, deactivate_vmap=True)
         optimizer, scheduler = torch.optim.Adam(parameters, lr=args.learning_rate), None
     else:
-        loss_module = A2CLoss(*heads, entropy_coeff=args.entropy_coeff, critic_coeff=0.25, loss_critic_type="l2",
-                              reduction="sum", functional=False)
         advantage = VTraceTargets(actor, GAE(gamma=args.gamma, lmbda=1.0, value_network=critic, time_dim=1,
                                              shifted=True, deactivate_vmap=True), args.gamma)
         optimizer = torch.optim.RMSprop(parameters, lr=args.learning_rate, alpha=0.99, eps=0.01)
