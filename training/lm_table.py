@@ -58,7 +58,7 @@ from modeling_fwp.families import FAMILIES  # noqa: E402
 from . import train_lm  # noqa: E402
 from .arguments import ParsedArguments, parse_arguments, require_positive  # noqa: E402
 from .eval_lm import score_split, score_split_sliding_window  # noqa: E402
-from .result_file import RunRecord  # noqa: E402
+from .result_file import RunRecord, mean_and_spread  # noqa: E402
 
 logger = logging.getLogger("training.lm_table")
 
@@ -284,15 +284,6 @@ def load_results(folder: Path) -> Dict[Tuple[str, bool], List[Dict[str, Any]]]:
         full_context = bool(result["training"].get("carry_state", False))
         grouped.setdefault((result["family"], full_context), []).append(result)
     return grouped
-
-
-def mean_and_spread(values: Sequence[float], digits: int = 1) -> str:
-    """``"m"`` for one value, ``"m ± s"`` (sample standard deviation) for several; ``"-"`` for none."""
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def perplexities(runs: List[Dict[str, Any]], split: str, protocol: str) -> List[float]:

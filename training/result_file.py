@@ -151,6 +151,17 @@ def summarize(values: Sequence[float], best: str = "min") -> Dict[str, Any]:
             "all": values}
 
 
+def mean_and_spread(values: Sequence[float], digits: int = 1, signed: bool = False) -> str:
+    """A table cell for one figure over seeds: ``"m"`` for one value, ``"m ± s"`` (sample standard deviation) for
+    several, ``"-"`` for none; `digits` decimals, the mean with its sign when `signed` (returns)."""
+    if not values:
+        return "-"
+    sign = "+" if signed else ""
+    if len(values) == 1:
+        return f"{values[0]:{sign}.{digits}f}"
+    return f"{statistics.mean(values):{sign}.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
 def scaled(summary: Dict[str, Any], factor: float) -> Dict[str, Any]:
     """A :func:`summarize` result with every value multiplied by `factor` (seconds -> ms: 1e3)."""
     return {"best": summary["best"] * factor, "median": summary["median"] * factor,

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .result_file import mean_and_spread
+
 CORE_NAMES = {"lstm": "LSTM", "recurrent_delta_net": "Recurrent Delta Net", "delta_lstm": "Delta LSTM",
               "delta_net": "Delta Net", "delta_rnn": "Delta RNN"}
 
@@ -93,12 +95,6 @@ def load(folder: str | Path) -> List[Row]:
     return [rows[key] for key in sorted(rows)]
 
 
-def _mean_std(values: Sequence[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:+.3f}"
-    return f"{statistics.mean(values):+.3f} ± {statistics.stdev(values):.3f}"
-
-
 def render(rows: Sequence[Row], final_fraction: float = 0.1, learned_return: Optional[float] = None) -> str:
     """A markdown table per environment: one row per core, statistics over its seeds; with `learned_return`, a column
     of each seed's frames until the return reached it (:func:`frames_to_return`; "-": never)."""
@@ -117,8 +113,8 @@ def render(rows: Sequence[Row], final_fraction: float = 0.1, learned_return: Opt
             lines.append(
                 f"| {row.label} | {row.core_parameters:,} | {', '.join(map(str, row.seeds()))} | "
                 f"{', '.join(f'{f:,}' for f in frames)} | "
-                f"{_mean_std([final_return(run, final_fraction) for run in row.runs])} | "
-                f"{_mean_std([mean_return(run) for run in row.runs])} |{reached} {rate:.1f} |")
+                f"{mean_and_spread([final_return(run, final_fraction) for run in row.runs], 3, signed=True)} | "
+                f"{mean_and_spread([mean_return(run) for run in row.runs], 3, signed=True)} |{reached} {rate:.1f} |")
         lines.append("")
     return "\n".join(lines)
 
