@@ -137,3 +137,30 @@ def test_table_orders_rows_as_the_paper_and_maps_d_dot_by_d_key(tmp_path):
     assert rows[4].endswith("| - |") and "| 2.500 |" in rows[4] and "| 2.0 |" in rows[4]  # no paper row; minutes
     with pytest.raises(ValueError, match="no train_seq2seq result file"):
         table_main([str(tmp_path / "table.md")])
+
+
+def _mt_result(seed=0, bleu=10.0, learning_rate=1e-3, corpus="abc"):
+    return {"args": {"model": {"model": "fwp", "feature_map": "dpfp", "d_dot": 128, "hidden_size": 128,
+                               "num_attention_heads": 4, "update_rule": "sum"},
+                     "training": {"seed": seed, "learning_rate": learning_rate}},
+            "corpus": {"sha256": corpus}, "parameters": 1000, "train_loss": 3.0, "loss_curve": [5.0, 2.0 + seed],
+            "train_seconds": 60.0 * (seed + 1),
+            "valid": {"bleu": bleu, "chrf": 2 * bleu, "exact_match": 0.1},
+            "test": {"bleu": bleu + 1, "chrf": 2 * bleu + 1, "exact_match": 0.1 + seed / 10}}
+
+
+def test_table_averages_the_seeds_of_one_configuration_and_refuses_mixed_runs():
+    from training.mt_table import render
+
+    (row,) = render([_mt_result(seed=1, bleu=12.0), _mt_result(seed=0, bleu=10.0)]).splitlines()[2:]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # seeds listed in order; every score the mean ± the sample standard deviation of the two runs
+    assert cells[:5] == ["DPFP", "128 (4)", "0, 1", "1,000", "2.500 ± 0.707"]
+    assert cells[5:11] == ["11.0 ± 1.4", "12.0 ± 1.4", "22.0 ± 2.8", "23.0 ± 2.8", "0.150 ± 0.071", "1.5 ± 0.7"]
+    assert cells[11] == "26.2 / 26.9"
+    with pytest.raises(ValueError, match="differ in more than the seed"):
+        render([_mt_result(seed=0), _mt_result(seed=1, learning_rate=3e-4)])
+    with pytest.raises(ValueError, match="differ in more than the seed"):
+        render([_mt_result(seed=0), _mt_result(seed=1, corpus="other")])
+    with pytest.raises(ValueError, match="two runs of one seed"):
+        render([_mt_result(seed=0), _mt_result(seed=0, bleu=11.0)])

@@ -2,9 +2,10 @@
 
     python -m training.mt_table docs/results/mt_gettext --output docs/results/mt_gettext/table.md
 
-Each ``<name>.json`` of the folder is one ``train_seq2seq`` run; the rows are ordered as the paper's table (softmax,
-Linear, FAVOR+, DPFP by d_dot, then the delta rule), each beside the paper's WMT14 En-De BLEU at the same multiple
-of d_key (the paper's d_key is 64; d_dot 64 / 256 / 512 there is 1 / 4 / 8 d_key).
+Each ``<name>.json`` of the folder is one ``train_seq2seq`` run; runs of one configuration with different seeds
+(``<name>_seed<S>.json``) make one row, their mean ± standard deviation. The rows are ordered as the paper's table
+(softmax, Linear, FAVOR+, DPFP by d_dot, then the delta rule), each beside the paper's WMT14 En-De BLEU at the same
+multiple of d_key (the paper's d_key is 64; d_dot 64 / 256 / 512 there is 1 / 4 / 8 d_key).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from .result_file import mean_and_spread
 
 # Schlag et al. 2021 Table 1 (WMT14 En-De BLEU, valid / test), keyed by (row, d_dot / d_key)
 PAPER_BLEU: Dict[Tuple[str, int], Tuple[float, float]] = {
@@ -35,27 +38,55 @@ def describe(result: Dict) -> Tuple[str, int, int]:
     return name, d_dot, d_dot // head_dim
 
 
-def render(results: Sequence[Dict]) -> str:
-    """A markdown table: one row per run, ours beside the paper's."""
+def seed_of(result: Dict) -> int:
+    """The training seed of one run (0 where the file does not record it)."""
+    return result["args"].get("training", {}).get("seed", 0)
+
+
+def group_seeds(results: Sequence[Dict]) -> List[List[Dict]]:
+    """The runs grouped by configuration (:func:`describe`), in the paper's row order; a ``ValueError`` where two
+    runs of one row differ in anything but the seed (model, task or training arguments, corpus) or share a seed."""
     order = list(ROW_NAMES.values())
 
-    def key(result):
-        name, d_dot, _ = describe(result)
-        return ("delta" in name, order.index(name.split(" +")[0]) if name.split(" +")[0] in order else 9, d_dot)
+    def key(row):
+        name, d_dot, _ = row
+        base = name.split(" +")[0]
+        return "delta" in name, order.index(base) if base in order else len(order), d_dot
 
-    lines = ["| model | d_dot (d_dot / d_key) | parameters | final training loss | valid BLEU | test BLEU | "
+    groups: Dict[Tuple[str, int, int], List[Dict]] = {}
+    for result in results:
+        groups.setdefault(describe(result), []).append(result)
+    for row, runs in groups.items():
+        settings = [({**r["args"], "training": {k: v for k, v in r["args"].get("training", {}).items() if k != "seed"}},
+                     (r.get("corpus") or {}).get("sha256")) for r in runs]
+        if any(s != settings[0] for s in settings[1:]):
+            raise ValueError(f"the runs of row {row[0]} (d_dot {row[1]}) differ in more than the seed: "
+                             "their arguments or corpus must match")
+        seeds = [seed_of(r) for r in runs]
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"row {row[0]} (d_dot {row[1]}) has two runs of one seed: {sorted(seeds)}")
+    return [sorted(groups[row], key=seed_of) for row in sorted(groups, key=key)]
+
+
+def render(results: Sequence[Dict]) -> str:
+    """A markdown table: one row per configuration (mean ± standard deviation over its seeds), ours beside the
+    paper's."""
+    lines = ["| model | d_dot (d_dot / d_key) | seeds | parameters | final training loss | valid BLEU | test BLEU | "
              "valid chrF | test chrF | test exact match | training min | paper valid / test BLEU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for result in sorted(results, key=key):
-        name, d_dot, multiple = describe(result)
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for runs in group_seeds(results):
+        name, d_dot, multiple = describe(runs[0])
         paper = PAPER_BLEU.get((name, multiple))
-        curve = result.get("loss_curve") or [result["train_loss"]]
+        final_loss = [(r.get("loss_curve") or [r["train_loss"]])[-1] for r in runs]
+        scores = [mean_and_spread([r[split][metric] for r in runs], digits)
+                  for metric, digits in (("bleu", 1), ("chrf", 1)) for split in ("valid", "test")]
         dimension = "-" if not d_dot else f"{d_dot} ({multiple})"
         lines.append(
-            f"| {name} | {dimension} | {result['parameters']:,} | {curve[-1]:.3f} | "
-            f"{result['valid']['bleu']:.1f} | {result['test']['bleu']:.1f} | {result['valid']['chrf']:.1f} | "
-            f"{result['test']['chrf']:.1f} | {result['test']['exact_match']:.3f} | "
-            f"{(result.get('train_seconds') or 0) / 60:.1f} | {'-' if paper is None else f'{paper[0]} / {paper[1]}'} |")
+            f"| {name} | {dimension} | {', '.join(str(seed_of(r)) for r in runs)} | {runs[0]['parameters']:,} | "
+            f"{mean_and_spread(final_loss, 3)} | {' | '.join(scores)} | "
+            f"{mean_and_spread([r['test']['exact_match'] for r in runs], 3)} | "
+            f"{mean_and_spread([(r.get('train_seconds') or 0) / 60 for r in runs])} | "
+            f"{'-' if paper is None else f'{paper[0]} / {paper[1]}'} |")
     return "\n".join(lines) + "\n"
 
 
