@@ -239,7 +239,8 @@ def print_side_by_side(results: dict) -> None:
             print(f"  skipped: {rates}")
             continue
         for name in rates:
-            print(f"  {dtype + ' ' + name:<42}" + "".join(f"{r['linear_rows'][dtype][name]:>24.1f}" for r in runs.values()))
+            print(f"  {dtype + ' ' + name:<42}"
+                  + "".join(f"{r['linear_rows'][dtype][name]:>24.1f}" for r in runs.values()))
     print("\nmode='auto' table (fwp_kernels/chunk.py _CPU_AUTO), from this run:")
     for th, r in runs.items():
         widths = tuple((int(D[1:]), row["best_chunk_size"]) for D, row in r["auto_table"].items())

@@ -1,4 +1,5 @@
-"""The whole 1.3B Delta Net on CPU against this machine's bounds: decode ms/token and prefill tokens/s, at 1 and 2 threads.
+"""The whole 1.3B Delta Net on CPU against this machine's bounds: decode ms/token and prefill tokens/s, at 1 and 2
+threads.
 
 Issue 18 items 4-5. The model is fla-hub/delta_net-1.3B-100B's shape with random weights (``bench_pretrained``'s
 ``build_model``: hidden 2048, 24 layers, 16 heads of 128, SwiGLU 5632, vocab 32000, untied), in float32 and bfloat16.
@@ -81,11 +82,13 @@ def machine_peaks(dtype: torch.dtype, quick: bool) -> dict:
     x = torch.ones(mb * 2**20 // 4)
     with torch.no_grad():
         t = timings({"matmul": lambda: dense.dense_linear(a, b), "read": lambda: x.sum()}, 3 if quick else 5)
-    return {"matmul_gflops": 2 * n**3 / t["matmul"]["median"] / 1e9, "read_gbs": x.numel() * 4 / t["read"]["median"] / 1e9}
+    return {"matmul_gflops": 2 * n**3 / t["matmul"]["median"] / 1e9,
+            "read_gbs": x.numel() * 4 / t["read"]["median"] / 1e9}
 
 
 def bytes_per_token(model, cache) -> int:
-    """Bytes a decode step must read: every weight but the input embedding (one row of it), the state read and written."""
+    """Bytes a decode step must read: every weight but the input embedding (one row of it), the state read and
+    written."""
     embed = model.get_input_embeddings().weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
     return weights + embed.shape[1] * embed.element_size() + 2 * cache.nbytes()
@@ -144,7 +147,8 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
         rate = batch_size * prefill / prefill_t[name]["median"]
         result[name] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
                         "prefill_tokens_per_s": rate, "prefill_of_bound": rate / bound_tokens_per_s}
-    result["decode_speedup"] = result["f_linear"]["decode_ms_per_token"]["median"] / result["ours"]["decode_ms_per_token"]["median"]
+    result["decode_speedup"] = (result["f_linear"]["decode_ms_per_token"]["median"]
+                                / result["ours"]["decode_ms_per_token"]["median"])
     result["prefill_speedup"] = result["ours"]["prefill_tokens_per_s"] / result["f_linear"]["prefill_tokens_per_s"]
     if "one_row_streaming" in variants:
         result["decode_speedup_vs_one_row_streaming"] = (result["one_row_streaming"]["decode_ms_per_token"]["median"]
@@ -157,17 +161,18 @@ def print_table(results: dict) -> None:
         print(f"\n1.3B Delta Net, {dtype}")
         for th, r in by_threads.items():
             o, f = r["ours"], r["f_linear"]
-            print(f"  {th} thread(s): read {r['peaks']['read_gbs']:.1f} GB/s, matmul {r['peaks']['matmul_gflops']:.0f} GFLOP/s")
+            print(f"  {th} thread(s): read {r['peaks']['read_gbs']:.1f} GB/s, "
+                  f"matmul {r['peaks']['matmul_gflops']:.0f} GFLOP/s")
             if "one_row_streaming" in r:
                 print(f"    decode ms/step of {results['batch_size']} sequences: streaming up to "
                       f"{results['streaming_max_rows']} rows {o['decode_ms_per_token']['median']:.1f}, one row "
                       f"{r['one_row_streaming']['decode_ms_per_token']['median']:.1f}: "
                       f"{r['decode_speedup_vs_one_row_streaming']:.2f}x faster")
-            print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x the "
-                  f"bound {r['decode_bound_ms']:.1f}), F.linear {f['decode_ms_per_token']['median']:.1f} "
+            print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x "
+                  f"the bound {r['decode_bound_ms']:.1f}), F.linear {f['decode_ms_per_token']['median']:.1f} "
                   f"({f['decode_of_bound']:.2f}x); ours {r['decode_speedup']:.2f}x faster")
-            print(f"    prefill tokens/s: ours {o['prefill_tokens_per_s']:.0f} ({o['prefill_of_bound']:.2f} of the bound "
-                  f"{r['prefill_bound_tokens_per_s']:.0f}), F.linear {f['prefill_tokens_per_s']:.0f} "
+            print(f"    prefill tokens/s: ours {o['prefill_tokens_per_s']:.0f} ({o['prefill_of_bound']:.2f} of the "
+                  f"bound {r['prefill_bound_tokens_per_s']:.0f}), F.linear {f['prefill_tokens_per_s']:.0f} "
                   f"({f['prefill_of_bound']:.2f}); ours {r['prefill_speedup']:.2f}x faster")
 
 

@@ -62,11 +62,13 @@ def load_base(folder: str):
 
         path = ensure_converted(folder)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return model.eval(), AutoTokenizer.from_pretrained(path), f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to fp32, {path})"
+        return (model.eval(), AutoTokenizer.from_pretrained(path),
+                f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to fp32, {path})")
     except (FileNotFoundError, ImportError) as err:
         print(f"SmolLM2 unavailable ({err}); using a random Llama of the same shape", file=sys.stderr)
         torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval(), None, "random LlamaForCausalLM with SmolLM2-135M's shape"
+        return (LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval(), None,
+                "random LlamaForCausalLM with SmolLM2-135M's shape")
 
 
 def documents(tokenizer, vocab_size: int, tokens: int, count: int) -> tuple[list[torch.Tensor], str]:
@@ -229,14 +231,16 @@ def main() -> None:
     timers, nll = score_rounds(models, docs, args.repeats)
     scoring = {"tokens_per_document": args.tokens, "documents": len(docs), "repeats": args.repeats,
                "target_ratio": 1.20, **scoring_summary(timers, nll)}
-    scoring["note"] = "FWL heads freshly initialised (residual, zero LayerNorm gain): NLLs show the effect of the bf16 approximation, not trained quality"
+    scoring["note"] = ("FWL heads freshly initialised (residual, zero LayerNorm gain): NLLs show the effect of the "
+                       "bf16 approximation, not trained quality")
     step_times = decode_step_times({"base": base, "base_fwl": fwl}, docs[0][:, : args.prompt], args.steps)
     generation = generation_summary(step_times, args.prompt, args.steps)
     result = {
         "base_model": description,
         "documents": doc_source,
         "fwl_config": {k: v for k, v in fwl.config.to_dict().items() if k.startswith("fwl_")},
-        "fwl_head_parameters": sum(p.numel() for n, p in fwl.fwl_head.named_parameters() if "output_embedding" not in n),
+        "fwl_head_parameters": sum(p.numel() for n, p in fwl.fwl_head.named_parameters()
+                                   if "output_embedding" not in n),
         "threads": args.threads,
         "scoring": scoring,
         "generation": generation,

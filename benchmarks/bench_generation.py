@@ -31,7 +31,8 @@ from training.result_file import RunRecord, ratio, scaled, summarize  # noqa: E4
 def cache_nbytes(cache) -> int:
     if isinstance(cache, modeling_fwp.FastWeightCache):
         return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
 
 
 @torch.inference_mode()

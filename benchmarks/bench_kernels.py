@@ -169,7 +169,8 @@ def forward_times(args, hf) -> dict:
     out.update(flatten(times))
     out["timings"] = times
     algorithm = "cpp" if chunk.cpu_kernel_available() else "torch"
-    out["chunk_kernel"] = "C++ (csrc/chunk_delta.cpp)" if algorithm == "cpp" else f"PyTorch ({chunk.cpu_kernel_status()})"
+    out["chunk_kernel"] = ("C++ (csrc/chunk_delta.cpp)" if algorithm == "cpp"
+                           else f"PyTorch ({chunk.cpu_kernel_status()})")
     for rule in ("delta", "sum"):
         for C in (32, 64):
             flops = chunk_flops(rule, B, H, T, D, D, C, algorithm)

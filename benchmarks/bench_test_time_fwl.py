@@ -80,7 +80,8 @@ def build_runs(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, Opt
     if methods & {"test_time_fwl", "test_time_fwl_off"}:
         fwl = build_test_time_fwl(args.model, args.fwl_step_size, args.fwl_fast_parameters)
     runs = {"base": lambda: (base, None, none), "dynamic": lambda: (base, DynamicEvaluation(args.dynamic_lr), none),
-            "test_time_fwl": lambda: (fwl, None, none), "test_time_fwl_off": lambda: (fwl, None, fwl.fwl_head.slow_only)}
+            "test_time_fwl": lambda: (fwl, None, none),
+            "test_time_fwl_off": lambda: (fwl, None, fwl.fwl_head.slow_only)}
     trained = None
     if methods & set(TRAINED_METHODS):
         if not args.fwl_model:

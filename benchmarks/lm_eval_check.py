@@ -3,7 +3,8 @@
 What a user runs (no Hub access: the task is a YAML over a local JSON-lines file)::
 
     lm_eval --model hf --model_args pretrained=<exported folder>,trust_remote_code=True \
-        --tasks fwp_local_text --include_path <task folder> --device cpu --batch_size 1 --log_samples --output_path <out>
+        --tasks fwp_local_text --include_path <task folder> --device cpu --batch_size 1 --log_samples \
+        --output_path <out>
 
 This script builds a small model of each family asked for (random weights: the comparison is of the scoring, not of
 the model), exports it with a byte-level BPE tokenizer trained on the offline fixture text, writes the task, runs the

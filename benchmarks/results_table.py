@@ -345,7 +345,8 @@ def pretrained_rows(s: Source) -> List[Row]:
 
 
 def decode_rows(s: Source) -> List[Row]:
-    """benchmarks/bench_decode.py: the whole 1.3B Delta Net against the bandwidth and matmul bounds, ours vs F.linear."""
+    """benchmarks/bench_decode.py: the whole 1.3B Delta Net against the bandwidth and matmul bounds, ours vs
+    F.linear."""
     rows = []
     for dtype, by_threads in (s.get("models") or {}).items():
         for th, r in by_threads.items():
@@ -367,7 +368,8 @@ def decode_rows(s: Source) -> List[Row]:
                      s.get(f"{key}.peaks.matmul_gflops")),
                 fill("**{:.1f}** ({:.2f} of the bound {:.1f})", rate["ours"], s.get(f"{key}.ours.prefill_of_bound"),
                      s.get(f"{key}.prefill_bound_tokens_per_s")) + " (one round)",
-                fill("F.linear {:.1f} ({:.2f} of the bound)", rate["f_linear"], s.get(f"{key}.f_linear.prefill_of_bound")),
+                fill("F.linear {:.1f} ({:.2f} of the bound)", rate["f_linear"],
+                     s.get(f"{key}.f_linear.prefill_of_bound")),
                 "at least 0.6 of the bound"])
     return rows
 
@@ -423,9 +425,10 @@ def test_time_fwl_rows(s: Source) -> List[Row]:
                 a=pdiv(t["test_time_fwl"], t["base"]), b=pdiv(t["test_time_fwl_bf16"], t["base"]),
                 c=pdiv(t["test_time_fwl_with_gain"], t["base"]), d=pdiv(t["test_time_fwl_with_gain_bf16"], t["base"]),
                 e=pdiv(t["test_time_fwl_seen"], t["base"]))
-    baseline = both("base {m:.2f} s; the same wrapped model, update off {o:.2f}x; dynamic evaluation of the output side "
-                    "{p:.2f}x, of every parameter {q:.2f}x", m=t["base"], o=pdiv(t["test_time_fwl_off"], t["base"]),
-                    p=pdiv(t["dynamic_output"], t["base"]), q=pdiv(t["dynamic"], t["base"]))
+    baseline = both("base {m:.2f} s; the same wrapped model, update off {o:.2f}x; dynamic evaluation of the output "
+                    "side {p:.2f}x, of every parameter {q:.2f}x", m=t["base"],
+                    o=pdiv(t["test_time_fwl_off"], t["base"]), p=pdiv(t["dynamic_output"], t["base"]),
+                    q=pdiv(t["dynamic"], t["base"]))
     rows = [[what, ours, baseline, "<= 1.15x the base"]]
     if s.get("seconds.trained_fwl.median") is not None:  # run with --fwl_model: the trained FWL (3), issue 17's goal 1
         trained = s.timings("trained_fwl", "trained_fwl_slow_only", "trained_fwl_seen")
@@ -445,8 +448,9 @@ def segment_start_rows(s: Source) -> List[Row]:
     """benchmarks/bench_test_time_fwl.py with the segment-start gradient point (``fwl_gradient_point``), interleaved
     with the paper's update and the base model."""
     t = s.timings("base", "test_time_fwl_off", "test_time_fwl", "test_time_fwl_segment_start")
-    what = fill("test-time-only FWL with its gradients at each segment's start (`fwl_gradient_point=\"segment_start\"`, "
-                "segments of 128), same protocol, {k}-token document ({th} threads, {r} interleaved rounds)",
+    what = fill("test-time-only FWL with its gradients at each segment's start "
+                "(`fwl_gradient_point=\"segment_start\"`, segments of 128), same protocol, {k}-token document "
+                "({th} threads, {r} interleaved rounds)",
                 k=s.get("tokens"), th=s.get("settings.threads"), r=s.get("settings.repeats"))
     ours = both("{a:.2f}x the base", True, a=pdiv(t["test_time_fwl_segment_start"], t["base"]))
     baseline = both("the paper's update {p:.2f}x; base {m:.2f} s; update off {o:.2f}x",
@@ -458,11 +462,12 @@ def trained_segment_start_rows(s: Source) -> List[Row]:
     """benchmarks/bench_test_time_fwl.py with ``--fwl_model`` a trained FWL whose gradients are taken at each
     segment's start (issue 17's first goal), interleaved with its slow head, both test-time updates and the base."""
     t = s.timings("base", "test_time_fwl", "test_time_fwl_segment_start", "trained_fwl", "trained_fwl_slow_only")
-    trained_on = ", trained with its update on the seen rows" if s.get("trained_fwl_head.fast_vocabulary") == "seen" else ""
+    trained_on = (", trained with its update on the seen rows" if s.get("trained_fwl_head.fast_vocabulary") == "seen"
+                  else "")
     what = fill("trained FWL (3) with its gradients at each segment's start (`fwl_gradient_point=\"segment_start\"`, "
-                "segments of 128){t}, {f}: scoring time, same protocol, {k}-token document ({th} threads, {r} interleaved "
-                "rounds)", t=trained_on, f=s.get("settings.fwl_model"), k=s.get("tokens"), th=s.get("settings.threads"),
-                r=s.get("settings.repeats"))
+                "segments of 128){t}, {f}: scoring time, same protocol, {k}-token document ({th} threads, {r} "
+                "interleaved rounds)", t=trained_on, f=s.get("settings.fwl_model"), k=s.get("tokens"),
+                th=s.get("settings.threads"), r=s.get("settings.repeats"))
     template, pairs = "{a:.2f}x the base", {"a": pdiv(t["trained_fwl"], t["base"])}
     others = dict(b=pdiv(t["trained_fwl_slow_only"], t["base"]), c=pdiv(t["test_time_fwl_segment_start"], t["base"]),
                   d=pdiv(t["test_time_fwl"], t["base"]), m=t["base"])
@@ -472,7 +477,8 @@ def trained_segment_start_rows(s: Source) -> List[Row]:
         template += "; its update on the seen rows (`fwl_fast_vocabulary=\"seen\"`) {e:.2f}x"
         pairs["e"] = pdiv(seen["trained_fwl_seen"], t["base"])
     if s.get("seconds.test_time_fwl_segment_start_seen.median") is not None:
-        test_time = "test-time FWL on (1): segment start {c:.2f}x, on the seen rows {f:.2f}x, the paper's update {d:.2f}x"
+        test_time = ("test-time FWL on (1): segment start {c:.2f}x, on the seen rows {f:.2f}x, the paper's update "
+                     "{d:.2f}x")
         others["f"] = pdiv(seen["test_time_fwl_segment_start_seen"], t["base"])
     baseline = both("its slow head alone (3') {b:.2f}x; " + test_time + "; base {m:.2f} s", **others)
     return [[what, both(template, True, **pairs), baseline, "<= 1.2x the base"]]
@@ -485,21 +491,22 @@ def one_table_rows(s: Source) -> List[Row]:
         "base", "finetuned", "finetuned_dynamic", "fwl", "fwl_slow_only", "finetuned_test_time_fwl", "test_time_fwl")}
     trained, on_base = "goals.trained_fwl", "goals.test_time_fwl_on_base"
     verdict = {True: "met", False: "not met", None: None}
-    what = fill("issue 17's one table: {n} held-out test articles of `{d}` ({k:,} tokens, up to {m:,} each, segments of "
-                "128 with the cache carried); (3) = {f}", n=s.get("documents"), d=s.get("settings.data_dir"),
+    what = fill("issue 17's one table: {n} held-out test articles of `{d}` ({k:,} tokens, up to {m:,} each, segments "
+                "of 128 with the cache carried); (3) = {f}", n=s.get("documents"), d=s.get("settings.data_dir"),
                 k=s.get("results.base.summary.tokens"), m=s.get("settings.max_length"), f=s.get("settings.fwl_model"))
-    ours = fill("**trained FWL (3): perplexity {a:.3f}, {r:.4f} of (2)'s, gain ratio {g:.2f} at {t:.2f}x the base's time "
-                "(goal {v} by this one-pass time); test-time FWL on (1): {b:.3f}, {q:.4f} of (1)'s at {u:.2f}x (goal "
-                "{w})**",
+    ours = fill("**trained FWL (3): perplexity {a:.3f}, {r:.4f} of (2)'s, gain ratio {g:.2f} at {t:.2f}x the base's "
+                "time (goal {v} by this one-pass time); test-time FWL on (1): {b:.3f}, {q:.4f} of (1)'s at {u:.2f}x "
+                "(goal {w})**",
                 a=ppl["fwl"], r=div(ppl["fwl"], ppl["finetuned"]), g=s.get(f"{trained}.gain_ratio"),
                 t=s.get(f"{trained}.time_vs_base"), v=verdict[s.get(f"{trained}.met")], b=ppl["test_time_fwl"],
                 q=s.get(f"{on_base}.ppl_ratio"), u=s.get(f"{on_base}.time_vs_base"),
                 w=verdict[s.get(f"{on_base}.met")])
     seconds = {m: s.get(f"results.{m}.summary.seconds") for m in ("base", "finetuned_dynamic")}
-    baseline = fill("(1) base {a:.3f}; (2) fine-tuned without FWL {b:.3f}; (2) + dynamic evaluation {c:.3f} at {x:.2f}x "
-                    "the base's time; (3') {d:.3f}; test-time FWL on (2) {e:.3f}", a=ppl["base"], b=ppl["finetuned"],
-                    c=ppl["finetuned_dynamic"], x=div(seconds["finetuned_dynamic"], seconds["base"]),
-                    d=ppl["fwl_slow_only"], e=ppl["finetuned_test_time_fwl"])
+    baseline = fill("(1) base {a:.3f}; (2) fine-tuned without FWL {b:.3f}; (2) + dynamic evaluation {c:.3f} at "
+                    "{x:.2f}x the base's time; (3') {d:.3f}; test-time FWL on (2) {e:.3f}", a=ppl["base"],
+                    b=ppl["finetuned"], c=ppl["finetuned_dynamic"],
+                    x=div(seconds["finetuned_dynamic"], seconds["base"]), d=ppl["fwl_slow_only"],
+                    e=ppl["finetuned_test_time_fwl"])
     return [[what, ours, baseline, "gain ratio >= 0.5 at <= 1.2x; test-time FWL on (1) below (1) at <= 1.15x"]]
 
 

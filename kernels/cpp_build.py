@@ -66,7 +66,8 @@ def cpu_identity() -> str:
         lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
     except OSError:
         return platform.processor() or platform.machine()
-    wanted = [line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() in ("model name", "flags")]
+    wanted = [line.split(":", 1)[1].strip() for line in lines
+              if line.split(":", 1)[0].strip() in ("model name", "flags")]
     return " | ".join(sorted(set(wanted)))
 
 

@@ -15,7 +15,8 @@ Results JSON (the keys ``training/demo.py`` writes; other scripts use the same n
   ``seconds``, ...). ``args``: the script's command line. ``environment``: library versions and machine.
 - ``evaluation``: one entry or a list of entries, each with the metrics of this model (``perplexity``, ``loss``,
   ``bits_per_character``, ``bits_per_byte``, ``accuracy``), ``split``, ``scored_tokens``, ``segment_tokens``,
-  optionally ``name``, ``source`` (the evaluated file), ``dataset`` (as in ``data``) and ``method`` (a sentence on how the numbers were measured).
+  optionally ``name``, ``source`` (the evaluated file), ``dataset`` (as in ``data``) and ``method`` (a sentence on how
+  the numbers were measured).
   Reference values of other models (``references``: ``{label: value}``, or keys ending in ``_perplexity`` /
   ``_loss`` such as ``unigram_perplexity``) are shown in the card, never reported as this model's results; this
   model's numbers on subsets or under other protocols (``breakdown``: ``{label: value}``) are shown but kept out of
@@ -327,7 +328,8 @@ def format_value(value: Any) -> str:
 
 
 # Config fields that must agree between config.json and the config a results JSON recorded for its model.
-IDENTITY_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+IDENTITY_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "intermediate_size")
 
 
 def check_results_match(config: Mapping[str, Any], results: Optional[Mapping[str, Any]]) -> None:
@@ -381,7 +383,8 @@ def measure_cache(model: Any, lengths: Sequence[int] = CACHE_PROMPT_LENGTHS) -> 
     random token ids; the cache generation continues from)."""
     import torch
 
-    vocab_size = model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.get_text_config().vocab_size
+    vocab_size = (model.config.vocab_size if hasattr(model.config, "vocab_size")
+                  else model.config.get_text_config().vocab_size)
     generator = torch.Generator().manual_seed(0)
     sizes = {}
     was_training = model.training
@@ -404,7 +407,8 @@ def _bytes(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
-def cache_sentence(sizes: Optional[Mapping[int, int]], values: Mapping[str, Any], holds_base_cache: bool) -> Optional[str]:
+def cache_sentence(sizes: Optional[Mapping[int, int]], values: Mapping[str, Any],
+                   holds_base_cache: bool) -> Optional[str]:
     """The card's claim about the generation cache, from measured ``sizes`` (None: no claim)."""
     if not sizes:
         return None
@@ -463,7 +467,8 @@ def _base_model(key: str, base_model: Optional[str], results: Any, config: Mappi
     """``(base_model Hub id or None, the card's sentence naming it)``: the argument, else the Hub id the model recorded
     when its base was loaded (``base_model_id``), else the results' ``base_model``, each when it is a Hub id. Never
     a local path: ``text_config._name_or_path`` is the folder the base was read from, on the machine it was read on."""
-    base_model = _hub_id(base_model) or _hub_id(config.get("base_model_id")) or _hub_id((results or {}).get("base_model"))
+    base_model = (_hub_id(base_model) or _hub_id(config.get("base_model_id"))
+                  or _hub_id((results or {}).get("base_model")))
     if key == "FWL" and base_model is None:
         text_type = (config.get("text_config") or {}).get("model_type", "unknown")
         return None, f"a pretrained `{text_type}` model (its Hub id was not recorded)"
@@ -488,7 +493,8 @@ def _config_rows(values: Mapping[str, Any]) -> List[Tuple[str, str]]:
     """The card's configuration table: each of ``CONFIG_FIELDS`` that is set (and applies), formatted."""
     return [
         (name, format_value(values[name])) for name in CONFIG_FIELDS
-        if values.get(name) is not None and (name not in _ONLY_WITH or values.get(_ONLY_WITH[name][0]) == _ONLY_WITH[name][1])
+        if values.get(name) is not None
+        and (name not in _ONLY_WITH or values.get(_ONLY_WITH[name][0]) == _ONLY_WITH[name][1])
     ]
 
 
@@ -497,8 +503,8 @@ def _layer_options(values: Mapping[str, Any]) -> List[str]:
     flash-linear-attention checkpoints)."""
     found = []
     if values.get("short_conv_size"):
-        found.append(f"a causal depthwise convolution of width {values['short_conv_size']} (no bias) on each of q, k, v "
-                     "after its projection")
+        found.append(f"a causal depthwise convolution of width {values['short_conv_size']} (no bias) "
+                     "on each of q, k, v after its projection")
     if values.get("value_activation") == "silu":
         found.append("SiLU on the values")
     if values.get("qk_l2_normalization"):
@@ -588,7 +594,8 @@ def build_card(
     data = (results or {}).get("data") or {}
     datasets = _dataset_ids(data.get("dataset")) if datasets is None else datasets
     source, license, base_model, base_note = _provenance(key, config, values, results, license, base_model)
-    num_parameters = ((results or {}).get("model") or {}).get("parameters") if num_parameters is None else num_parameters
+    num_parameters = (((results or {}).get("model") or {}).get("parameters") if num_parameters is None
+                      else num_parameters)
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else family.title)
     card_data = ModelCardData(
         model_name=model_name, library_name=LIBRARY_NAME, pipeline_tag=PIPELINE_TAG, license=license,
@@ -618,7 +625,8 @@ def build_card(
         repo=repo_id or "path/to/this/folder",
         has_tokenizer=has_tokenizer,
         instruction_tuned_base=instruction_tuned_name(base_model, config.get("base_model_id"),
-                                                      *(text_config.get(k) for k in ("source_model_id", "_name_or_path"))),
+                                                      *(text_config.get(k)
+                                                        for k in ("source_model_id", "_name_or_path"))),
         cache_note=cache_sentence(cache_sizes, values, key == "FWL"),
         citations=_citations(family.citations),
     )
@@ -651,11 +659,13 @@ def card_for_folder(
     read = read_results(results, options["results_model"])
     if options.get("num_parameters") is None and not ((read or {}).get("model") or {}).get("parameters"):
         options["num_parameters"] = count_parameters(folder)
-    options.setdefault("has_tokenizer", any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")))
+    options.setdefault("has_tokenizer",
+                       any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")))
     if measure:
         model = model if model is not None else _load(folder)
         options.setdefault("cache_sizes", measure_cache(model, cache_prompt_lengths))
-    sources = [] if results is None else [results] if isinstance(results, (str, os.PathLike, Mapping)) else list(results)
+    sources = ([] if results is None else [results] if isinstance(results, (str, os.PathLike, Mapping))
+               else list(results))
     options.setdefault(
         "results_files",
         [Path(s).name for s in sources if not isinstance(s, Mapping) and Path(s).resolve().parent == folder.resolve()],

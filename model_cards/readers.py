@@ -89,7 +89,8 @@ def from_finetune_fwl(raw: Mapping[str, Any]) -> Dict[str, Any]:
     }
 
 
-def _select_rows(rows: Sequence[Mapping[str, Any]], model_dir: Optional[Union[str, os.PathLike]]) -> List[Mapping[str, Any]]:
+def _select_rows(rows: Sequence[Mapping[str, Any]],
+                 model_dir: Optional[Union[str, os.PathLike]]) -> List[Mapping[str, Any]]:
     models = list(dict.fromkeys(str(r["model"]) for r in rows))
     if len(models) == 1:
         return list(rows)

@@ -182,7 +182,8 @@ class FWLConfig(FWLHeadConfigMixin, PreTrainedConfig):
     fwl_head_type: str = "mlp"
 
     use_cache: bool = True
-    # The FWL head always reuses the base model's output embedding: declared tied so that save_pretrained stores it once.
+    # The FWL head always reuses the base model's output embedding: declared tied so that save_pretrained
+    # stores it once.
     tie_word_embeddings: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None

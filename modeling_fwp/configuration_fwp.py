@@ -152,7 +152,8 @@ class FastWeightConfig(PreTrainedConfig):
         fixed = type(self).__dict__.get("update_rule")  # the family's own rule, where its class declares one
         if type(self) is not FastWeightConfig and isinstance(fixed, str) and self.update_rule != fixed:
             raise ValueError(
-                f"`update_rule` is {fixed!r} for {type(self).__name__} (the family decides it), got {self.update_rule!r}"
+                f"`update_rule` is {fixed!r} for {type(self).__name__} (the family decides it), "
+                f"got {self.update_rule!r}"
             )
         for name, value, allowed in (
             ("update_rule", self.update_rule, UPDATE_RULES),
@@ -202,7 +203,8 @@ class FastWeightConfig(PreTrainedConfig):
 
     def _check_layer_options(self) -> None:
         """Types and ranges of the later Delta Nets' options (see the class docstring)."""
-        if not isinstance(self.short_conv_size, int) or isinstance(self.short_conv_size, bool) or self.short_conv_size < 0:
+        if (not isinstance(self.short_conv_size, int) or isinstance(self.short_conv_size, bool)
+                or self.short_conv_size < 0):
             raise ValueError(f"`short_conv_size` must be an int >= 0 (0: no convolution), got {self.short_conv_size!r}")
         for name in ("qk_l2_normalization", "query_scaling", "beta_bias", "allow_neg_eigval", "output_norm",
                      "output_gate"):

@@ -1,4 +1,5 @@
-"""Configuration of the fast-weight encoder-decoder (Schlag et al. 2021, sec. 6.2 and appendix E: machine translation)."""
+"""Configuration of the fast-weight encoder-decoder (Schlag et al. 2021, sec. 6.2 and appendix E: machine
+translation)."""
 from __future__ import annotations
 
 from .configuration_fwp import FastWeightConfig

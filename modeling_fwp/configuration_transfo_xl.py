@@ -34,8 +34,8 @@ class TransfoXLConfig(FWLHeadConfigMixin, PreTrainedConfig):
             the feed-forward) instead of the default post-LayerNorm.
         mem_len: number of past hidden states kept per layer as memory (the cache; bounded, constant size).
         clamp_len: relative distances beyond this use the embedding of ``clamp_len`` (<= 0: no clamping).
-        same_length: every query attends to exactly ``mem_len`` keys (itself and the ``mem_len - 1`` before it) once that
-            many exist, as in the paper's evaluation; requires ``mem_len >= 1``.
+        same_length: every query attends to exactly ``mem_len`` keys (itself and the ``mem_len - 1`` before it) once
+            that many exist, as in the paper's evaluation; requires ``mem_len >= 1``.
         untie_r: one pair of position biases (u = r_w_bias, v = r_r_bias) per layer instead of one shared pair.
         hidden_dropout (dropout), attention_dropout (dropatt): dropout rates.
         initializer_range, proj_init_std: std of the normal initialisation of weights and of the projections.

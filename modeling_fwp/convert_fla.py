@@ -124,9 +124,11 @@ def config_from_fla(fla: dict) -> FastWeightConfig:
             raise ValueError(f"fla config field `expand_v`={fla.get('expand_v')!r}: head_dim * expand_v not an integer")
         activation = fla.get("output_gate_activation", "swish")
         if activation not in _GATE_ACTIVATIONS:
-            raise ValueError(f"fla config field `output_gate_activation`={activation!r}: not one of {list(_GATE_ACTIVATIONS)}")
+            raise ValueError(f"fla config field `output_gate_activation`={activation!r}: not one of "
+                             f"{list(_GATE_ACTIVATIONS)}")
         return GatedDeltaNetConfig(
-            **fields, head_dim=head_dim, value_head_dim=int(value_head_dim), num_v_heads=fla.get("num_v_heads") or heads,
+            **fields, head_dim=head_dim, value_head_dim=int(value_head_dim),
+            num_v_heads=fla.get("num_v_heads") or heads,
             feature_map="silu", qk_l2_normalization=True, sum_normalization=False,
             output_gate=bool(fla.get("use_gate", True)), output_gate_activation=_GATE_ACTIVATIONS[activation],
         )
@@ -165,8 +167,8 @@ def load_fla_state_dict(src: PathLike) -> Dict[str, torch.Tensor]:
     elif (src / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise ValueError(f"`src_dir` ({src}) has no model.safetensors nor model.safetensors.index.json (only safetensors "
-                         f"checkpoints are converted)")
+        raise ValueError(f"`src_dir` ({src}) has no model.safetensors nor model.safetensors.index.json (only "
+                         f"safetensors checkpoints are converted)")
     state = {}
     for name in files:
         with safe_open(src / name, framework="pt") as handle:
@@ -208,7 +210,8 @@ def source_record(src: Path, fla: dict, repo_id: Optional[str], dtype: torch.dty
             "fla-hub publishes fla's models")
     return {
         "repo_id": repo_id, "revision": revision, "path": str(src), "library": f"flash-linear-attention {FLA_VERSION}",
-        "model_type": fla["model_type"], "license": license_name, "license_source": license_source if license_name else None,
+        "model_type": fla["model_type"], "license": license_name,
+        "license_source": license_source if license_name else None,
         "conversion": f"modeling_fwp.convert_fla.convert_fla_checkpoint (keys renamed, b_proj -> beta_proj; values "
                       f"unchanged{'' if dtype is None else ', cast to ' + str(dtype).replace('torch.', '')})",
     }

@@ -141,14 +141,16 @@ def load_legacy_state_dict(src_dir: PathLike) -> Dict[str, torch.Tensor]:
 
 
 def _position_bias_keys(name: str, tensor: torch.Tensor, config: TransfoXLConfig) -> Dict[str, torch.Tensor]:
-    """Model-level ``r_w_bias`` / ``r_r_bias``: shared, or one per layer (untie_r), from ``[H, Dh]`` or ``[L, H, Dh]``."""
+    """Model-level ``r_w_bias`` / ``r_r_bias``: shared, or one per layer (untie_r), from ``[H, Dh]`` or
+    ``[L, H, Dh]``."""
     shape = (config.num_attention_heads, config.head_dim)
     if tuple(tensor.shape) == (config.num_hidden_layers, *shape):
         if not config.untie_r:
             raise ValueError(f"`transformer.{name}` holds one bias per layer, but the config has untie_r=False")
         return {f"model.layers.{l}.attention.{name}": tensor[l] for l in range(config.num_hidden_layers)}
     if tuple(tensor.shape) != shape:
-        raise ValueError(f"`transformer.{name}` must be {shape} or {(config.num_hidden_layers, *shape)}, got {tuple(tensor.shape)}")
+        raise ValueError(f"`transformer.{name}` must be {shape} or {(config.num_hidden_layers, *shape)}, "
+                         f"got {tuple(tensor.shape)}")
     if config.untie_r:
         return {f"model.layers.{l}.attention.{name}": tensor for l in range(config.num_hidden_layers)}
     return {f"model.{name}": tensor}
@@ -232,7 +234,8 @@ def convert_transfo_xl_checkpoint(
     if vocab_path is not None:
         symbols = load_vocabulary(vocab_path)
         if len(symbols) != config.vocab_size:
-            raise ValueError(f"{vocab_path} has {len(symbols)} symbols, but the model's vocab_size is {config.vocab_size}")
+            raise ValueError(f"{vocab_path} has {len(symbols)} symbols, but the model's vocab_size is "
+                             f"{config.vocab_size}")
         build_word_level_tokenizer(symbols).save_pretrained(dst_dir)
     elif (src_dir / "vocab.pkl").exists():
         logger.warning(

@@ -194,7 +194,8 @@ class FastWeightLinearAttention(nn.Module):
             v, conv_states["conv_v"] = self.v_conv1d(v, state.get("conv_v"), token_mask)
         if self.value_activation == "silu":
             v = F.silu(v)
-        return split_heads(q, self.num_heads), split_heads(k, self.num_heads), split_heads(v, self.num_value_heads), conv_states
+        return (split_heads(q, self.num_heads), split_heads(k, self.num_heads), split_heads(v, self.num_value_heads),
+                conv_states)
 
     def _query_key_features(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """phi(q), phi(k), then the optional L2 normalisation and query scaling; q and k repeated for grouped value
@@ -211,13 +212,16 @@ class FastWeightLinearAttention(nn.Module):
         return q, k
 
     def _beta(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
-        """``beta [B, Hv, T] = sigmoid(W_beta x)`` (eq. 21), doubled with ``allow_neg_eigval``; None for the sum rule."""
+        """``beta [B, Hv, T] = sigmoid(W_beta x)`` (eq. 21), doubled with ``allow_neg_eigval``; None for the sum
+        rule."""
         if self.beta_proj is None:
             return None
         beta = torch.sigmoid(self.beta_proj(hidden_states)).transpose(1, 2)
         return beta * 2.0 if self.allow_neg_eigval else beta
 
-    def _recurrence(self, q, k, v, beta, hidden_states, state, token_mask) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def _recurrence(
+        self, q, k, v, beta, hidden_states, state, token_mask
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """The fast weight update and read-out: ``(out [B, Hv, T, Dv], new state)``."""
         kernel_kwargs = dict(output_final_state=True, mode=self.kernel_mode, chunk_size=self.chunk_size)
         if self.update_rule == "delta":
@@ -230,7 +234,8 @@ class FastWeightLinearAttention(nn.Module):
         if self.attention_normalization:
             # z_t . phi(q_t) is linear attention with a constant value 1 (eqs. 18-19, 26, 28).
             ones = v.new_ones(v.shape[:-1] + (1,))
-            denominator, normalizer = linear_attention(q, k, ones, initial_state=state.get("normalizer"), **kernel_kwargs)
+            denominator, normalizer = linear_attention(q, k, ones, initial_state=state.get("normalizer"),
+                                                       **kernel_kwargs)
             out = out / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
             new_state["normalizer"] = normalizer
         return out, new_state
@@ -296,7 +301,9 @@ class GatedDeltaNetLayer(FastWeightLinearAttention):
         pre = self.a_proj(hidden_states).float() + self.dt_bias.float()
         return (-torch.exp(self.A_log.float()) * F.softplus(pre)).transpose(1, 2)
 
-    def _recurrence(self, q, k, v, beta, hidden_states, state, token_mask) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def _recurrence(
+        self, q, k, v, beta, hidden_states, state, token_mask
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         out, fast_weight = gated_delta_rule(
             q, k, v, beta, self.log_decay(hidden_states), initial_state=state.get("fast_weight"),
             output_final_state=True, mode=self.kernel_mode, chunk_size=self.chunk_size, mask=token_mask,

@@ -158,7 +158,8 @@ class FWLSlowHead(nn.Module):
             self.up_proj = nn.Linear(hidden_size, intermediate_size)  # h U + a
             self.down_proj = nn.Linear(intermediate_size, hidden_size)  # s W + b
         self.rms_norm = rms_norm
-        self.norm = RMSNormParameters(hidden_size, layer_norm_eps) if rms_norm else nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.norm = (RMSNormParameters(hidden_size, layer_norm_eps) if rms_norm
+                     else nn.LayerNorm(hidden_size, eps=layer_norm_eps))
         self.residual = residual
 
     @property
@@ -558,7 +559,8 @@ class _FastUpdates:
         self.carried_read_done = carried_read_done
 
     def subtract(
-        self, x: torch.Tensor, name: str, query: Optional[torch.Tensor] = None, keep: Union[slice, torch.Tensor] = slice(None)
+        self, x: torch.Tensor, name: str, query: Optional[torch.Tensor] = None,
+        keep: Union[slice, torch.Tensor] = slice(None)
     ) -> torch.Tensor:
         """Turns a slow output into the fast one, at the positions `keep`: for a fast matrix (``y = M q``, query
         ``[B, T, Dk]``) ``x - alpha * sum_{j<t} (q_t . k_j) v_j``, for a fast vector ``x - alpha * sum_{j<t} g_j``;
@@ -595,7 +597,8 @@ class _FastUpdates:
             correction = out[:, 0]
         return self.head.step_size(name).to(correction.dtype) * correction
 
-    def subtract_output_layer_(self, z: torch.Tensor, query: torch.Tensor, keep: Union[slice, torch.Tensor]) -> torch.Tensor:
+    def subtract_output_layer_(self, z: torch.Tensor, query: torch.Tensor,
+                               keep: Union[slice, torch.Tensor]) -> torch.Tensor:
         """Outside autograd: the fast output layer in one pass. ``z [B, T', V]``, the slow preactivation of the kept
         positions (a tensor the caller owns), minus the corrections of the fast E and output biases c, in place:
 
@@ -660,7 +663,8 @@ class _FastUpdates:
         return S is not None and "sum.output_embedding.weight" in self.writable
 
     def _read_and_accumulate_sum(
-        self, z: torch.Tensor, scaled_query: torch.Tensor, S: Optional[torch.Tensor], value: torch.Tensor, keys: torch.Tensor
+        self, z: torch.Tensor, scaled_query: torch.Tensor, S: Optional[torch.Tensor], value: torch.Tensor,
+        keys: torch.Tensor
     ) -> Optional[torch.Tensor]:
         """``z -= (alpha q) S^T`` in place, then (when the final state is wanted) ``S + sum_i v_i k_i^T`` ``[B, V, D]``:
         into S itself when the cache layer allows it, else into a fresh tensor. S stays float32 (float64 for float64
@@ -794,8 +798,8 @@ class FWLHead(nn.Module):
             raise ValueError(f"`fast_vocabulary` must be one of {FAST_VOCABULARIES}, got {fast_vocabulary!r}")
         if fast_vocabulary == "seen" and not set(OUTPUT_LAYER_TERMS) & set(fast_parameters):
             raise ValueError(
-                f"`fast_vocabulary='seen'` restricts the fast output layer's update, but none of {list(OUTPUT_LAYER_TERMS)}"
-                f" is fast (`fast_parameters` = {fast_parameters})"
+                f"`fast_vocabulary='seen'` restricts the fast output layer's update, but none of "
+                f"{list(OUTPUT_LAYER_TERMS)} is fast (`fast_parameters` = {fast_parameters})"
             )
         self.fast_vocabulary = fast_vocabulary
         self._check_gradient_point(gradient_point, segment_length, decay_init)
@@ -812,7 +816,8 @@ class FWLHead(nn.Module):
 
     @classmethod
     def from_config(
-        cls, config: FWLHeadConfigMixin, slow_head_class: type, hidden_size: int, output_layer: nn.Module, **output_options
+        cls, config: FWLHeadConfigMixin, slow_head_class: type, hidden_size: int, output_layer: nn.Module,
+        **output_options
     ) -> "FWLHead":
         """The head a config with the ``FWLHeadConfigMixin`` fields describes, on `output_layer` (the base model's
         output embedding or adaptive softmax, shared) through `slow_head_class`; `output_options` go to that class."""
@@ -890,7 +895,8 @@ class FWLHead(nn.Module):
     def step_size(self, name: str) -> torch.Tensor:
         """The learned step size alpha (a positive scalar tensor) of fast parameter `name`."""
         if name not in self.fast_parameter_names:
-            raise ValueError(f"{name!r} is not a fast parameter of this head; fast parameters: {list(self.fast_parameter_names)}")
+            raise ValueError(f"{name!r} is not a fast parameter of this head; fast parameters: "
+                             f"{list(self.fast_parameter_names)}")
         return F.softplus(self.raw_step_size[self.fast_parameter_names.index(name)])
 
     def forward(
@@ -936,7 +942,9 @@ class FWLHead(nn.Module):
             cache_layer.set_states(new_state, T, new_writable)
         return out
 
-    def _read_state(self, cache_layer: Optional[FastWeightCacheLayer]) -> Tuple[State, Optional[torch.Tensor], FrozenSet[str]]:
+    def _read_state(
+        self, cache_layer: Optional[FastWeightCacheLayer]
+    ) -> Tuple[State, Optional[torch.Tensor], FrozenSet[str]]:
         """(the state to continue from, decayed if a segment boundary was passed; the tokens of the current segment
         seen so far [B] or None; the names of its tensors that nothing else references, which may be updated in
         place: none once decayed, the decay makes copies)."""
@@ -983,7 +991,8 @@ class FWLHead(nn.Module):
         preactivation = None
         folded = shared_z and prev_gradient is not None and T >= _FOLD_CARRIED_SUM_MIN_POSITIONS
         if (not fast_output or shared_z) and not return_hidden:  # every position's slow z (or, folded, E's read too)
-            preactivation = self._folded_preactivation(inter["o"], start) if folded else slow.output_preactivation(inter["o"])
+            preactivation = (self._folded_preactivation(inter["o"], start) if folded
+                             else slow.output_preactivation(inter["o"]))
             inter["logits"] = slow.transform_logits(preactivation)
         # (with a shared z, dCE/dz comes from the exact slow logits; only its products run in `gradient_dtype`)
         gradient_inter, last_gradient_logits, carried_read_done = inter, None, False
@@ -1000,7 +1009,8 @@ class FWLHead(nn.Module):
             keys, values = self._seen_output_gradient_terms(gradient_inter, input_ids, mask, state, seen)
         else:
             keys, values = self._gradient_terms(  # (the segment-start logits are this call's own: in place)
-                gradient_inter, input_ids, mask, state, None if shared_z else compute_dtype, in_place or carried_read_done
+                gradient_inter, input_ids, mask, state, None if shared_z else compute_dtype,
+                in_place or carried_read_done
             )
             if seen is not None and "logits" in values:
                 full = values["logits"]
@@ -1076,7 +1086,8 @@ class FWLHead(nn.Module):
         if weight.dtype != S.dtype or weight.dtype not in (torch.float32, torch.float64):
             return self.slow.output_preactivation(o)
         scratch = self._fold_scratch
-        if scratch is None or scratch.shape != weight.shape or scratch.dtype != weight.dtype or scratch.device != weight.device:
+        if (scratch is None or scratch.shape != weight.shape or scratch.dtype != weight.dtype
+                or scratch.device != weight.device):
             scratch = self._fold_scratch = torch.empty_like(weight)
         alpha = float(self.step_size("output_embedding.weight"))
         rows = []
@@ -1085,7 +1096,8 @@ class FWLHead(nn.Module):
             rows.append(dense_linear(o[b].to(weight.dtype), scratch, bias))
         return rows[0][None] if len(rows) == 1 else torch.stack(rows)
 
-    def _forward_by_segments(self, hidden_states, input_ids, attention_mask, cache_layer, logits_to_keep, return_hidden):
+    def _forward_by_segments(self, hidden_states, input_ids, attention_mask, cache_layer, logits_to_keep,
+                             return_hidden):
         """``forward`` with ``gradient_point="segment_start"``: the call cut where segments of ``segment_length``
         positions (counted from the start of the text) begin, each piece one ``_forward`` whose per-token gradients
         are taken at its segment start's fast weights. The result does not depend on how a text is split into
@@ -1172,7 +1184,8 @@ class FWLHead(nn.Module):
         prev = None
         prev_weights, weights = _teaching_weights(state, mask, dtype)
         if prev_weights is not None:
-            prev = {key[len("prev.") :]: t for key, t in state.items() if key.startswith("prev.") and key != "prev.mask"}
+            prev = {key[len("prev.") :]: t for key, t in state.items()
+                    if key.startswith("prev.") and key != "prev.mask"}
         if prev is not None and slow.merge_previous_position:
             # One backward for the positions [previous, 0, ..., T-2], whose labels are exactly input_ids: entry t of
             # every key and value then holds position t - 1 (the shift of `_shift_in`) without a second call.
@@ -1196,7 +1209,8 @@ class FWLHead(nn.Module):
         prev_grads = None
         if prev is not None:
             prev_grads = slow.per_token_gradients(
-                prev, input_ids[:, :1], prev_weights, depth, logits_gradient=logits_gradient, compute_dtype=compute_dtype
+                prev, input_ids[:, :1], prev_weights, depth, logits_gradient=logits_gradient,
+                compute_dtype=compute_dtype
             )
         for name in self.fast_parameter_names:
             key_name, value_name = GRADIENT_TERMS[name]
@@ -1273,9 +1287,11 @@ class FWLHead(nn.Module):
         return slow.transform_logits(z), last_slow_logits
 
     def _check_inputs(self, hidden_states, input_ids, attention_mask) -> Tuple[int, int]:
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != self.slow.hidden_size:
+        if (not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3
+                or hidden_states.shape[-1] != self.slow.hidden_size):
             raise ValueError(
-                f"`hidden_states` must be [batch, seq_len, {self.slow.hidden_size}], got {getattr(hidden_states, 'shape', type(hidden_states))}"
+                f"`hidden_states` must be [batch, seq_len, {self.slow.hidden_size}], "
+                f"got {getattr(hidden_states, 'shape', type(hidden_states))}"
             )
         B, T = hidden_states.shape[:2]
         if T == 0:

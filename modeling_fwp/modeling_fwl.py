@@ -63,11 +63,13 @@ def base_model_hub_id(base_config: Any, loaded_from: Any) -> Optional[str]:
     return None
 
 
-# Where a decoder (``language_model.base_model``) keeps its final normalisation (Llama, Mistral, Qwen: norm; GPT-2: ln_f).
+# Where a decoder (``language_model.base_model``) keeps its final normalisation
+# (Llama, Mistral, Qwen: norm; GPT-2: ln_f).
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
 
 
-def output_side_slow_head(language_model: PreTrainedModel, output_bias: bool) -> Tuple[DenseFWLSlowHead, Tuple[nn.Module, nn.Linear]]:
+def output_side_slow_head(language_model: PreTrainedModel,
+                          output_bias: bool) -> Tuple[DenseFWLSlowHead, Tuple[nn.Module, nn.Linear]]:
     """The slow head of ``fwl_head_type="output"``: the base's final norm (an ``nn.LayerNorm``, or an RMSNorm
     ``w * x / rms(x)`` with ``variance_epsilon`` or ``eps``) followed by a copy of its output embedding and an output
     bias. The decoder's final norm is replaced by ``nn.Identity`` (the head applies it now, so that its gain can be
@@ -148,13 +150,13 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         if not isinstance(output_embedding, nn.Linear):
             raise ValueError(
                 f"The base model {type(language_model).__name__} has no output embedding (`get_output_embeddings()` "
-                f"returned {type(output_embedding).__name__}, expected an nn.Linear [vocab_size, hidden_size]): the FWL "
-                "head computes its logits with it"
+                f"returned {type(output_embedding).__name__}, expected an nn.Linear [vocab_size, hidden_size]): the "
+                "FWL head computes its logits with it"
             )
         if language_model.base_model is language_model:
             raise ValueError(
-                f"{type(language_model).__name__} exposes no inner decoder (`base_model_prefix`): the FWL head needs its "
-                "last hidden states"
+                f"{type(language_model).__name__} exposes no inner decoder (`base_model_prefix`): the FWL head needs "
+                "its last hidden states"
             )
         if config.fwl_head_type == "output":
             slow, base_output_side = output_side_slow_head(language_model, config.fwl_output_bias)
@@ -202,7 +204,8 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
         fields = set(FWLConfig.__dataclass_fields__) - {"text_config"}
         unknown = sorted(set(fwl_config) - fields)
         if unknown:
-            raise ValueError(f"Unknown FWLConfig fields {unknown}; FWL fields: {sorted(f for f in fields if f.startswith('fwl_'))}")
+            raise ValueError(f"Unknown FWLConfig fields {unknown}; FWL fields: "
+                             f"{sorted(f for f in fields if f.startswith('fwl_'))}")
         if isinstance(pretrained_model_name_or_path, PreTrainedModel):
             base = pretrained_model_name_or_path
         else:
@@ -315,7 +318,8 @@ class FWLForCausalLM(FWLPreTrainedModel, GenerationMixin):
             cache = FWLCache(output_cache(outputs))
         elif cache is not None and cache.base_cache is None:
             cache.set_base_cache(output_cache(outputs))
-        if cache is not None and cache.record_past:  # assisted decoding may roll this pass back (cache_fwp.RollbackMixin)
+        # assisted decoding may roll this pass back (cache_fwp.RollbackMixin)
+        if cache is not None and cache.record_past:
             cache.checkpoint(input_ids.shape[1], partial(self._replay_head, cache, hidden_states, input_ids,
                                                          attention_mask))
         logits = self.fwl_head(

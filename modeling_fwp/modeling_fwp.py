@@ -148,7 +148,8 @@ def padding_mask(
         return mask.to(torch.float32)
     if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
         raise ValueError(
-            f"`attention_mask` must hold only 0 (padding) and 1 (token), got values {attention_mask.unique().tolist()[:8]}"
+            f"`attention_mask` must hold only 0 (padding) and 1 (token), got values "
+            f"{attention_mask.unique().tolist()[:8]}"
         )
     return None if bool(mask.all()) else mask.to(torch.float32)
 
@@ -261,7 +262,8 @@ class FastWeightModel(FastWeightPreTrainedModel):
         cache = resolve_cache_argument(cache, past_key_values)
 
         if cache is not None and not isinstance(cache, FastWeightCache):
-            raise ValueError(f"`cache` (`past_key_values`) must be a FastWeightCache (or None), got {type(cache).__name__}")
+            raise ValueError(f"`cache` (`past_key_values`) must be a FastWeightCache (or None), "
+                             f"got {type(cache).__name__}")
         if cache is not None and cache.batch_size not in (-1, batch_size):
             raise ValueError(
                 f"`cache` (`past_key_values`) holds a state for batch size {cache.batch_size}, but the input has "
@@ -271,7 +273,8 @@ class FastWeightModel(FastWeightPreTrainedModel):
             cache = FastWeightCache(config.num_hidden_layers)
         past_len = cache.get_seq_length() if cache is not None else 0
         token_mask = padding_mask(attention_mask, batch_size, seq_len, past_len)
-        if cache is not None and cache.record_past:  # assisted decoding may roll this pass back (cache_fwp.RollbackMixin)
+        # assisted decoding may roll this pass back (cache_fwp.RollbackMixin)
+        if cache is not None and cache.record_past:
             cache.checkpoint(seq_len, partial(self._replay, cache, inputs_embeds, attention_mask, position_ids))
 
         if self.training and past_len == 0:

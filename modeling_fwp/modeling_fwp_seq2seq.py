@@ -1,4 +1,5 @@
-"""The fast-weight encoder-decoder (Schlag et al. 2021, sec. 6.2, appendix E): machine translation with linear attention.
+"""The fast-weight encoder-decoder (Schlag et al. 2021, sec. 6.2, appendix E): machine translation with linear
+attention.
 
 ``FastWeightSeq2SeqForConditionalGeneration`` (``AutoModelForSeq2SeqLM``) is a pre-LN encoder-decoder Transformer
 whose attentions are fast weights (``FastWeightSeq2SeqConfig`` states which and why):
@@ -90,7 +91,8 @@ class SoftmaxCrossAttention(nn.Module):
 
     def read(self, hidden_states: torch.Tensor, state: State) -> torch.Tensor:
         q = split_heads(self.q_proj(hidden_states), self.num_heads)
-        out = F.scaled_dot_product_attention(q, state["key"], state["value"], attn_mask=state["key_mask"][:, None, None])
+        out = F.scaled_dot_product_attention(q, state["key"], state["value"],
+                                             attn_mask=state["key_mask"][:, None, None])
         return self.o_proj(merge_heads(out))
 
 
@@ -132,7 +134,8 @@ class FastWeightDecoderBlock(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states, cross_state, state=None, token_mask=None):
-        update, new_state = self.self_attention(self.self_attention_norm(hidden_states), state=state, token_mask=token_mask)
+        update, new_state = self.self_attention(self.self_attention_norm(hidden_states), state=state,
+                                                token_mask=token_mask)
         hidden_states = hidden_states + self.dropout(update)
         cross = self.cross_attention.read(self.cross_attention_norm(hidden_states), cross_state)
         hidden_states = hidden_states + self.dropout(cross)
@@ -456,8 +459,8 @@ class FastWeightSeq2SeqForConditionalGeneration(FastWeightSeq2SeqPreTrainedModel
         loss = None
         if labels is not None:
             reduction = "mean" if num_items_in_batch is None else "sum"
-            loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), labels.flatten().to(logits.device),
-                                   ignore_index=-100, reduction=reduction)
+            loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1),
+                                   labels.flatten().to(logits.device), ignore_index=-100, reduction=reduction)
             if num_items_in_batch is not None:
                 loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                                else num_items_in_batch)

@@ -116,9 +116,10 @@ class Projection(nn.Module):
 
 class ClusterOutput(nn.Module):
     """One output layer of the adaptive softmax, ``weight [size, dim]`` and ``bias [size]`` (the names and shapes of an
-    ``nn.Linear(dim, size)``). Not an ``nn.Linear`` on purpose: the adaptive softmax reads its tensors (slices for div_val
-    1) instead of calling it, and it is the model's output layer, which PEFT's ``target_modules="all-linear"`` must leave
-    alone (PEFT excludes only what ``get_output_embeddings`` returns, None here); an adapter on it would never run."""
+    ``nn.Linear(dim, size)``). Not an ``nn.Linear`` on purpose: the adaptive softmax reads its tensors (slices for
+    div_val 1) instead of calling it, and it is the model's output layer, which PEFT's ``target_modules="all-linear"``
+    must leave alone (PEFT excludes only what ``get_output_embeddings`` returns, None here); an adapter on it would
+    never run."""
 
     def __init__(self, dim: int, size: int) -> None:
         super().__init__()
@@ -192,9 +193,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         log p(y | h) = log softmax(head(h))[y]                                   (i = 0)
         log p(y | h) = log softmax(head(h))[c_0 + i - 1] + log softmax(tail_i(h))[y - start_i]   (i > 0)
 
-    with ``head(h) = (h P_0) [W_0; W_c]^T + [b_0; b_c]`` and ``tail_i(h) = (h P_i) W_i^T + b_i``. ``layers[i]`` holds W_i,
-    b_i (div_val 1: one ``[V, d_embed]`` layer sliced per cluster), ``cluster_weight`` / ``cluster_bias`` W_c, b_c,
-    ``projections[i]`` P_i (None when div_val is 1 and ``d_embed == D``). Its products go through
+    with ``head(h) = (h P_0) [W_0; W_c]^T + [b_0; b_c]`` and ``tail_i(h) = (h P_i) W_i^T + b_i``. ``layers[i]`` holds
+    W_i, b_i (div_val 1: one ``[V, d_embed]`` layer sliced per cluster), ``cluster_weight`` / ``cluster_bias`` W_c,
+    b_c, ``projections[i]`` P_i (None when div_val is 1 and ``d_embed == D``). Its products go through
     ``fwp_kernels.dense_linear`` (oneDNN on CPU outside autograd), for the base model and the FWL alike.
     """
 
@@ -300,7 +301,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return grad.view(shape)
 
     def _logit_gradient(self, h: torch.Tensor, target: torch.Tensor, w: Optional[torch.Tensor], i: int) -> torch.Tensor:
-        """Back through cluster i: ``w (softmax(logits_i) - onehot(target)) [W_i; W_c]`` then the projection, ``[N, D]``."""
+        """Back through cluster i: ``w (softmax(logits_i) - onehot(target)) [W_i; W_c]`` then the projection,
+        ``[N, D]``."""
         dlogits = torch.softmax(self._cluster_logits(h, i).float(), dim=-1).to(h.dtype)
         minus = h.new_full((h.shape[0], 1), -1.0) if w is None else -w[:, None]
         if w is not None:
@@ -323,7 +325,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
 def relative_shift(x: torch.Tensor) -> torch.Tensor:
     """``[..., T, K]`` scores against relative positions ``K-1, ..., 0`` -> scores against keys: entry (i, j) becomes
-    the score of distance ``K - T + i - j`` (Dai et al. appendix B; entries of future keys are garbage, masked later)."""
+    the score of distance ``K - T + i - j`` (Dai et al. appendix B; entries of future keys are garbage, masked
+    later)."""
     *batch, T, K = x.shape
     padded = F.pad(x, (1, 0)).view(*batch, K + 1, T)
     return padded[..., 1:, :].reshape(*batch, T, K)
@@ -403,7 +406,8 @@ class TransfoXLBlock(GradientCheckpointingLayer):
         keys_input = hidden_states if memory is None else torch.cat([memory, hidden_states], dim=1)
         if self.pre_lnorm:
             keys_input = self.attention_norm(keys_input)
-            attended = self.attention(keys_input[:, -hidden_states.shape[1] :], keys_input, pos_emb, allowed, r_w_bias, r_r_bias)
+            attended = self.attention(keys_input[:, -hidden_states.shape[1] :], keys_input, pos_emb, allowed,
+                                      r_w_bias, r_r_bias)
             hidden_states = hidden_states + self.dropout(attended)
             return hidden_states + self.dropout(self.feed_forward(self.ff_norm(hidden_states)))
         attended = self.attention(hidden_states, keys_input, pos_emb, allowed, r_w_bias, r_r_bias)
@@ -529,8 +533,10 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
         param = self.word_embeddings.layers[0].weight
         cache = TransfoXLCache(self.config.num_hidden_layers, use_fwl=self.config.use_fwl)
         for layer_idx in range(self.config.num_hidden_layers):
-            zeros = torch.zeros(batch_size, self.config.mem_len, self.config.hidden_size, dtype=param.dtype, device=param.device)
-            cache.layers[layer_idx].states = {"memory": zeros, "memory_mask": zeros.new_ones(batch_size, self.config.mem_len)}
+            zeros = torch.zeros(batch_size, self.config.mem_len, self.config.hidden_size, dtype=param.dtype,
+                                device=param.device)
+            cache.layers[layer_idx].states = {"memory": zeros,
+                                              "memory_mask": zeros.new_ones(batch_size, self.config.mem_len)}
         return cache
 
     def _attention_pattern(
@@ -724,7 +730,8 @@ class TransfoXLForCausalLM(TransfoXLPreTrainedModel, GenerationMixin):
         """FWL fast pass of one segment (Clark et al. 2022 sec. 3), continuing the decayed carried update in the cache:
         ``[B, T, D] -> f_t(h_t) [B, T, D]`` with every position's own fast weights."""
         if input_ids is None:
-            raise ValueError("`use_fwl=True` needs `input_ids`: the next token of each position is its fast-update label")
+            raise ValueError("`use_fwl=True` needs `input_ids`: the next token of each position is its fast-update "
+                             "label")
         cache_layer = cache.fwl_layer if cache is not None else None
         return self.fwl_head(hidden_states, input_ids, attention_mask, cache_layer=cache_layer, return_hidden=True)
 

@@ -38,7 +38,8 @@ def locate_data_package(module: str, requirements: Sequence[str], purpose: str, 
         TypeError / ValueError: `requirements` is a single string or empty.
     """
     if isinstance(requirements, str):
-        raise TypeError(f"`requirements` must be a sequence of pip requirement strings, got the string {requirements!r}")
+        raise TypeError(f"`requirements` must be a sequence of pip requirement strings, got the string "
+                        f"{requirements!r}")
     if not requirements:
         raise ValueError(f"`requirements` must name at least one pip requirement (to install `{module}`)")
     folder = _package_folder(module)

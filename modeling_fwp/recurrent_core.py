@@ -49,7 +49,8 @@ class FastWeightRecurrentCore(nn.Module):
     def __init__(self, config: FastWeightConfig, input_size: Optional[int] = None, batch_first: bool = False) -> None:
         super().__init__()
         if not isinstance(config, FastWeightConfig):
-            raise TypeError(f"`config` must be a FastWeightConfig (a fast-weight family's), got {type(config).__name__}")
+            raise TypeError(f"`config` must be a FastWeightConfig (a fast-weight family's), "
+                            f"got {type(config).__name__}")
         if config.position_embedding_type != "none":
             raise ValueError("`position_embedding_type` must be 'none' for a recurrent core (positions restart at "
                              f"every episode), got {config.position_embedding_type!r}")

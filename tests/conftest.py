@@ -116,7 +116,8 @@ def make_word_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<pad>", "<s>", "</s>", "<unk>"] + "the a cat dog sat on mat fast weights are programmed by slow nets and read with queries".split()
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + ("the a cat dog sat on mat fast weights are programmed by slow nets "
+                                                 "and read with queries").split()
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
@@ -159,7 +160,8 @@ def triton_interpreted_results(test_file: str) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, test_file, "--triton-worker"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, test_file, "--triton-worker"], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1])
 

@@ -37,7 +37,8 @@ SCRIPTS = {"train_lm": train_lm.parse_args, "finetune_fwl": finetune_fwl.parse_a
     ("synthetic", "--max_steps", "1000"), ("synthetic", "--model_type", "['linear_transformer', 'delta_net']"),
     ("data", "--output_dir", "data/wiki"), ("convert_gguf", "--output_dir", "checkpoints/smollm2-135m"),
     ("document_eval", "--model_name_or_path", "checkpoints/smollm2-135m"), ("document_eval", "--segment_length", "128"),
-    ("document_eval", "--methods", "['base', 'test_time_fwl', 'dynamic']"), ("document_eval", "--dynamic_method", "sgd"),
+    ("document_eval", "--methods", "['base', 'test_time_fwl', 'dynamic']"),
+    ("document_eval", "--dynamic_method", "sgd"),
     ("train_seq2seq", "--feature_map", "elu"), ("train_seq2seq", "--num_words", "32"),
     ("train_seq2seq", "--output_dir", "outputs/mt"), ("train_seq2seq", "--predict_with_generate", "False"),
     ("convert_fla", "--dtype", "None"), ("lm_table", "--num_hidden_layers", "16"), ("lm_table", "--hidden_size", "128"),
@@ -150,10 +151,12 @@ def test_trainer_flags_reach_training_arguments():
 @pytest.mark.parametrize("name, argv", [
     ("train_lm", ["--lr", "1e-3"]), ("train_lm", ["--batch_size", "2"]), ("train_lm", ["--segment_length", "8"]),
     ("finetune_fwl", ["--model", "x"]), ("finetune_fwl", ["--dataset", "wikitext"]),
-    ("eval_lm", ["--model_name_or_path", "m", "--model", "x"]), ("eval_lm", ["--model_name_or_path", "m", "--output", "x"]),
+    ("eval_lm", ["--model_name_or_path", "m", "--model", "x"]),
+    ("eval_lm", ["--model_name_or_path", "m", "--output", "x"]),
     ("demo", ["--minutes", "1"]), ("train_transfo_xl", ["--init_from", "x"]),
     ("synthetic", ["--task", "code", "--steps", "3"]), ("synthetic", ["--task", "code", "--resume", "x"]),
-    ("document_eval", ["--model", "x"]), ("document_eval", ["--output", "x"]), ("document_eval", ["--dynamic_params", "x"]),
+    ("document_eval", ["--model", "x"]), ("document_eval", ["--output", "x"]),
+    ("document_eval", ["--dynamic_params", "x"]),
 ])
 def test_removed_option_names_fail(name, argv):
     """Not taken for a longer option by its prefix either (--model for --model_name_or_path)."""
@@ -254,7 +257,8 @@ def test_train_transfo_xl_main_fixed_steps_and_wall_clock_budget(tiny_wiki, tmp_
     fixed = train_transfo_xl.main(common + ["--output_dir", tmp_path / "fixed", "--max_steps", "2"])
     assert fixed["steps"] == 2 and not fixed["stopped_by_budget"] and math.isfinite(fixed["final_train_loss"])
     saved = json.loads((tmp_path / "fixed" / "train_log.json").read_text())
-    assert saved["max_steps"] == 2 and saved["save_total_limit"] == 1 and saved["lr_scheduler_type"] == "cosine_with_min_lr"
+    assert (saved["max_steps"] == 2 and saved["save_total_limit"] == 1
+            and saved["lr_scheduler_type"] == "cosine_with_min_lr")
     assert (tmp_path / "fixed" / "config.json").is_file()
     budget = train_transfo_xl.main(common + ["--output_dir", tmp_path / "budget", "--max_train_minutes", "0.001"])
     assert budget["steps"] >= 1 and budget["stopped_by_budget"] and budget["max_steps"] == -1

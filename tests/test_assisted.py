@@ -22,8 +22,8 @@ from test_transfo_xl import fwl_model
 
 
 def converted_fla(name: str):
-    """The tiny flash-linear-attention 0.6 checkpoint `name` of tests/fixtures/fla_0_6 (short convolutions, whose windows
-    the rollback must restore; the Gated DeltaNet's decay), converted as test_fla.py converts it."""
+    """The tiny flash-linear-attention 0.6 checkpoint `name` of tests/fixtures/fla_0_6 (short convolutions, whose
+    windows the rollback must restore; the Gated DeltaNet's decay), converted as test_fla.py converts it."""
     with tempfile.TemporaryDirectory() as folder:
         return convert_fla_checkpoint(FIXTURES / "fla_0_6" / name, folder)
 

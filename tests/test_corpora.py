@@ -68,7 +68,8 @@ def write_lazy_load(folder, objects):
         offsets.append(_vector(13, [len(blob), len(chunk)]))
         blob += chunk
     variables = _vector(19, offsets, {"names": _vector(16, list(objects))})
-    index = _vector(19, [variables, _vector(19, []), _vector(10, [1])], {"names": _vector(16, ["variables", "references", "compressed"])})
+    index = _vector(19, [variables, _vector(19, []), _vector(10, [1])],
+                    {"names": _vector(16, ["variables", "references", "compressed"])})
     (folder / "Rdata.rdb").write_bytes(blob)
     (folder / "Rdata.rdx").write_bytes(gzip.compress(_serialize(index, version=2)))
     return folder / "Rdata.rdx"
@@ -110,7 +111,8 @@ def test_reader_vectors_and_data_frame(tmp_path):
 def test_chapters():
     docs = chapters(NOVEL_LINES, "Pride and Prejudice")
     assert docs == [
-        "Pride and Prejudice, Chapter I\nIt is a truth universally acknowledged, that a single man.\n\"My dear,\" said his lady",
+        "Pride and Prejudice, Chapter I\nIt is a truth universally acknowledged, that a single man.\n"
+        "\"My dear,\" said his lady",
         "Pride and Prejudice, Chapter 2\nMr. Bennet was among the earliest.",
     ]
 

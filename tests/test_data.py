@@ -244,7 +244,8 @@ def test_gpt2_tokenizer_loads_gpt2_format_files(gpt2_format_bpe, tiny_wiki, tmp_
         ids = tok(text)["input_ids"]
         assert ids == reference.encode(text).ids
         assert tok.decode(ids) == text
-    assert len(tok(held_out)["input_ids"]) < 0.75 * len(held_out.encode())  # the merges are applied (1 id per byte without)
+    # the merges are applied (1 id per byte without)
+    assert len(tok(held_out)["input_ids"]) < 0.75 * len(held_out.encode())
     with pytest.raises(FileNotFoundError, match="encoder.json"):
         gpt2_tokenizer(data_dir=tmp_path)
 

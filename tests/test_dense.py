@@ -27,12 +27,14 @@ def random_layer(dtype, N=23, K=12, V=37, seed=0):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("block_bytes", [37 * 5 * 8, dense.BLOCK_BYTES])  # several row blocks (5 or 10 rows) / one
 @pytest.mark.parametrize("with_bias,with_scale", [(True, True), (False, False)])
-def test_ce_input_gradient_outside_autograd_matches_autograd(monkeypatch, dtype, tol, block_bytes, with_bias, with_scale):
+def test_ce_input_gradient_outside_autograd_matches_autograd(monkeypatch, dtype, tol, block_bytes, with_bias,
+                                                             with_scale):
     monkeypatch.setattr(dense, "BLOCK_BYTES", block_bytes)
     x, weight, bias, target, scale = random_layer(dtype)
     bias = bias if with_bias else None
     scale = scale if with_scale else None
-    expected = ce_input_gradient_by_autograd(x, weight, bias, target, scale if scale is not None else torch.ones_like(x[:, 0]))
+    expected = ce_input_gradient_by_autograd(x, weight, bias, target,
+                                             scale if scale is not None else torch.ones_like(x[:, 0]))
     with torch.no_grad():
         got = linear_cross_entropy_input_gradient(x, weight, bias, target, scale)
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)

@@ -120,8 +120,8 @@ def test_parameter_names_follow_ties_and_are_checked():
 
 
 def test_eval_lm_dynamic_evaluation_of_a_llama_folder(tmp_path, word_tokenizer):
-    """`python -m training.eval_lm --model_name_or_path <Llama folder> --dynamic_eval`: the step size is chosen on the valid split
-    from the default grid, and the rows report it with the perplexities tried and the time per token."""
+    """`python -m training.eval_lm --model_name_or_path <Llama folder> --dynamic_eval`: the step size is chosen on the
+    valid split from the default grid, and the rows report it with the perplexities tried and the time per token."""
     from training import eval_lm
     from training.dynamic_eval import DEFAULT_STEP_SIZES
 

@@ -35,8 +35,8 @@ def converted(tmp_path_factory):
     for name in NAMES:
         folder = root / name
         convert_fla_checkpoint(FLA / name, folder, repo_id=f"fla-hub/{name}-tiny")
-        out[name] = (AutoModelForCausalLM.from_pretrained(folder).eval(), load_file(FLA / name / "expected.safetensors"),
-                     folder)
+        out[name] = (AutoModelForCausalLM.from_pretrained(folder).eval(),
+                     load_file(FLA / name / "expected.safetensors"), folder)
     return out
 
 
@@ -72,7 +72,8 @@ def test_left_padded_batch_and_its_decoding_match_fla(converted, name):
     steps = []
     for t in range(expected["padded_decode_ids"].shape[1]):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        steps.append(model(expected["padded_decode_ids"][:, t:t + 1], attention_mask=mask, cache=output_cache(out)).logits)
+        steps.append(model(expected["padded_decode_ids"][:, t:t + 1], attention_mask=mask,
+                           cache=output_cache(out)).logits)
     _close(torch.cat(steps, dim=1), expected["padded_decode_logits"])
 
 
@@ -98,7 +99,8 @@ def test_greedy_and_beam_search(converted, name):
 
 def test_converted_config_records_the_source(converted):
     model, _, folder = converted["delta_net"]
-    assert isinstance(model, DeltaNetForCausalLM) and isinstance(converted["gated_deltanet"][0], GatedDeltaNetForCausalLM)
+    assert (isinstance(model, DeltaNetForCausalLM)
+            and isinstance(converted["gated_deltanet"][0], GatedDeltaNetForCausalLM))
     config = model.config
     assert (config.short_conv_size, config.feature_map, config.qk_l2_normalization, config.norm_type) == (
         4, "silu", True, "rms_norm")
@@ -156,8 +158,8 @@ def fused_qkv_layout(state):
     old = {}
     for key, value in state.items():
         if ".q_proj." in key:
-            old[key.replace("q_proj", "qkv_proj")] = torch.cat([state[key.replace("q_proj", n)] for n in ("q_proj", "k_proj",
-                                                                                                       "v_proj")])
+            old[key.replace("q_proj", "qkv_proj")] = torch.cat([state[key.replace("q_proj", n)]
+                                                                 for n in ("q_proj", "k_proj", "v_proj")])
         elif ".k_proj." not in key and ".v_proj." not in key:
             old[key] = value
     return old
@@ -171,8 +173,8 @@ def test_old_fused_qkv_checkpoints_load(tmp_path):
     reloaded = tiny_model(seed=4)
     reloaded.load_state_dict(fused_qkv_layout(model.state_dict()))
     model.save_pretrained(tmp_path / "old")
-    save_file(fused_qkv_layout(load_file(tmp_path / "old" / "model.safetensors")), tmp_path / "old" / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(fused_qkv_layout(load_file(tmp_path / "old" / "model.safetensors")),
+              tmp_path / "old" / "model.safetensors", metadata={"format": "pt"})
     from_folder = AutoModelForCausalLM.from_pretrained(tmp_path / "old").eval()
     from_folder.save_pretrained(tmp_path / "again")
     with torch.no_grad():
@@ -205,7 +207,8 @@ def test_license_stated_by_the_source_is_called_so(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FLA / "delta_net", src)
     (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a model\n")
-    convert_fla_checkpoint(src, tmp_path / "out", repo_id="fla-hub/delta_net-tiny")  # the README wins over fla-hub's MIT
+    # the README wins over fla-hub's MIT
+    convert_fla_checkpoint(src, tmp_path / "out", repo_id="fla-hub/delta_net-tiny")
     text = str(card_for_folder(tmp_path / "out"))
     assert "License: `apache-2.0`, as stated in the README of the weights' repository." in text
     assert "inferred" not in text

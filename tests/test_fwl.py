@@ -99,7 +99,8 @@ def assert_one_gradient_step_per_position(head, hidden, ids, fast, seen_rows=Fal
 @pytest.mark.parametrize(
     "fast_parameters,residual,base",
     [
-        (None, False, "llama"), (ALL_FAST, False, "llama"), (ALL_FAST, True, "llama"), (["output_bias"], False, "llama"),
+        (None, False, "llama"), (ALL_FAST, False, "llama"), (ALL_FAST, True, "llama"),
+        (["output_bias"], False, "llama"),
         (["output_embedding.weight"], True, "llama"), (ALL_FAST, False, "gemma2"), (["output_bias"], True, "gemma2"),
     ],
 )
@@ -267,7 +268,8 @@ def segments_with_cache(model, ids, lengths, mask=None, logits_to_keep=0):
 @pytest.mark.parametrize(
     "fast_parameters,head_type,padded,vocabulary",
     [
-        (ALL_FAST, "mlp", False, "full"), (ALL_FAST, "mlp", True, "full"), (["output_embedding.weight"], "mlp", False, "full"),
+        (ALL_FAST, "mlp", False, "full"), (ALL_FAST, "mlp", True, "full"),
+        (["output_embedding.weight"], "mlp", False, "full"),
         (["output_bias"], "mlp", False, "full"), (["output_embedding.weight", "output_bias"], "mlp", True, "full"),
         (None, "output", False, "full"), (None, "output", True, "full"),
         (ALL_FAST, "mlp", True, "seen"), (None, "output", False, "seen"), (None, "output", True, "seen"),
@@ -397,7 +399,8 @@ def test_left_padded_batch_generates_as_unpadded(base):
     batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
     mask = torch.ones_like(batch)
     mask[1, :3] = 0
-    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                  eos_token_id=None)
     together = model.generate(batch, attention_mask=mask, **kwargs)
     for row, prompt in enumerate((long, short)):
         alone = model.generate(prompt, **kwargs)
@@ -520,7 +523,8 @@ def test_bad_input():
     with pytest.raises(ValueError, match="output embedding"):
         FWLForCausalLM(FWLConfig(text_config=tiny_llama_config()), language_model=LlamaModel(tiny_llama_config()))
     with pytest.raises(ValueError, match="not a parameter of the FWL head"):  # no c when fwl_output_bias=False
-        FWLForCausalLM(FWLConfig(text_config=tiny_llama_config(), fwl_output_bias=False, fwl_fast_parameters=["output_bias"]))
+        FWLForCausalLM(FWLConfig(text_config=tiny_llama_config(), fwl_output_bias=False,
+                                 fwl_fast_parameters=["output_bias"]))
     with pytest.raises(ValueError, match="Unknown FWLConfig fields"):
         FWLForCausalLM.from_base_pretrained(LlamaForCausalLM(tiny_llama_config()), fwl_step_size=0.1)
     model = tiny_fwl("llama")
@@ -688,7 +692,8 @@ def test_labels_loss_matches_the_returned_logits_when_scoring(use_cache):
     ids = random_ids(2, 10)
     with torch.no_grad():
         out = model(ids, labels=ids, use_cache=use_cache)
-    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), ids[:, 1:].reshape(-1))
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]),
+                                                 ids[:, 1:].reshape(-1))
     torch.testing.assert_close(out.loss, expected)
     assert (out.past_key_values is not None) == use_cache
 
@@ -815,7 +820,8 @@ def test_one_fwl_config_block_has_one_set_of_names_and_defaults():
 
 @pytest.mark.parametrize(
     "family,residual,output_bias",
-    [("fwl", False, True), ("fwl", True, True), ("fwl", True, False), ("transfo_xl", False, False), ("transfo_xl", True, False)],
+    [("fwl", False, True), ("fwl", True, True), ("fwl", True, False), ("transfo_xl", False, False),
+     ("transfo_xl", True, False)],
 )
 def test_one_init_path_gives_the_documented_initial_head(family, residual, output_bias, tmp_path):
     """A fresh head, built with its model or initialised by from_pretrained as the part a checkpoint lacks: U, W ~

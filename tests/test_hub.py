@@ -49,7 +49,8 @@ def _fwl_on(config_cls):
 VARIANTS = {name: _variant(name) for name in FAMILIES}
 VARIANTS.update({
     "fwp_delta_rnn-A": _variant("fwp_delta_rnn", lambda: tiny_config(modeling_fwp.DeltaRNNConfig, version="A")),
-    **{f"fwp_delta_lstm-{v}": _variant("fwp_delta_lstm", lambda v=v: tiny_config(modeling_fwp.DeltaLSTMConfig, version=v))
+    **{f"fwp_delta_lstm-{v}": _variant("fwp_delta_lstm",
+                                       lambda v=v: tiny_config(modeling_fwp.DeltaLSTMConfig, version=v))
        for v in "ABC"},
     "fwp_transfo_xl-fwl": _variant("fwp_transfo_xl", lambda: tiny_config(modeling_fwp.TransfoXLConfig, use_fwl=True)),
     "fwp_fwl-delta_net": _variant("fwp_fwl", _fwl_on(modeling_fwp.DeltaNetConfig), uses_scan=False),
@@ -111,7 +112,8 @@ for job in json.loads(sys.argv[1]):
             "scan_module": scan.__name__, "scan_status": scan.cpu_kernel_status(),
         }
     except Exception as error:
-        report[job["folder"]] = {"error": f"{type(error).__name__}: {str(error)[:500]}\n" + traceback.format_exc()[-2000:]}
+        report[job["folder"]] = {"error": f"{type(error).__name__}: {str(error)[:500]}\n"
+                                          + traceback.format_exc()[-2000:]}
     finally:
         for name, value in saved_env.items():
             if value is None:
@@ -358,12 +360,14 @@ def test_cli_card_validate_and_dry_run_push(tmp_path, capsys, module_word_tokeni
     hub.export_for_hub(model, module_word_tokenizer, folder)
     assert model_cards_main(["card", str(folder), "--results", str(results_file), "--repo-id", "me/lt"]) == 0
     card = model_cards.validate_card((folder / "README.md").read_text())
-    assert {r.metric_value for r in card.data.eval_results} == {2.5, json.loads(results_file.read_text())["evaluation"]["perplexity"]}
+    assert {r.metric_value for r in card.data.eval_results} == {
+        2.5, json.loads(results_file.read_text())["evaluation"]["perplexity"]}
     assert model_cards_main(["validate", str(folder)]) == 0
     capsys.readouterr()
     assert model_cards_main(["push", str(folder), "--repo-id", "me/lt", "--dry-run"]) == 0
     listed = capsys.readouterr().out
-    for name in ("README.md", "model.safetensors", "config.json", "modeling_fwp.py", "fwp_kernels.py", "tokenizer.json"):
+    for name in ("README.md", "model.safetensors", "config.json", "modeling_fwp.py", "fwp_kernels.py",
+                 "tokenizer.json"):
         assert f"  {name}\n" in listed
     (folder / "README.md").unlink()
     with pytest.raises(ValueError, match="no README.md"):
@@ -390,7 +394,8 @@ def test_push_to_hub_uploads_code_weights_and_our_card(monkeypatch, module_word_
     model = tiny_family_model(modeling_fwp.DeltaNetConfig)
     assert model.push_to_hub("me/dn", tokenizer=module_word_tokenizer, results=demo_style_results(model)) == "commit"
     assert uploads["created"] == "me/dn"
-    assert {"modeling_fwp.py", "fwp_kernels.py", "model.safetensors", "tokenizer.json", "README.md"} <= set(uploads["files"])
+    assert ({"modeling_fwp.py", "fwp_kernels.py", "model.safetensors", "tokenizer.json", "README.md"}
+            <= set(uploads["files"]))
     card = model_cards.validate_card(uploads["card"])
     assert card.data.model_name == "dn" and card.data.eval_results and "delta-net" in card.data.tags
     assert "This model card has been automatically generated" not in uploads["card"]  # not transformers' card
@@ -407,7 +412,9 @@ def test_pickled_weights_are_rejected(tmp_path):
     model.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     torch.save({**model.state_dict(), "payload": Payload()}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(pickle.UnpicklingError, match=r"Refusing to load the pickled checkpoint.*\(unsupported GLOBAL posix.system\).*arbitrary code"):
+    with pytest.raises(pickle.UnpicklingError,
+                       match=r"Refusing to load the pickled checkpoint.*\(unsupported GLOBAL posix.system\)"
+                             r".*arbitrary code"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="`weights_only` must be True"):
         AutoModelForCausalLM.from_pretrained(tmp_path, weights_only=False)
@@ -423,10 +430,12 @@ def test_pickled_weights_are_rejected(tmp_path):
 @pytest.mark.parametrize(
     "damage,message",
     [
-        (lambda data: data[: len(data) // 2], "is truncated: its header describes \\d+ bytes of tensor data but the file holds \\d+"),
+        (lambda data: data[: len(data) // 2],
+         "is truncated: its header describes \\d+ bytes of tensor data but the file holds \\d+"),
         (lambda data: data[:5], "is truncated: 5 bytes"),
         (lambda data: data[:8] + b"{garbage" + data[16:], "is corrupted: its header is not valid JSON"),
-        (lambda data: (10**9).to_bytes(8, "little") + data[8:], "is truncated or corrupted: its header claims 1000000000 bytes"),
+        (lambda data: (10**9).to_bytes(8, "little") + data[8:],
+         "is truncated or corrupted: its header claims 1000000000 bytes"),
         (lambda data: data + b"\0" * 7, "is corrupted: 7 bytes follow the tensor data"),
     ],
 )
@@ -456,7 +465,8 @@ def assert_generates_with_cache(model, prompt, new_tokens=6):
     assert all(use_cache for use_cache, _, _ in calls)
     assert [length for _, _, length in calls] == [prompt.shape[1]] + [1] * (new_tokens - 1)
     assert all(isinstance(cache, FastWeightCache) for _, cache, _ in calls[1:])
-    without = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=False)
+    without = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             use_cache=False)
     assert torch.equal(with_cache, without)
 
 
@@ -495,7 +505,8 @@ def test_trainer_checkpoint_generates_with_cache(tmp_path):
 
 
 def test_export_refuses_code_that_needs_the_package(tmp_path):
-    (tmp_path / "modeling_x.py").write_text("import torch\nfrom fwp_kernels import delta_rule\nfrom .helper_x import y\n")
+    (tmp_path / "modeling_x.py").write_text("import torch\nfrom fwp_kernels import delta_rule\n"
+                                            "from .helper_x import y\n")
     (tmp_path / "helper_x.py").write_text("try:\n    import triton\nexcept ImportError:\n    triton = None\ny = 1\n")
     sources = remote_code_sources([tmp_path / "modeling_x.py"])
     assert set(sources) == {"modeling_x.py", "helper_x.py"}
@@ -529,7 +540,8 @@ def test_export_rewrites_kernel_imports_into_sibling_imports(tmp_path):
     assert set(remote_code_sources([source])) == {"modeling_z.py"}  # as transformers sees the unsaved file
     sources = remote_code_sources([source], rewrite_kernel_imports=True)
     assert sources["fwp_kernels.py"] == Path(fwp_kernels.__file__)
-    assert {"dispatch.py", "chunk.py", "chunk_delta_csrc.py", "rfwp_scan_csrc.py", "decode_linear_csrc.py"} <= set(sources)
+    assert ({"dispatch.py", "chunk.py", "chunk_delta_csrc.py", "rfwp_scan_csrc.py", "decode_linear_csrc.py"}
+            <= set(sources))
     staging = tmp_path / "staged"
     staging.mkdir()
     staged = stage_remote_code(sources, staging)
@@ -562,7 +574,8 @@ def test_card_from_finetune_fwl_results(tmp_path):
     assert "fast-weight-layers" in card.data.tags
     by_metric = {r.metric_type: r.metric_value for r in card.data.eval_results}
     assert by_metric == {"perplexity": results["base_fwl"]["ppl"], "loss": results["base_fwl"]["nll"]}
-    assert "base model fine-tuned without FWL (same steps and data): perplexity (reference, not this model) | 25" in card.text
+    assert ("base model fine-tuned without FWL (same steps and data): perplexity (reference, not this model) | 25"
+            in card.text)
     assert "repeated tokens: perplexity | 10" in card.text and "`results.json`" in card.text
 
 
@@ -581,7 +594,8 @@ def test_card_from_eval_lm_and_training_log(tmp_path, module_word_tokenizer):
     eval_lm.main(["--model_name_or_path", *map(str, folders)] + args)
     rows = {Path(r["model"]).name: r for r in json.loads(output.read_text())["results"]}
     train_log = tmp_path / "train_log.json"
-    train_log.write_text(json.dumps({"steps": 5, "seconds": 1.5, "final_train_loss": 3.9, "lr": 1e-3, "parameters": 999}))
+    train_log.write_text(json.dumps({"steps": 5, "seconds": 1.5, "final_train_loss": 3.9, "lr": 1e-3,
+                                     "parameters": 999}))
 
     card = model_cards.card_for_folder(folders[0], [train_log, output])  # the folder picks its own eval_lm row
     assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {
@@ -624,7 +638,8 @@ def fake_hub(monkeypatch):
     record = {"created": [], "uploads": []}
 
     def create_repo(self, repo_id, *, private=None, **kwargs):
-        full_id = repo_id if "/" in repo_id else f"token-user/{repo_id}"  # the Hub puts bare names in the token's namespace
+        # the Hub puts bare names in the token's namespace
+        full_id = repo_id if "/" in repo_id else f"token-user/{repo_id}"
         record["created"].append({"repo_id": full_id, "private": private, "token": self.token})
         return type("RepoUrl", (), {"repo_id": full_id})()
 
@@ -675,7 +690,8 @@ def test_demo_push_to_hub_uploads_our_export(small_wiki, tmp_path, fake_hub):
         "--vocab_size", "300", "--block_size", "32", "--per_device_train_batch_size", "2", "--max_eval_blocks", "2",
         "--max_new_tokens", "4",
         "--data_dir", str(small_wiki), "--output_dir", str(out),
-        "--push_to_hub", "--hub_model_id", "me/delta-net-demo", "--hub_private_repo", "true", "--hub_token", "hf_secret123",
+        "--push_to_hub", "--hub_model_id", "me/delta-net-demo", "--hub_private_repo", "true",
+        "--hub_token", "hf_secret123",
     ])
     assert fake_hub["created"] == [{"repo_id": "me/delta-net-demo", "private": True, "token": "hf_secret123"}]
     (upload,) = fake_hub["uploads"]

@@ -51,7 +51,8 @@ def test_packages_import_one_way(steps):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for report in json.loads(proc.stdout.strip().splitlines()[-1]):
-        assert Path(report["file"]).resolve().is_relative_to(ROOT), report["file"]  # this checkout, not an installed copy
+        # this checkout, not an installed copy
+        assert Path(report["file"]).resolve().is_relative_to(ROOT), report["file"]
         assert len(report["modules"]) > 1  # the walk found the package's modules
         assert report["loaded"] == [], f"importing {report['package']} imported {report['loaded']}"
 
@@ -109,5 +110,6 @@ def test_training_installs_as_fwp_training_with_console_scripts():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "fwp_training" in report["packages"] and "fwp_training.train_lm" in report["modules"]
     assert report["loaded"] == [], f"fwp_training imported {report['loaded']}"
-    assert {"fwp-train-lm", "fwp-finetune-fwl", "fwp-eval-lm", "fwp-demo", "fwp-train-transfo-xl"} <= set(report["scripts"])
+    assert ({"fwp-train-lm", "fwp-finetune-fwl", "fwp-eval-lm", "fwp-demo", "fwp-train-transfo-xl"}
+            <= set(report["scripts"]))
     assert all(report["scripts"].values()), report["scripts"]

@@ -322,7 +322,8 @@ def test_gated_delta_net_gradients_reach_the_decay_parameters():
 
 def test_gated_delta_net_decay_missing_from_a_checkpoint_gets_its_initial_values(tmp_path):
     """from_pretrained builds the model on the meta device and initialises only what the checkpoint lacks, through
-    ``_init_weights``: a layer's ``init_fast_weight_parameters`` hook must run there (else A_log, dt_bias are garbage)."""
+    ``_init_weights``: a layer's ``init_fast_weight_parameters`` hook must run there (else A_log, dt_bias are
+    garbage)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -415,7 +416,8 @@ BF16 = [(cls, dict(feature_map=fmap, dpfp_nu=2)) for cls, fmap in itertools.prod
     (GatedDeltaNetConfig, GATED), (GatedDeltaNetConfig, dict(GATED, kernel_mode="chunk", chunk_size=4))]
 
 
-@pytest.mark.parametrize("config_cls,options", BF16, ids=[family_id(c) + "-" + c[1].get("feature_map", "") for c in BF16])
+@pytest.mark.parametrize("config_cls,options", BF16,
+                         ids=[family_id(c) + "-" + c[1].get("feature_map", "") for c in BF16])
 def test_bfloat16_model_runs_with_float32_states(config_cls, options):
     check_bfloat16_forward(tiny_model(config_cls, **options))
 

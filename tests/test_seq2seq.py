@@ -19,7 +19,8 @@ from conftest import relative_error
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 23
 # (update_rule, feature_map, cross_attention): both rules, the paper's three maps, both cross-attentions
-VARIANTS = [("sum", "elu", "linear"), ("delta", "elu", "linear"), ("delta", "dpfp", "softmax"), ("sum", "favor", "linear")]
+VARIANTS = [("sum", "elu", "linear"), ("delta", "elu", "linear"), ("delta", "dpfp", "softmax"),
+            ("sum", "favor", "linear")]
 TOL = 1e-10  # float64 everywhere below except the export round trip
 
 
@@ -343,7 +344,8 @@ def test_cipher_task_and_training_script(tmp_path):
         def generate(self, input_ids, **kwargs):
             rows = [next(e["labels"] for e in examples if torch.equal(e["input_ids"], src[src != PAD]))
                     for src in input_ids]
-            return collate([{"input_ids": torch.cat([torch.tensor([PAD]), row]), "labels": row} for row in rows])["input_ids"]
+            return collate([{"input_ids": torch.cat([torch.tensor([PAD]), row]), "labels": row}
+                            for row in rows])["input_ids"]
 
     perfect = score(Oracle(), task, examples, num_beams=1, batch_size=4)
     assert perfect["bleu"] == pytest.approx(100.0) and perfect["chrf"] == pytest.approx(100.0)

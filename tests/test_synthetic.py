@@ -75,7 +75,8 @@ def test_memory_names():
     assert (spec.update_rule, spec.feature_map, spec.dpfp_nu, spec.attention_normalization) == ("sum", "dpfp", 3, True)
     assert spec.feature_dim(16) == 96
     spec = ar.parse_memory("delta-favor32-beta1")
-    assert (spec.update_rule, spec.favor_features, spec.sum_normalization, spec.learned_beta) == ("delta", 32, True, False)
+    assert (spec.update_rule, spec.favor_features, spec.sum_normalization, spec.learned_beta) == (
+        "delta", 32, True, False)
     assert spec.feature_dim(16) == 64  # FAVOR+: d_dot = 2 m (Schlag et al. 2021 eq. 32)
     spec = ar.parse_memory("sum-linear-sumnorm")
     assert (spec.sum_normalization, spec.attention_normalization, spec.feature_dim(16)) == (True, False, 16)

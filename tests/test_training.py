@@ -244,8 +244,9 @@ def test_train_lm_continues_a_saved_model(tiny_corpus, tmp_path):
                             "--vocab_size", "300", "--output_dir", str(first), "--max_steps", "20",
                             "--learning_rate", "1e-2"])
     saved = str(first / "model")
-    again = train_lm.main(common + ["--model_name_or_path", saved, "--tokenizer_name", saved, "--learning_rate", "1e-12",
-                                    "--weight_decay", "0", "--carry_state", "--output_dir", str(tmp_path / "again")])
+    again = train_lm.main(common + ["--model_name_or_path", saved, "--tokenizer_name", saved,
+                                    "--learning_rate", "1e-12", "--weight_decay", "0", "--carry_state",
+                                    "--output_dir", str(tmp_path / "again")])
     before = transformers.AutoModelForCausalLM.from_pretrained(saved).state_dict()
     after = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again" / "model")).state_dict()
     assert all(torch.allclose(before[k], after[k], rtol=0, atol=1e-9) for k in before)

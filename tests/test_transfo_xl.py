@@ -1,4 +1,5 @@
-"""Transformer-XL (+ FWL) for transformers 5: converter, memories, adaptive softmax, FWL carry-over, dynamic evaluation."""
+"""Transformer-XL (+ FWL) for transformers 5: converter, memories, adaptive softmax, FWL carry-over, dynamic
+evaluation."""
 import json
 import math
 import pathlib
@@ -118,14 +119,16 @@ def reference_forward(sd: dict, c: dict, ids: torch.Tensor, mems=None):
         bd = torch.einsum("ibnd,ijnd->ijbn", q + sd[p + "dec_attn.r_r_bias"], r_by_dist)
         score = ((ac + bd) / Dh**0.5).masked_fill(masked[:, :, None, None], float("-inf"))
         attn = torch.einsum("ijbn,jbnd->ibnd", score.softmax(1), v).reshape(T, B, H * Dh)
-        ln = lambda y, name: F.layer_norm(y, (D,), sd[p + name + ".weight"], sd[p + name + ".bias"], c["layer_norm_epsilon"])  # noqa: E731
+        ln = lambda y, name: F.layer_norm(y, (D,), sd[p + name + ".weight"], sd[p + name + ".bias"],  # noqa: E731
+                                          c["layer_norm_epsilon"])
         h = ln(h + attn @ sd[p + "dec_attn.o_net.weight"].t(), "dec_attn.layer_norm")
         ff = F.relu(h @ sd[p + "pos_ff.CoreNet.0.weight"].t() + sd[p + "pos_ff.CoreNet.0.bias"])
         h = ln(h + ff @ sd[p + "pos_ff.CoreNet.3.weight"].t() + sd[p + "pos_ff.CoreNet.3.bias"], "pos_ff.layer_norm")
     new_mems = [torch.cat([hid] if mems is None else [mems[l], hid], 0)[-c["mem_len"] :] for l, hid in enumerate(hids)]
     # projected adaptive softmax, dense: p(y) = p_head(cluster of y) * p_tail(y | cluster)
     logits = lambda i, w, b: (h @ sd[f"crit.out_projs.{i}"]) @ w.t() + b  # noqa: E731
-    clusters = [sd.get("crit.cluster_weight", torch.zeros(0, c["d_embed"])), sd.get("crit.cluster_bias", torch.zeros(0))]
+    clusters = [sd.get("crit.cluster_weight", torch.zeros(0, c["d_embed"])),
+                sd.get("crit.cluster_bias", torch.zeros(0))]
     head = logits(0, torch.cat([sd["crit.out_layers.0.weight"], clusters[0]]),
                   torch.cat([sd["crit.out_layers.0.bias"], clusters[1]])).log_softmax(-1)
     shortlist = bounds[0][1]
@@ -153,7 +156,8 @@ def test_converter_loads_with_no_missing_or_unexpected_keys_and_matches_the_refe
     from transformers import AutoModelForCausalLM
 
     sd = write_legacy_checkpoint(tmp_path / "legacy")
-    (tmp_path / "legacy" / "vocab.txt").write_text("\n".join(["<eos>", "<unk>"] + [f"w{i} {1000 - i}" for i in range(V - 2)]))
+    (tmp_path / "legacy" / "vocab.txt").write_text("\n".join(["<eos>", "<unk>"]
+                                                             + [f"w{i} {1000 - i}" for i in range(V - 2)]))
     converted = convert_transfo_xl_checkpoint(tmp_path / "legacy", tmp_path / "ours")
     assert (tmp_path / "ours" / "model.safetensors").exists() and not (tmp_path / "ours" / "pytorch_model.bin").exists()
     loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
@@ -163,8 +167,10 @@ def test_converter_loads_with_no_missing_or_unexpected_keys_and_matches_the_refe
     loaded.eval()
     # tied tensors stay shared after loading
     assert loaded.lm_head.layers[2].weight.data_ptr() == loaded.model.word_embeddings.layers[2].weight.data_ptr()
-    assert loaded.lm_head.projections[3].weight.data_ptr() == loaded.model.word_embeddings.projections[3].weight.data_ptr()
-    assert loaded.lm_head.projections[0].weight.data_ptr() != loaded.model.word_embeddings.projections[0].weight.data_ptr()
+    assert (loaded.lm_head.projections[3].weight.data_ptr()
+            == loaded.model.word_embeddings.projections[3].weight.data_ptr())
+    assert (loaded.lm_head.projections[0].weight.data_ptr()
+            != loaded.model.word_embeddings.projections[0].weight.data_ptr())
 
     ids = ids_of(2, 9)
     a, b = converted(ids, use_cache=True), loaded(ids, use_cache=True)
@@ -249,7 +255,8 @@ def test_adaptive_log_softmax_is_normalised_and_matches_a_dense_reference(div_va
     P = lambda i: head.projections[i].weight if head.projections is not None else torch.eye(32)  # noqa: E731
     W = lambda i, s, e: head.layers[0].weight[s:e] if div_val == 1 else head.layers[i].weight  # noqa: E731
     Bv = lambda i, s, e: head.layers[0].bias[s:e] if div_val == 1 else head.layers[i].bias  # noqa: E731
-    head_logits = (h @ P(0)) @ torch.cat([W(0, 0, 20), head.cluster_weight]).t() + torch.cat([Bv(0, 0, 20), head.cluster_bias])
+    head_logits = ((h @ P(0)) @ torch.cat([W(0, 0, 20), head.cluster_weight]).t()
+                   + torch.cat([Bv(0, 0, 20), head.cluster_bias]))
     p_head = head_logits.softmax(-1)
     bounds = [(0, 20), (20, 40), (40, 70), (70, V)]
     dense = torch.empty(5, V)
@@ -391,9 +398,11 @@ def test_save_load_round_trip_keeps_ties_and_untied_variants(tmp_path):
         # Equal weights, but transformers >= 5.24 loads them zero-copy at unaligned addresses, where BLAS may round
         # differently: the logits agree to float32 rounding.
         torch.testing.assert_close(loaded.eval()(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
-        tied = loaded.lm_head.projections[2].weight.data_ptr() == loaded.model.word_embeddings.projections[2].weight.data_ptr()
+        tied = (loaded.lm_head.projections[2].weight.data_ptr()
+                == loaded.model.word_embeddings.projections[2].weight.data_ptr())
         assert tied
-        tied_words = loaded.lm_head.layers[0].weight.data_ptr() == loaded.model.word_embeddings.layers[0].weight.data_ptr()
+        tied_words = (loaded.lm_head.layers[0].weight.data_ptr()
+                      == loaded.model.word_embeddings.layers[0].weight.data_ptr())
         assert tied_words == loaded.config.tie_word_embeddings
 
 
@@ -599,7 +608,8 @@ def test_fwl_token_by_token_equals_segments_when_the_boundaries_agree():
     model = fwl_model(fwl_segment_length=100, same_length=True, mem_len=6)
     prompt = ids[:, :4]
     with_cache = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
-    assert torch.equal(with_cache, model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0))
+    assert torch.equal(with_cache, model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False,
+                                                  pad_token_id=0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -652,7 +662,8 @@ def test_dynamic_evaluation_keeps_the_model_and_lowers_the_loss_on_a_repeated_se
     ids = torch.cat([segment, segment, segment], 1)
     static = score_stream(model, ids, segment_length=16)
     for method, lr in (("sgd", 0.5), ("rms", 1e-3)):
-        dynamic = score_stream(model, ids, segment_length=16, dynamic=DynamicEvaluation(lr=lr, method=method, decay=0.01))
+        dynamic = score_stream(model, ids, segment_length=16,
+                               dynamic=DynamicEvaluation(lr=lr, method=method, decay=0.01))
         assert dynamic.segment_nll[0] == pytest.approx(static.segment_nll[0], rel=1e-5)  # same weights at the start
         assert dynamic.segment_nll[2] < static.segment_nll[2] - 1.0, method  # adapted to the repeated text
     assert model.training == (family != "delta_net")  # mode restored
@@ -685,5 +696,6 @@ def test_eval_lm_scores_saved_models_with_carried_state(tmp_path, word_tokenizer
                          "--dynamic_eval", "--max_eval_tokens", "12", "--dynamic_lr", "0.01", "0.1",
                          "--results_file", str(tmp_path / "out.json")])
     assert [r["mode"].split()[0] for r in rows] == ["static", "dynamic"] * 3
-    assert all(r["tokens"] == 11 and math.isfinite(r["perplexity"]) for r in rows)  # the first 12 tokens, minus the first
+    # the first 12 tokens, minus the first
+    assert all(r["tokens"] == 11 and math.isfinite(r["perplexity"]) for r in rows)
     assert json.loads((tmp_path / "out.json").read_text())["results"] == rows

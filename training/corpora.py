@@ -149,7 +149,8 @@ def prepare_austen(out_dir: str | Path, rdx: Optional[str | Path] = None, instal
         "source_sha256": source_sha256,
         "format": "one chapter per block (heading line, then one paragraph per line), blocks separated by a blank line",
         "split": "chapters numbered through the six novels in publication order: index % 20 == 7 valid, == 17 test",
-        "splits": {name: {"documents": len(docs), "words": sum(len(d.split()) for d in docs)} for name, docs in splits.items()},
+        "splits": {name: {"documents": len(docs), "words": sum(len(d.split()) for d in docs)}
+                   for name, docs in splits.items()},
         "chapters": {name: headings[name] for name in ("valid", "test")},
     }
     paths["meta"] = out_dir / "meta.json"
@@ -161,7 +162,8 @@ def prepare_austen(out_dir: str | Path, rdx: Optional[str | Path] = None, instal
 def main(argv: Optional[List[str]] = None) -> Dict[str, Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="data/austen", help="output folder (default: data/austen)")
-    parser.add_argument("--rdx", default=None, help="janeaustenr's data/Rdata.rdx (default: installed or apt-get download)")
+    parser.add_argument("--rdx", default=None,
+                        help="janeaustenr's data/Rdata.rdx (default: installed or apt-get download)")
     parser.add_argument("--no_install", action="store_true", help="fail instead of running apt-get download")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -13,7 +13,8 @@ That layout is what `datasets`' "text" loader reads as one example per document 
 `sample_by="paragraph"` (see `load_wiki_splits`), or one example per line with the default
 `sample_by="line"`.
 
-CLI: `python -m training.data --output_dir data/wiki` (installed: `fwp-prepare-data`) (installs gensim with pip --no-deps if it is missing).
+CLI: `python -m training.data --output_dir data/wiki` (installed: `fwp-prepare-data`) (installs gensim with
+pip --no-deps if it is missing).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ _SPACE_AFTER_OPEN = re.compile(r"([(\[]) +")
 
 _DROPPED_LINK_PREFIXES = frozenset({"file", "image", "media", "category"})
 _INTERWIKI = re.compile(r"^[a-z]{2,3}(?:-[a-z]{2,8})*$")  # interlanguage prefixes: de, fr, zh-yue
-_DASH_TEMPLATES = {"ndash": "–", "mdash": "—", "snd": " – ", "spaced ndash": " – ", "spnd": " – ", "'": "'", "nbsp": " "}
+_DASH_TEMPLATES = {"ndash": "–", "mdash": "—", "snd": " – ", "spaced ndash": " – ", "spnd": " – ", "'": "'",
+                   "nbsp": " "}
 _FIRST_ARG_TEMPLATES = frozenset(
     {"nowrap", "nobr", "nobreak", "small", "smaller", "big", "sic", "not a typo", "bold", "em", "strong",
      "keep together", "math", "mvar", "var", "sub", "sup", "linktext", "visible anchor", "vanchor", "smallcaps"}

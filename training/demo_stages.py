@@ -96,9 +96,9 @@ def document_stage(
 ) -> Dict[str, Any]:
     """Scores the first `num_documents` documents of ``<data_dir>/test.txt`` (each up to `max_length` tokens) with
     the rows of issue 17 item 4's table that the models given allow (``demo_runs``: (1) the base and the test-time
-    FWL on it (both variants) always; with `finetuned_path` (2), (2) + dynamic evaluation and the test-time FWL on (2); with
-    `fwl_model` (3) and (3')); returns ``{method: summary}`` (perplexities by kind of token, tokens/s), the documents,
-    the step sizes and ``goals`` (``document_eval.goal_summary``)."""
+    FWL on it (both variants) always; with `finetuned_path` (2), (2) + dynamic evaluation and the test-time FWL on (2);
+    with `fwl_model` (3) and (3')); returns ``{method: summary}`` (perplexities by kind of token, tokens/s), the
+    documents, the step sizes and ``goals`` (``document_eval.goal_summary``)."""
     from .document_eval import encode_documents, goal_summary, score_documents
     from .train_transfo_xl import read_documents
 
@@ -108,7 +108,8 @@ def document_stage(
         with context():
             # untimed warm-up (first-call allocations and kernel set-up would otherwise be charged to whichever runs
             # first)
-            score_documents(model, [documents[0][:segment_length + 1]], segment_length, dynamic, label=f"warm-up: {method}")
+            score_documents(model, [documents[0][:segment_length + 1]], segment_length, dynamic,
+                            label=f"warm-up: {method}")
             scores = score_documents(model, documents, segment_length, dynamic, label=f"whole documents: {method}")
         results[method] = scores.summary()
     results["goals"] = goal_summary(results)

@@ -27,7 +27,8 @@ off (``FWLHead.slow_only``); ``fwl_seen``, not in the one table, is (3) with its
 far cheaper). With the rows present, ``goal_summary`` checks issue 17's two goals (met / not met).
 
     python -m training.document_eval --model_name_or_path checkpoints/smollm2-135m --data_dir data/wiki --split test \\
-        --methods base test_time_fwl dynamic --results_file docs/results/document_eval_wiki.json   # or: fwp-document-eval ...
+        --methods base test_time_fwl dynamic --results_file docs/results/document_eval_wiki.json
+        # or: fwp-document-eval ...
     python -m training.document_eval --one_table --finetuned_model outputs/fwl/base_finetuned/final \\
         --fwl_model outputs/fwl/base_fwl/final --results_file docs/results/one_table.json
 """
@@ -44,7 +45,8 @@ import math  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Literal, Mapping, Optional, Sequence, Tuple  # noqa: E402
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Literal, Mapping, Optional,  # noqa: E402
+                    Sequence, Tuple)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -69,7 +71,8 @@ FREQUENCY_BUCKETS = (0, 10, 100, 1000, 10000)
 RARE_BELOW = 100  # "rare": fewer training-split occurrences than this
 METHODS = ("base", "test_time_fwl", "test_time_fwl_seen", "dynamic", "dynamic_output", "finetuned",
            "finetuned_dynamic", "finetuned_test_time_fwl", "fwl", "fwl_slow_only", "fwl_seen")
-# Issue 17 item 4's one table, in its order: (1), (2), (2) + dynamic evaluation, (3), (3'), test-time FWL on (2), on (1).
+# Issue 17 item 4's one table, in its order: (1), (2), (2) + dynamic evaluation, (3), (3'), test-time FWL on (2),
+# on (1).
 ONE_TABLE = ("base", "finetuned", "finetuned_dynamic", "fwl", "fwl_slow_only", "finetuned_test_time_fwl",
              "test_time_fwl")
 ROW_LABELS = {
@@ -230,7 +233,8 @@ def score_documents(
     from tqdm.auto import tqdm
 
     parts = []
-    with eval_mode(model), tqdm(total=sum(d.numel() - 1 for d in documents), desc=label, unit="tok", leave=False) as bar:
+    with eval_mode(model), tqdm(total=sum(d.numel() - 1 for d in documents), desc=label, unit="tok",
+                                leave=False) as bar:
         for ids in documents:
             started = time.perf_counter()
             nll = score_document(model, ids, segment_length, dynamic)
@@ -256,11 +260,13 @@ def choose_on_valid(
     best = min(tried, key=tried.get)
     if best in (min(candidates), max(candidates)):
         logger.warning("%s: the best step size %g on valid is at the edge of the grid %s", name, best, candidates)
-    logger.info("%s: valid perplexity by step size %s -> %g", name, {f"{k:g}": round(v, 3) for k, v in tried.items()}, best)
+    logger.info("%s: valid perplexity by step size %s -> %g", name, {f"{k:g}": round(v, 3) for k, v in tried.items()},
+                best)
     return best, {f"{k:g}": round(v, 4) for k, v in tried.items()}
 
 
-def nll_change_by_bucket(results: Dict[str, Dict[str, Any]], reference: str = "base") -> Dict[str, Dict[str, Dict[str, float]]]:
+def nll_change_by_bucket(results: Dict[str, Dict[str, Any]],
+                         reference: str = "base") -> Dict[str, Dict[str, Dict[str, float]]]:
     """``{method: {panel: {bucket: change of mean NLL against `reference`}}}`` (negative = better), the data of Clark
     et al. Fig. 2, from the summaries' perplexities (log of their ratio)."""
     panels = ("by_position", "by_prior_occurrences", "by_train_frequency")
@@ -292,7 +298,8 @@ def output_side_parameter_names(model: nn.Module) -> List[str]:
     from modeling_fwp.modeling_fwl import FINAL_NORM_NAMES
 
     decoder = model.base_model
-    norm = next((getattr(decoder, n) for n in FINAL_NORM_NAMES if isinstance(getattr(decoder, n, None), nn.Module)), None)
+    norm = next((getattr(decoder, n) for n in FINAL_NORM_NAMES if isinstance(getattr(decoder, n, None), nn.Module)),
+                None)
     if norm is None:
         raise ValueError(f"{type(decoder).__name__} has no final norm among {FINAL_NORM_NAMES}")
     wanted = {id(p) for p in list(norm.parameters()) + list(model.get_output_embeddings().parameters())}
@@ -389,7 +396,8 @@ def evaluate_method(method: str, args: ParsedArguments, valid: List[torch.Tensor
     score(setup.candidates[0], [test[0][: args.segment_length + 1]], f"{method} warm-up")  # untimed first-call set-up
     step, tried = None, {}
     if setup.candidates != [None]:
-        step, tried = choose_on_valid(lambda s: score(s, valid, f"{method} valid, step {s:g}"), setup.candidates, method)
+        step, tried = choose_on_valid(lambda s: score(s, valid, f"{method} valid, step {s:g}"), setup.candidates,
+                                      method)
     scores = score(step, test, f"{method} {args.split}")
     return {"step_size": step, "valid_perplexity_by_step_size": tried, "summary": scores.summary(),
             "parameters": setup.parameters, "model": method_source(method, args)}
@@ -404,7 +412,8 @@ class DocumentEvalArguments:
         "help": "(2): the base fine-tuned without FWL (finetune_fwl's <output_dir>/base_finetuned/final), for the "
                 "finetuned* methods"})
     fwl_model: Optional[str] = field(default=None, metadata={
-        "help": "(3): the fine-tuned FWL model (finetune_fwl's <output_dir>/base_fwl/final), for fwl, fwl_slow_only, fwl_seen"})
+        "help": "(3): the fine-tuned FWL model (finetune_fwl's <output_dir>/base_fwl/final), for fwl, fwl_slow_only, "
+                "fwl_seen"})
     one_table: bool = field(default=False, metadata={
         "help": "score exactly issue 17 item 4's rows (base finetuned finetuned_dynamic fwl fwl_slow_only "
                 "finetuned_test_time_fwl test_time_fwl) instead of --methods; needs --finetuned_model and --fwl_model"})
@@ -473,8 +482,9 @@ def report(results: Dict[str, Dict[str, Any]]) -> str:
         if base:
             rel = f"{s['perplexity'] / base['perplexity']:.4f}"
             time_rel = f"{base['tokens_per_second'] / s['tokens_per_second']:.2f}x"
-        lines.append(f"  {ROW_LABELS.get(method, method):<27}{step:>8}{s['perplexity']:>9.3f}{s['first']['perplexity']:>9.3f}"
-                     f"{s['repeated']['perplexity']:>9.3f}{s['rare']['perplexity'] or float('nan'):>9.3f}"
+        lines.append(f"  {ROW_LABELS.get(method, method):<27}{step:>8}{s['perplexity']:>9.3f}"
+                     f"{s['first']['perplexity']:>9.3f}{s['repeated']['perplexity']:>9.3f}"
+                     f"{s['rare']['perplexity'] or float('nan'):>9.3f}"
                      f"{s['tokens_per_second']:>8.1f}{rel:>10}{time_rel:>10}")
     return "\n".join(lines)
 
@@ -526,7 +536,8 @@ def goal_report(goals: Mapping[str, Mapping[str, Any]]) -> str:
     lines = []
     for name, goal in goals.items():
         if name == "trained_fwl":
-            ratio = "n/a (dynamic evaluation gains nothing)" if goal["gain_ratio"] is None else f"{goal['gain_ratio']:.3f}"
+            ratio = ("n/a (dynamic evaluation gains nothing)" if goal["gain_ratio"] is None
+                     else f"{goal['gain_ratio']:.3f}")
             figures = (f"gain over (2) {goal['gain_over_finetuned']:+.3f} ppl vs dynamic evaluation's "
                        f"{goal['dynamic_gain_over_finetuned']:+.3f}: ratio {ratio}")
         else:
@@ -549,7 +560,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     data = Path(args.data_dir)
-    test = encode_documents(tokenizer, read_documents(data / f"{args.split}.txt")[: args.max_documents], args.max_length)
+    test = encode_documents(tokenizer, read_documents(data / f"{args.split}.txt")[: args.max_documents],
+                            args.max_length)
     valid = encode_documents(tokenizer, read_documents(data / "valid.txt")[: args.valid_documents], args.max_length)
     counts = train_token_counts(tokenizer, read_documents(data / "train.txt")[: args.train_documents])
     results = {method: evaluate_method(method, args, valid, test, counts) for method in args.methods}
@@ -568,7 +580,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.plot and "base" in results and len(results) > 1:
         from .plots import plot_nll_change
 
-        path = plot_nll_change(out["nll_change_vs_base"], Path(args.plot), f"{args.model_name_or_path} on {args.data_dir} {args.split}")
+        path = plot_nll_change(out["nll_change_vs_base"], Path(args.plot),
+                               f"{args.model_name_or_path} on {args.data_dir} {args.split}")
         if path:
             print(f"plot: {path}")
     if args.results_file:

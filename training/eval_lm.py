@@ -129,7 +129,8 @@ def sliding_windows(num_tokens: int, window_size: int, stride: int) -> Iterator[
 
 
 def _window_nll(model: PreTrainedModel, inputs: torch.Tensor, targets: torch.Tensor, scored: List[int]) -> float:
-    """Summed NLL of the last ``scored[b]`` targets of every row b of ``inputs [B, W]`` (one plain forward, no cache)."""
+    """Summed NLL of the last ``scored[b]`` targets of every row b of ``inputs [B, W]`` (one plain forward, no
+    cache)."""
     kwargs = {"input_ids": inputs, "use_cache": False}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         kwargs["logits_to_keep"] = max(scored)
@@ -277,7 +278,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         )
         if args.eval_mode == "sliding_window":
             result = score_split_sliding_window(model, tokenizer, documents, args.window_size, args.stride,
-                                                args.per_document, args.max_eval_tokens, args.per_device_eval_batch_size)
+                                                args.per_document, args.max_eval_tokens,
+                                                args.per_device_eval_batch_size)
             rows.append(row(path, f"sliding window ({args.window_size}, stride {args.stride})", result,
                             window_size=args.window_size, stride=args.stride))
         else:

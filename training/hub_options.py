@@ -3,9 +3,9 @@
 Training scripts parse Trainer's Hub options (``--push_to_hub``, ``--hub_model_id``, ``--hub_private_repo``,
 ``--hub_token``, ``--hub_revision``) with ``TrainingArguments``, plus ``--hub_dry_run``
 (``training.arguments.HubExportArguments``), take them out of Trainer's hands with :func:`hub_request` and act on
-them with :func:`push_if_requested`: a ``model_cards.hub.export_for_hub`` folder (weights, code, tokenizer, results and this
-project's card) uploaded by ``model_cards.hub.push_folder``, not ``TrainingArguments(push_to_hub=True)``, whose upload
-replaces the card with Trainer's generic one.
+them with :func:`push_if_requested`: a ``model_cards.hub.export_for_hub`` folder (weights, code, tokenizer, results and
+this project's card) uploaded by ``model_cards.hub.push_folder``, not ``TrainingArguments(push_to_hub=True)``, whose
+upload replaces the card with Trainer's generic one.
 """
 from __future__ import annotations
 

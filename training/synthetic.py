@@ -13,8 +13,8 @@ Tasks (every example is a token sequence; the loss is on the answer tokens only,
 - ``code`` (Irie et al. 2021 appendix B.1): programs over 3 or 5 variables of assignments ``x = 3 ;``,
   increments ``x ++ ;`` / ``x -- ;``, conditionals ``if x > 3 : x -- ;`` and ``print x ;`` statements; predict
   every printed value (in -8..16, one token each), which the input never shows.
-- ``listops`` (Irie et al. 2021 sec. 4.3, appendix B.3): a prefix ListOps expression of nesting depth exactly ``depth`` (10) over MIN, MAX, MED
-  (lower median) and SM (sum modulo 10) on digits; predict its value.
+- ``listops`` (Irie et al. 2021 sec. 4.3, appendix B.3): a prefix ListOps expression of nesting depth exactly ``depth``
+  (10) over MIN, MAX, MED (lower median) and SM (sum modulo 10) on digits; predict its value.
 
     python -m training.synthetic --task retrieval --model_type delta_net linear_transformer llama \\
         --num_pairs 20 40 80 --d_key 16 --max_steps 2000 --output_dir outputs/synthetic
@@ -32,8 +32,9 @@ Writes ``<output_dir>/<task>.json`` (final train loss and held-out answer accura
 ``<output_dir>/<task>.png`` (retrieval: final loss against the swept setting, one line per model; code and ListOps:
 training curves). Long runs can save Trainer checkpoints (``--save_strategy steps --save_steps N``, the latest one kept,
 under ``<output_dir>/trainer/<model>_<setting>/``); the same command with ``--resume_from_checkpoint latest``
-continues each run from its latest checkpoint, with the same data and the same result as an uninterrupted run. The training examples are written to
-``<output_dir>/data/`` (Arrow files, memory-mapped; reused by the other models of the command and by ``--resume``).
+continues each run from its latest checkpoint, with the same data and the same result as an uninterrupted run. The
+training examples are written to ``<output_dir>/data/`` (Arrow files, memory-mapped; reused by the other models of the
+command and by ``--resume``).
 The JSON starts with the run's record (command, versions, machine, git commit, load average before and after:
 ``training.result_file``); ``--results_file docs/results/<name>.json`` writes the same JSON there too, to be committed
 as the source of the figures quoted in docs/RESULTS.md (``outputs/`` is not kept).
@@ -141,7 +142,8 @@ def retrieval_example(rng: np.random.Generator, num_pairs: int, num_keys: int, n
 CODE_MIN_VALUE, CODE_MAX_VALUE = -8, 16  # variables stay in this range (Irie et al. 2021, appendix B.1)
 
 
-def code_example(rng: np.random.Generator, num_variables: int, num_statements: int) -> Tuple[List[str], List[Tuple[int, str]]]:
+def code_example(rng: np.random.Generator, num_variables: int,
+                 num_statements: int) -> Tuple[List[str], List[Tuple[int, str]]]:
     """A program of `num_statements` statements over `num_variables` variables, the code execution task
     of Irie et al. 2021 (appendix B.1, after Fan et al. 2020). Statements, drawn uniformly:
 
@@ -181,7 +183,8 @@ def code_example(rng: np.random.Generator, num_variables: int, num_statements: i
     for step in range(num_statements):
         kind = 0 if step == 0 else 2 if step == num_statements - 1 else int(rng.integers(4))
         if kind == 3:  # conditional: a comparison of an assigned variable, then one simple statement
-            name, op, bound = sorted(env)[int(rng.integers(len(env)))], "<>"[int(rng.integers(2))], int(rng.integers(10))
+            name, op, bound = (sorted(env)[int(rng.integers(len(env)))], "<>"[int(rng.integers(2))],
+                               int(rng.integers(10)))
             tokens.extend(["if", name, op, str(bound), ":"])
             holds = env[name] < bound if op == "<" else env[name] > bound
             simple(int(rng.integers(3)), run=holds)
@@ -260,7 +263,8 @@ def build_task(task: str, **options: Any) -> TaskSpec:
         if not replace and num_pairs > num_keys:
             raise ValueError(f"`num_pairs` ({num_pairs}) must be <= `num_keys` ({num_keys}): setting 1 draws the keys "
                              "without replacement")
-        vocab = Vocabulary(specials + [key_symbol(i) for i in range(num_keys)] + [value_symbol(i) for i in range(num_values)]
+        vocab = Vocabulary(specials + [key_symbol(i) for i in range(num_keys)]
+                           + [value_symbol(i) for i in range(num_values)]
                            + [pair_symbol(k, v) for k in range(num_keys) for v in range(num_values)])
         make = lambda rng: retrieval_example(rng, num_pairs, num_keys, num_values, replace)  # noqa: E731
         setting = {"num_pairs": num_pairs, "num_keys": num_keys, "num_values": num_values}

@@ -39,7 +39,8 @@ def train_bpe_tokenizer(
         raise FileNotFoundError(f"train_bpe_tokenizer: no such file(s): {missing}")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if not isinstance(vocab_size, int) or vocab_size < len(alphabet) + 1:
-        raise ValueError(f"vocab_size must be an int >= {len(alphabet) + 1} (bytes + <|endoftext|>), got {vocab_size!r}")
+        raise ValueError(f"vocab_size must be an int >= {len(alphabet) + 1} (bytes + <|endoftext|>), "
+                         f"got {vocab_size!r}")
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,7 +1,8 @@
 """Train any causal LM of this package from scratch on a text dataset, with the papers' language-modelling protocol.
 
-Protocol (Schlag et al. 2021 sec. 6.3; Irie et al. 2021 sec. 4.1 and appendix A.1): the train split is one token stream (every document
-followed by the tokenizer's eos), cut into fixed-length segments of ``--block_size`` tokens (256 by default).
+Protocol (Schlag et al. 2021 sec. 6.3; Irie et al. 2021 sec. 4.1 and appendix A.1): the train split is one token stream
+(every document followed by the tokenizer's eos), cut into fixed-length segments of ``--block_size`` tokens (256 by
+default).
 
 - Without ``--carry_state`` every segment is an independent training example (shuffled), read from an empty state.
 - With ``--carry_state`` ("full context" training) the stream is cut into ``world_size *
@@ -123,7 +124,8 @@ class LMDataArguments(DataArguments):
     """The text (``DataArguments``), its test split, segments, and the evaluation at the end."""
 
     test_file: Optional[str] = field(default=None, metadata={"help": "a local text file to test on"})
-    data_dir: str = field(default="data/wiki", metadata={"help": "offline Wikipedia corpus (the data source when no dataset or file is given)"})
+    data_dir: str = field(default="data/wiki", metadata={
+        "help": "offline Wikipedia corpus (the data source when no dataset or file is given)"})
     block_size: int = field(default=256, metadata={"help": "tokens per training / evaluation segment"})
     carry_state: bool = field(default=False, metadata={
         "help": "carry the state between consecutive segments of a stream (full-context training)"})

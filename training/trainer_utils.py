@@ -219,7 +219,8 @@ class StateCarryingTrainer(InOrderTrainer):
         # Stop gradients at the segment boundary; the graph of this step is already built.
         self.carried_state = detach_cache(output_cache(outputs))
         loss = outputs.loss
-        if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+        if (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
+                and num_items_in_batch is not None):
             loss = loss * self.accelerator.num_processes  # as Trainer.compute_loss does
         return (loss, outputs) if return_outputs else loss
 
