@@ -4,7 +4,7 @@
 # (a configuration whose results file exists is skipped). Results: docs/results/mt_gettext/<name>.json for seed 0,
 # <name>_seed<S>.json for SEED=S (e.g. `SEED=1 bash docs/results/mt_gettext/run.sh`). Several copies of the script
 # may run at once (PARALLEL=1 each): a configuration being trained holds outputs/mt_gettext/<name>.running, so the
-# others skip it; remove those folders after stopping a run by hand.
+# others skip it; remove those folders after stopping a run by hand. ONLY="softmax dpfp_128" runs those names alone.
 source .venv/bin/activate
 SEED=${SEED:-0}
 suffix=$([ "$SEED" = 0 ] || echo "_seed$SEED")
@@ -33,5 +33,6 @@ printf '%s\n' \
   "favor_32 --feature_map favor --d_dot 32" \
   "linear_32 --feature_map elu" \
   "softmax --model softmax" |
+  while read -r line; do [ -z "$ONLY" ] || [[ " $ONLY " == *" ${line%% *} "* ]] && echo "$line"; done |
   xargs -P "${PARALLEL:-2}" -I{} bash -c 'one {}'
 echo "== finished $(date -u +%FT%T)"
