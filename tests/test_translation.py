@@ -109,16 +109,22 @@ def test_training_script_on_the_corpus_saves_a_loadable_translator(tmp_path):
     assert out.shape[0] == 1 and 1 < out.shape[1] <= 6
 
 
+def _mt_result(model="fwp", feature_map="elu", d_dot=0, update_rule="sum", seed=0, bleu=10.0, chrf=40.0,
+               final_loss=2.5, train_seconds=120.0, test_exact_match=0.2, learning_rate=1e-3, corpus="abc"):
+    """A train_seq2seq result file's fields that mt_table reads (test BLEU and chrF one above the valid ones)."""
+    return {"args": {"model": {"model": model, "feature_map": feature_map, "d_dot": d_dot, "hidden_size": 128,
+                               "num_attention_heads": 4, "update_rule": update_rule},
+                     "training": {"seed": seed, "learning_rate": learning_rate}},
+            "corpus": {"sha256": corpus}, "parameters": 1000, "train_loss": 3.0, "loss_curve": [5.0, final_loss],
+            "train_seconds": train_seconds, "valid": {"bleu": bleu, "chrf": chrf, "exact_match": 0.1},
+            "test": {"bleu": bleu + 1, "chrf": chrf + 1, "exact_match": test_exact_match}}
+
+
 def test_table_orders_rows_as_the_paper_and_maps_d_dot_by_d_key(tmp_path):
     from training.mt_table import main as table_main
 
-    def run(name, model="fwp", feature_map="elu", d_dot=0, update_rule="sum", bleu=10.0):
-        result = {"args": {"model": {"model": model, "feature_map": feature_map, "d_dot": d_dot, "hidden_size": 128,
-                                     "num_attention_heads": 4, "update_rule": update_rule}},
-                  "parameters": 1000, "train_loss": 3.0, "loss_curve": [5.0, 2.5], "train_seconds": 120.0,
-                  "valid": {"bleu": bleu, "chrf": 40.0, "exact_match": 0.1},
-                  "test": {"bleu": bleu + 1, "chrf": 41.0, "exact_match": 0.2}}
-        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    def run(name, **settings):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_mt_result(**settings)))
 
     run("z_delta", feature_map="dpfp", d_dot=128, update_rule="delta", bleu=1.0)
     run("dpfp", feature_map="dpfp", d_dot=256, bleu=2.0)
@@ -139,28 +145,22 @@ def test_table_orders_rows_as_the_paper_and_maps_d_dot_by_d_key(tmp_path):
         table_main([str(tmp_path / "table.md")])
 
 
-def _mt_result(seed=0, bleu=10.0, learning_rate=1e-3, corpus="abc"):
-    return {"args": {"model": {"model": "fwp", "feature_map": "dpfp", "d_dot": 128, "hidden_size": 128,
-                               "num_attention_heads": 4, "update_rule": "sum"},
-                     "training": {"seed": seed, "learning_rate": learning_rate}},
-            "corpus": {"sha256": corpus}, "parameters": 1000, "train_loss": 3.0, "loss_curve": [5.0, 2.0 + seed],
-            "train_seconds": 60.0 * (seed + 1),
-            "valid": {"bleu": bleu, "chrf": 2 * bleu, "exact_match": 0.1},
-            "test": {"bleu": bleu + 1, "chrf": 2 * bleu + 1, "exact_match": 0.1 + seed / 10}}
-
-
 def test_table_averages_the_seeds_of_one_configuration_and_refuses_mixed_runs():
     from training.mt_table import render
 
-    (row,) = render([_mt_result(seed=1, bleu=12.0), _mt_result(seed=0, bleu=10.0)]).splitlines()[2:]
+    def dpfp(seed, bleu=10.0, **settings):  # one DPFP configuration; each seed's figures differ
+        return _mt_result(feature_map="dpfp", d_dot=128, seed=seed, bleu=bleu, chrf=2 * bleu, final_loss=2.0 + seed,
+                          train_seconds=60.0 * (seed + 1), test_exact_match=0.1 + seed / 10, **settings)
+
+    (row,) = render([dpfp(1, bleu=12.0), dpfp(0, bleu=10.0)]).splitlines()[2:]
     cells = [c.strip() for c in row.strip("|").split("|")]
     # seeds listed in order; every score the mean ± the sample standard deviation of the two runs
     assert cells[:5] == ["DPFP", "128 (4)", "0, 1", "1,000", "2.500 ± 0.707"]
     assert cells[5:11] == ["11.0 ± 1.4", "12.0 ± 1.4", "22.0 ± 2.8", "23.0 ± 2.8", "0.150 ± 0.071", "1.5 ± 0.7"]
     assert cells[11] == "26.2 / 26.9"
     with pytest.raises(ValueError, match="differ in more than the seed"):
-        render([_mt_result(seed=0), _mt_result(seed=1, learning_rate=3e-4)])
+        render([dpfp(0), dpfp(1, learning_rate=3e-4)])
     with pytest.raises(ValueError, match="differ in more than the seed"):
-        render([_mt_result(seed=0), _mt_result(seed=1, corpus="other")])
+        render([dpfp(0), dpfp(1, corpus="other")])
     with pytest.raises(ValueError, match="two runs of one seed"):
-        render([_mt_result(seed=0), _mt_result(seed=0, bleu=11.0)])
+        render([dpfp(0), dpfp(0, bleu=11.0)])
