@@ -24,9 +24,10 @@ On CPU the forward and the backward run in a C++ kernel instead (csrc/chunk_delt
 triangular solve and calls the BLAS for every product, so the sequential pass costs no Python or dispatcher time and
 T, W, U are never formed; its backward recomputes the states entering the chunks (one per chunk, per sequence) and
 runs the transposed pass in the same loop; with fewer sequences than threads it splits the value columns over
-threads, and one position (a decode step) is one pass over the state (``decode_step``). float16 / bfloat16 inputs go
-through it in float32. Without the build the
-PyTorch path above runs: silently when there is no compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning
+threads, and one position (a decode step) is one pass over the state (``decode_step``). bfloat16 inputs with heads
+of multiples of 16 run their forward in ``chunk_forward_bf16`` where the build has AVX-512 BF16 (bfloat16 products
+with float32 sums, float32 state and triangular solve); other bfloat16 and float16 inputs, and every backward, go
+through the kernel in float32. Without the build the PyTorch path above runs: silently when there is no compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning
 when a build fails. A saved model folder carries the C++ source (``chunk_delta.cpp`` and the string of
 ``chunk_delta_csrc.py``, written by ``modeling_fwp.remote_code``) and builds it the same way.
 """
@@ -239,6 +240,23 @@ cpu_kernel_status = _CPU_KERNEL.describe
 cpu_kernel_available = _CPU_KERNEL.available
 
 
+def native_bf16_available() -> bool:
+    """Whether the C++ kernel multiplies bfloat16 natively (its build has AVX-512 BF16: ``chunk_forward_bf16``)."""
+    return cpu_kernel_available() and bool(_CPU_KERNEL.ops.native_bf16())
+
+
+def takes_native_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...]) -> bool:
+    """Whether a C++ chunk forward of these inputs runs ``chunk_forward_bf16``: q, k, v and beta all bfloat16, head
+    sizes multiples of 16, and a build that has it. Else bfloat16 runs in float32, as everywhere without AVX-512 BF16.
+    """
+    return (
+        all(x.dtype == torch.bfloat16 for x in (q, k, v, *gates))
+        and q.shape[-1] % 16 == 0
+        and v.shape[-1] % 16 == 0
+        and native_bf16_available()
+    )
+
+
 def _flat(x: Optional[torch.Tensor], acc: torch.dtype) -> Optional[torch.Tensor]:
     """``[B, H, T, *D]`` -> contiguous ``[B*H, T, *D]`` in `acc` (a view when it already is)."""
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(acc).contiguous()
@@ -284,8 +302,13 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
         return decode_cpu(q, k, v, gates, initial_state)
     acc = acc_dtype(q, k, v, initial_state, *gates)
     state, o = compiled_forward_buffers(q, v, initial_state, acc)
-    flat = [_flat(x, acc) for x in (q, k, v, _op_beta(gates))]
-    _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None)
+    if takes_native_bf16(q, k, v, gates):  # bfloat16 products, float32 sums and state
+        flat = [_flat(x, torch.bfloat16) for x in (q, k, v, _op_beta(gates))]
+        o = o.new_empty(o.shape, dtype=torch.bfloat16)
+        _CPU_KERNEL.ops.chunk_forward_bf16(*flat, state, chunk_size, o)
+    else:
+        flat = [_flat(x, acc) for x in (q, k, v, _op_beta(gates))]
+        _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None)
     return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
 

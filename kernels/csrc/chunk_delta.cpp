@@ -509,6 +509,244 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// bfloat16 inputs on a CPU with AVX-512 BF16 (the forward): every product of the chunk loop multiplies bfloat16 pairs
+// and sums in float32 (vdpbf16ps); the state S and the new values U' stay float32 and are rounded to bfloat16 only as
+// factors of a product (as fla's Triton kernels do on a GPU); the triangular solve runs in float32. Same equations as
+// chunk_forward_seq. Needs Dk and Dv multiples of 16; elsewhere, and for the backward, bfloat16 runs in float32.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FWP_NATIVE_BF16 1
+#include <immintrin.h>
+
+using bf16_bits = uint16_t;
+typedef uint32_t pair_bits __attribute__((__may_alias__));  // two bfloat16 side by side
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The micro-kernel: C [MR, 16 NV] (+)= A B over kp pairs of the inner dimension, float32 sums. Row r's pair p of A is
+// the 32 bits at A + r a_row + p a_pair (in bfloat16 elements); B is pair-packed: pair p of column j at B + 2 (p ldb +
+// j). MR x NV accumulators stay in registers.
+template <int MR, int NV>
+inline void bf16_tile(int64_t kp, const bf16_bits* A, int64_t a_row, int64_t a_pair, const bf16_bits* B, int64_t ldb,
+                      float* C, int64_t ldc, bool accumulate) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + 2 * (p * ldb + 16 * v));
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_bits*>(A + r * a_row + p * a_pair));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
+}
+
+// The last rows (fewer than a full tile): bf16_tile with MR = rows, chosen at run time.
+template <int NV, int R = 1>
+inline void bf16_tile_rows(int rows, int64_t kp, const bf16_bits* A, int64_t a_row, int64_t a_pair,
+                           const bf16_bits* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if constexpr (R < 8) {
+    if (rows == R) return bf16_tile<R, NV>(kp, A, a_row, a_pair, B, ldb, C, ldc, accumulate);
+    bf16_tile_rows<NV, R + 1>(rows, kp, A, a_row, a_pair, B, ldb, C, ldc, accumulate);
+  }
+}
+
+// C [m, 16 NV] (+)= A B in tiles of MR rows: 6 x 4 or 8 x NV accumulators (of 32 vector registers).
+template <int NV>
+void bf16_rows(int64_t m, int64_t kp, const bf16_bits* A, int64_t a_row, int64_t a_pair, const bf16_bits* B,
+               int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  constexpr int MR = NV >= 3 ? 6 : 8;
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR) bf16_tile<MR, NV>(kp, A + i * a_row, a_row, a_pair, B, ldb, C + i * ldc, ldc, accumulate);
+  if (i < m) bf16_tile_rows<NV>(int(m - i), kp, A + i * a_row, a_row, a_pair, B, ldb, C + i * ldc, ldc, accumulate);
+}
+
+// C [m, n] (+)= A [m, 2 kp] B [2 kp, n], n a multiple of 16, in blocks of 64 columns (A and B as in bf16_tile).
+void bf16_gemm(int64_t m, int64_t n, int64_t kp, const bf16_bits* A, int64_t a_row, int64_t a_pair,
+               const bf16_bits* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t j = 0; j < n; j += 64) {
+    const bf16_bits* Bj = B + 2 * j;
+    switch (std::min<int64_t>(4, (n - j) / 16)) {
+      case 4: bf16_rows<4>(m, kp, A, a_row, a_pair, Bj, ldb, C + j, ldc, accumulate); break;
+      case 3: bf16_rows<3>(m, kp, A, a_row, a_pair, Bj, ldb, C + j, ldc, accumulate); break;
+      case 2: bf16_rows<2>(m, kp, A, a_row, a_pair, Bj, ldb, C + j, ldc, accumulate); break;
+      default: bf16_rows<1>(m, kp, A, a_row, a_pair, Bj, ldb, C + j, ldc, accumulate); break;
+    }
+  }
+}
+
+// Pair-packing of the float32 x [k, ld] (n % 16 == 0 columns): pair p of column j = (x[2p][j], x[2p+1][j]) rounded
+// to bfloat16 (to nearest even), zero past row k.
+void pack_pairs(int64_t k, int64_t n, const float* x, int64_t ld, bf16_bits* out) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t p = 0; 2 * p < k; ++p) {
+    const float* r0 = x + 2 * p * ld;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512 a = _mm512_loadu_ps(r0 + j), b = 2 * p + 1 < k ? _mm512_loadu_ps(r0 + ld + j) : _mm512_setzero_ps();
+      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(a, hi, b), _mm512_permutex2var_ps(a, lo, b));
+      _mm512_storeu_si512(out + 2 * (p * n + j), (__m512i)pairs);
+    }
+  }
+}
+
+// The same packing of a bfloat16 x [k, ld] (no rounding): the 16 bits of row 2p below those of row 2p + 1.
+void interleave_pairs(int64_t k, int64_t n, const bf16_bits* x, int64_t ld, bf16_bits* out) {
+  for (int64_t p = 0; 2 * p < k; ++p) {
+    const bf16_bits* r0 = x + 2 * p * ld;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j)));
+      const __m512i b = 2 * p + 1 < k
+                            ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + ld + j)))
+                            : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * (p * n + j), _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+
+// x^T pair-packed for a bfloat16 x [rows, 2 kp] (row-major): pair p of column i is pair p of row i of x; columns
+// rows .. n - 1 are zero.
+void transpose_pairs(int64_t rows, int64_t n, int64_t kp, const bf16_bits* x, bf16_bits* out) {
+  const pair_bits* in = reinterpret_cast<const pair_bits*>(x);
+  pair_bits* o = reinterpret_cast<pair_bits*>(out);
+  for (int64_t p = 0; p < kp; ++p) {
+    for (int64_t i = 0; i < rows; ++i) o[p * n + i] = in[i * kp + p];
+    for (int64_t i = rows; i < n; ++i) o[p * n + i] = 0;
+  }
+}
+
+inline float widen(bf16_bits x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Rows [0, c) of the float32 x [c, ld] to bfloat16 out [c, ld_out]: columns j <= i (lower = true: tril, the diagonal
+// included, zero above it, up to column ld_out) or all n columns (n % 16 == 0).
+void round_rows(int64_t c, int64_t n, const float* x, int64_t ld, bf16_bits* out, int64_t ld_out, bool lower) {
+  for (int64_t i = 0; i < c; ++i) {
+    for (int64_t j = 0; j < (lower ? ld_out : n); j += 16) {
+      const __mmask16 keep = lower ? (j > i ? 0 : __mmask16(0xFFFFu >> std::max<int64_t>(0, 15 - (i - j)))) : 0xFFFF;
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, x + i * ld + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * ld_out + j), (__m256i)y);
+    }
+  }
+}
+
+// Workspace of one sequence, in float32 elements (its bfloat16 buffers take half an element each, rounded up).
+inline int64_t bf16_chunk_workspace(int64_t C, int64_t Dk, int64_t Dv) {
+  const int64_t cp = round_up(C, 16), c2 = round_up(C, 2);
+  const int64_t floats = Dk * Dv + 2 * C * Dv + 2 * C * cp + C * Dv;
+  const int64_t halves = Dk * Dv + Dk * cp + c2 * Dk + c2 * Dv + C * cp;
+  return floats + (halves + 1) / 2 + 64;
+}
+
+// One sequence in bfloat16 (the layout of chunk_forward_seq): q, k [L, Dk], v, o [L, Dv], beta [L] or nullptr (sum
+// rule); the float32 S [Dv, Dk] holds the initial state on entry and the final one on return.
+void chunk_forward_seq_bf16(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const bf16_bits* q, const bf16_bits* k,
+                            const bf16_bits* v, const bf16_bits* beta, float* S, bf16_bits* o, float* work) {
+  const int64_t cp = round_up(C, 16), kp = Dk / 2;
+  float* St = work;             // S^T                                              [Dk, Dv]
+  float* Y = St + Dk * Dv;      // Q S^T, then O; K S^T                              [2C, Dv]
+  float* G = Y + 2 * C * Dv;    // Q K^T; K K^T (columns padded to cp)               [2C, cp]
+  float* Un = G + 2 * C * cp;   // U'                                               [C, Dv]
+  bf16_bits* Sp = reinterpret_cast<bf16_bits*>(Un + C * Dv);  // S^T pair-packed     [Dk / 2, Dv, 2]
+  bf16_bits* Kt = Sp + Dk * Dv;                                // K^T pair-packed     [Dk / 2, cp, 2]
+  bf16_bits* Kp = Kt + Dk * cp;                                // K pair-interleaved  [C / 2, Dk, 2]
+  bf16_bits* Up = Kp + round_up(C, 2) * Dk;                    // U' pair-packed      [C / 2, Dv, 2]
+  bf16_bits* P = Up + round_up(C, 2) * Dv;                     // tril(Q K^T)         [C, cp]
+  for (int64_t i = 0; i < Dv; ++i)
+    for (int64_t j = 0; j < Dk; ++j) St[j * Dv + i] = S[i * Dk + j];
+  for (int64_t t0 = 0; t0 < L; t0 += C) {
+    const int64_t c = std::min(C, L - t0), cpairs = (c + 1) / 2;
+    const bf16_bits *Q = q + t0 * Dk, *K = k + t0 * Dk, *V = v + t0 * Dv;
+    float* KS = Y + C * Dv;
+    float* A = G + C * cp;
+    pack_pairs(Dk, Dv, St, Dv, Sp);
+    transpose_pairs(c, cp, kp, K, Kt);
+    // Q S^T (eq. 25 with the state entering the chunk), Q K^T; the delta rule also K S^T and K K^T
+    bf16_gemm(c, Dv, kp, Q, Dk, 2, Sp, Dv, Y, Dv, false);
+    bf16_gemm(c, cp, kp, Q, Dk, 2, Kt, cp, G, cp, false);
+    if (beta != nullptr) {
+      bf16_gemm(c, Dv, kp, K, Dk, 2, Sp, Dv, KS, Dv, false);
+      bf16_gemm(c, cp, kp, K, Dk, 2, Kt, cp, A, cp, false);
+      // (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) (V - K S^T)   (eqs. 20-24, stacked), in float32
+      // by forward substitution, row by row: u_i = beta_i (v_i - k_i S^T) - beta_i sum_{j<i} (k_i . k_j) u_j
+      for (int64_t i = 0; i < c; ++i) {
+        const float bi = widen(beta[t0 + i]);
+        float* ui = Un + i * Dv;
+#pragma omp simd
+        for (int64_t x = 0; x < Dv; ++x) ui[x] = bi * (widen(V[i * Dv + x]) - KS[i * Dv + x]);
+        for (int64_t j = 0; j < i; ++j) {
+          const float a = bi * A[i * cp + j];
+          const float* uj = Un + j * Dv;
+#pragma omp simd
+          for (int64_t x = 0; x < Dv; ++x) ui[x] -= a * uj[x];
+        }
+      }
+      pack_pairs(c, Dv, Un, Dv, Up);
+    } else {
+      interleave_pairs(c, Dv, V, Dv, Up);  // sum rule: U' = V (eq. 17)
+    }
+    // O = Q S^T + tril(Q K^T) U'
+    round_rows(c, c, G, cp, P, cp, true);
+    bf16_gemm(c, Dv, cpairs, P, cp, 2, Up, Dv, Y, Dv, true);
+    round_rows(c, Dv, Y, Dv, o + t0 * Dv, Dv, false);
+    // S^T <- S^T + K^T U'
+    interleave_pairs(c, Dk, K, Dk, Kp);
+    bf16_gemm(Dk, Dv, cpairs, Kp, 2, 2 * Dk, Up, Dv, St, Dv, true);
+  }
+  for (int64_t i = 0; i < Dv; ++i)
+    for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] = St[j * Dv + i];
+}
+#endif  // AVX-512 BF16
+
+// Whether this build multiplies bfloat16 natively (chunk_forward_bf16 runs).
+bool native_bf16() {
+#ifdef FWP_NATIVE_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The forward of bfloat16 q, k, v [BH, L, D] and beta [BH, L] or None with a float32 state S [BH, Dv, Dk] (initial
+// in, final out), writing bfloat16 o [BH, L, Dv]: chunk_forward's products in bfloat16 (above). Dk, Dv multiples of
+// 16; one sequence per task.
+void chunk_forward_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& beta, const at::Tensor& S, int64_t chunk_size,
+                        const at::Tensor& o) {
+  const ChunkShapes s = chunk_shapes(q, k, v, chunk_size);
+  TORCH_CHECK(native_bf16(), "fwp_chunk.chunk_forward_bf16: built without AVX-512 BF16");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && S.scalar_type() == at::kFloat && S.is_contiguous() &&
+                  S.sizes() == at::IntArrayRef({s.BH, s.Dv, s.Dk}),
+              "fwp_chunk.chunk_forward_bf16: q must be bfloat16 and S a contiguous float32 [BH, Dv, Dk]");
+  for (auto* x : {&k, &v, &o}) check(*x, q, "input");
+  TORCH_CHECK(v.size(0) == s.BH && v.size(1) == s.L && o.sizes() == v.sizes() && s.Dk % 16 == 0 && s.Dv % 16 == 0,
+              "fwp_chunk.chunk_forward_bf16: v and o must be [BH, L, Dv], Dk and Dv multiples of 16");
+  if (beta.has_value()) {
+    check(*beta, q, "beta");
+    TORCH_CHECK(beta->numel() == s.BH * s.L, "fwp_chunk: beta must be [BH, L]");
+  }
+#ifdef FWP_NATIVE_BF16
+  auto bits = [](const at::Tensor& x) { return reinterpret_cast<bf16_bits*>(x.data_ptr<at::BFloat16>()); };
+  const bf16_bits *qp = bits(q), *kp = bits(k), *vp = bits(v), *bp = beta.has_value() ? bits(*beta) : nullptr;
+  bf16_bits* op = bits(o);
+  float* Sp = S.data_ptr<float>();
+  for_sequences(s.BH, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(bf16_chunk_workspace(s.C, s.Dk, s.Dv));
+    for (int64_t bh = begin; bh < end; ++bh)
+      chunk_forward_seq_bf16(s.L, s.Dk, s.Dv, s.C, qp + bh * s.L * s.Dk, kp + bh * s.L * s.Dk, vp + bh * s.L * s.Dv,
+                             bp != nullptr ? bp + bh * s.L : nullptr, Sp + bh * s.Dv * s.Dk, op + bh * s.L * s.Dv,
+                             work.data());
+  });
+#endif
+}
+
 // One position for every sequence (decoding), each row of the state read and written once. Row i of S [Dv, Dk]
 // (value i) with the key k, query q, and the decay a = exp(g) of the gated delta rule (a = 1 without g):
 //   delta rule (eqs. 20, 24, 25):  d_i = beta (v_i - a S_i k),  S'_i = a S_i + d_i k^T,
@@ -629,10 +867,15 @@ FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def(
       "decode_step(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor? g, Tensor? S, Tensor(a!) S_out, Tensor(b!) o) "
       "-> ()");
+  m.def(
+      "chunk_forward_bf16(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor(a!) S, int chunk_size, Tensor(b!) o) "
+      "-> ()");
+  m.def("native_bf16", &native_bf16);  // no tensor argument: one kernel for every dispatch key
 }
 
 FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("chunk_forward", &chunk_forward);
   m.impl("chunk_backward", &chunk_backward);
   m.impl("decode_step", &decode_step);
+  m.impl("chunk_forward_bf16", &chunk_forward_bf16);
 }
