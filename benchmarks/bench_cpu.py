@@ -9,12 +9,14 @@ versions, machine, load average before and after), for each thread count side by
 1. ``peaks``: fp32 and bf16 matmul 2048^3 (GFLOP/s; torch.matmul: MKL for fp32, oneDNN for bf16) and the memory read
    bandwidth (GB/s, ``x.sum()`` over 512 MB).
 2. ``kernels``: B=1 H=8 T=4096 D=64, forward and forward + backward of the delta and sum rules (C = 16, 32, 64 and
-   ``mode="auto"``), bf16 inputs through the same kernels, and transformers' ``torch_chunk_gated_delta_rule`` (g = 0,
-   the same delta rule: ``bench_kernels.hf_delta_rule``): ms, achieved GFLOP/s over the fp32 peak
-   (``bench_kernels.chunk_flops``), ratio to transformers', and thread scaling (1-thread time / 2-thread time).
+   ``mode="auto"``), bf16 inputs (``mode="auto"``: the kernel's bfloat16 forward where the build has AVX-512 BF16, and
+   the same inputs run in float32 as without it, ``*_bf16_in_fp32``), and transformers'
+   ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``): ms, achieved GFLOP/s
+   over the matmul peak of the dtype the products run in (``bench_kernels.chunk_flops``), ratio to transformers',
+   bf16 over fp32, and thread scaling (1-thread time / 2-thread time).
 3. ``delta_net_1b3``: the 1.3B Delta Net shape (hidden 2048, 16 heads of 128, 24 layers), the fast-weight kernel only:
    prefill of 2048 tokens (tokens/s, 24 layers of ``delta_rule(mode="auto")``) against the matmul bound (its FLOPs at
-   the fp32 peak), and decode (ms/token: 24 layers of one-token ``delta_rule(mode="auto")``, each with its own state)
+   the fp32 peak; bf16 inputs beside it, at the bf16 peak where the kernel multiplies in bfloat16), and decode (ms/token: 24 layers of one-token ``delta_rule(mode="auto")``, each with its own state)
    against the bandwidth bound (each layer's fp32 state read and written once, at the read bandwidth). The bound of the
    whole model's decode (1.3e9 fp32 weights read per token, plus the states) is printed beside it.
 4. ``linear_rows``: x W^T for one and two rows of x against eight 5632 x 2048 weights (the 1.3B shape's feed-forward,
@@ -28,6 +30,8 @@ Times are medians over the rounds (best beside them in the file); every function
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
 import time
@@ -101,16 +105,39 @@ def kernel_functions(T: int, hf) -> dict:
                 return linear_attention(*x[:3], output_final_state=True, **mode)
 
             fns[f"{rule}_C{C}"] = (call, fwd_bwd(call), chunk_flops(rule, 1, 8, T, 64, 64, flops_C))
-    bf16_call = lambda: delta_rule(*bf16, output_final_state=True)  # noqa: E731
-    fns["delta_auto_bf16"] = (bf16_call, fwd_bwd(bf16_call), fns["delta_Cauto"][2])
+    for rule in ("delta", "sum"):
+        def bf16_call(rule=rule, native=True):
+            with native_bf16(native):
+                if rule == "delta":
+                    return delta_rule(*bf16, output_final_state=True)
+                return linear_attention(*bf16[:3], output_final_state=True)
+
+        flops = fns[f"{rule}_Cauto"][2]
+        fns[f"{rule}_auto_bf16"] = (bf16_call, fwd_bwd(bf16_call), flops)
+        via_fp32 = functools.partial(bf16_call, native=False)
+        fns[f"{rule}_auto_bf16_in_fp32"] = (via_fp32, fwd_bwd(via_fp32), flops)
     if hf is not None:
         hf_call = lambda: hf(*fp32)  # noqa: E731
         fns["delta_hf"] = (hf_call, fwd_bwd(hf_call), None)
     return fns
 
 
+@contextlib.contextmanager
+def native_bf16(allowed: bool):
+    """bfloat16 inputs take the kernel's bfloat16 forward (``chunk_forward_bf16``, where the build has AVX-512 BF16)
+    or, with `allowed` False, run in float32 as they did before it."""
+    decide = chunk.takes_native_bf16
+    if not allowed:
+        chunk.takes_native_bf16 = lambda *args: False
+    try:
+        yield
+    finally:
+        chunk.takes_native_bf16 = decide
+
+
 def kernels(size: dict, hf, peak: dict) -> dict:
-    """Forward and forward + backward times, GFLOP/s, share of the fp32 peak, ratio to transformers'."""
+    """Forward and forward + backward times, GFLOP/s, share of the matmul peak of the inputs' dtype (the native bfloat16
+    forward's against the bf16 peak, every other against the fp32 one), ratio to transformers'."""
     fns = kernel_functions(size["T"], hf)
     with torch.no_grad():
         fwd = timings({name: f[0] for name, f in fns.items()}, size["repeats"])
@@ -122,6 +149,11 @@ def kernels(size: dict, hf, peak: dict) -> dict:
         if flops is not None:
             row["forward_gflops"] = flops / fwd[name]["median"] / 1e9
             row["forward_of_fp32_peak"] = row["forward_gflops"] / peak["matmul_fp32_gflops"]
+            if name.endswith("_bf16") and chunk.native_bf16_available():
+                row["forward_of_bf16_peak"] = row["forward_gflops"] / peak["matmul_bf16_gflops"]
+        if name.endswith("_bf16"):
+            row["forward_vs_bf16_in_fp32"] = median_ms(fwd[f"{name}_in_fp32"]) / row["forward_ms"]
+            row["forward_vs_fp32"] = median_ms(fwd[name.replace("_auto_bf16", "_Cauto")]) / row["forward_ms"]
         if "delta_hf" in fns and name.startswith("delta"):
             row["forward_vs_hf"] = median_ms(fwd["delta_hf"]) / row["forward_ms"]
             row["fwd_bwd_vs_hf"] = median_ms(both["delta_hf"]) / row["fwd_bwd_ms"]
@@ -140,8 +172,10 @@ def delta_net_1b3(size: dict, peak: dict) -> dict:
         for layer in range(layers):
             states[layer] = delta_rule(*steps[layer], initial_state=states[layer], output_final_state=True)[1]
 
+    prefill_bf16 = [x.bfloat16() for x in prefill]
     with torch.no_grad():
         t = timings({"prefill_layer": lambda: delta_rule(*prefill, output_final_state=True),
+                     "prefill_layer_bf16": lambda: delta_rule(*prefill_bf16, output_final_state=True),
                      "decode_token": decode_token}, size["repeats"])
     C = chunk.auto_chunk_size(torch.device("cpu"), D, 64)
     flops = layers * chunk_flops("delta", 1, H, T, D, D, C)
@@ -149,10 +183,14 @@ def delta_net_1b3(size: dict, peak: dict) -> dict:
     decode_bound_s = layers * 2 * state_bytes / (peak["read_gbs"] * 1e9)  # read once, written once
     model_bound_s = (MODEL_1B3["params"] * 4 + layers * 2 * state_bytes) / (peak["read_gbs"] * 1e9)
     prefill_s = layers * t["prefill_layer"]["median"]
+    bf16_peak = peak["matmul_bf16_gflops" if chunk.takes_native_bf16(*prefill_bf16[:3], prefill_bf16[3:]) else
+                     "matmul_fp32_gflops"]
     return {
         "prefill_T": T, "chunk_size": C,
         "prefill_tokens_per_s": T / prefill_s,
         "prefill_matmul_bound_tokens_per_s": T / (flops / (peak["matmul_fp32_gflops"] * 1e9)),
+        "prefill_bf16_tokens_per_s": T / (layers * t["prefill_layer_bf16"]["median"]),
+        "prefill_bf16_matmul_bound_tokens_per_s": T / (flops / (bf16_peak * 1e9)),
         "decode_ms_per_token": median_ms(t["decode_token"]),
         "decode_bandwidth_bound_ms": decode_bound_s * 1e3,
         "whole_model_decode_bound_ms": model_bound_s * 1e3,
@@ -221,16 +259,23 @@ def print_side_by_side(results: dict) -> None:
         cells = []
         for r in runs.values():
             k = r["kernels"][name]
-            share = f" {100 * k['forward_of_fp32_peak']:.0f}%" if "forward_of_fp32_peak" in k else ""
+            of_peak = k.get("forward_of_bf16_peak", k.get("forward_of_fp32_peak"))
+            share = f" {100 * of_peak:.0f}%" if of_peak is not None else ""
             vs = f" {k['forward_vs_hf']:.1f}x" if "forward_vs_hf" in k else ""
             cells.append(f"{k['forward_ms']:.2f}{share}{vs} | {k['fwd_bwd_ms']:.1f}")
         print(f"  {name:<22}" + "".join(f"{c:>32}" for c in cells))
-    print("  (forward ms, share of fp32 peak, x transformers' | forward + backward ms)")
+    print("  (forward ms, share of the matmul peak (bf16's for the native bf16 forward), x transformers' | forward +"
+          " backward ms)")
     one, two = runs[THREADS[0]]["kernels"], runs[THREADS[-1]]["kernels"]
+    for name in (n for n in one if n.endswith("_bf16")):
+        print(f"  {name}, forward: " + ", ".join(
+            f"{th} thread(s) {r['kernels'][name]['forward_vs_fp32']:.2f}x the fp32 kernel, "
+            f"{r['kernels'][name]['forward_vs_bf16_in_fp32']:.2f}x bf16 run in fp32" for th, r in runs.items()))
     print("  thread scaling, forward (1 / 2 threads): " + ", ".join(
         f"{n} {one[n]['forward_ms'] / two[n]['forward_ms']:.2f}x" for n in one))
     print(f"\n{'1.3B Delta Net shape, kernel only':<44}{head}")
-    for key in ("prefill_tokens_per_s", "prefill_matmul_bound_tokens_per_s", "decode_ms_per_token",
+    for key in ("prefill_tokens_per_s", "prefill_matmul_bound_tokens_per_s", "prefill_bf16_tokens_per_s",
+                "prefill_bf16_matmul_bound_tokens_per_s", "decode_ms_per_token",
                 "decode_bandwidth_bound_ms", "whole_model_decode_bound_ms"):
         print(f"  {key:<42}" + "".join(f"{r['delta_net_1b3'][key]:>24.3f}" for r in runs.values()))
     print(f"\n{'x W^T, 8 weights, GB/s of weight reads (median)':<44}{head}")
