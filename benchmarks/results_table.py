@@ -563,6 +563,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode.json", decode_rows),
     ("benchmarks/results/bench_decode_batch2.json", decode_batch_rows),
     ("benchmarks/results/bench_decode_avx2_bf16.json", decode_rows),
+    ("benchmarks/results/bench_decode_zen5.json", decode_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),
