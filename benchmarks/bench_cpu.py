@@ -9,11 +9,12 @@ versions, machine, load average before and after), for each thread count side by
 1. ``peaks``: fp32 and bf16 matmul 2048^3 (GFLOP/s; torch.matmul: MKL for fp32, oneDNN for bf16) and the memory read
    bandwidth (GB/s, ``x.sum()`` over 512 MB).
 2. ``kernels``: B=1 H=8 T=4096 D=64, forward and forward + backward of the delta and sum rules (C = 16, 32, 64 and
-   ``mode="auto"``), bf16 inputs (``mode="auto"``: the kernel's bfloat16 forward where the build has AVX-512 BF16, and
-   the same inputs run in float32 as without it, ``*_bf16_in_fp32``), and transformers'
-   ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``): ms, achieved GFLOP/s
-   over the matmul peak of the dtype the products run in (``bench_kernels.chunk_flops``), ratio to transformers',
-   bf16 over fp32, and thread scaling (1-thread time / 2-thread time).
+   ``mode="auto"``; the products as shipped: the kernel's own AVX-512 micro-kernel where built), the same fp32 calls
+   with the BLAS's products (``*_auto_blas``: the kernel before its micro-kernel), bf16 inputs (``*_auto_bf16``:
+   bfloat16 factors where the build has AVX-512 BF16; ``*_auto_bf16_in_fp32``: the same inputs with float32 products),
+   and transformers' ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``):
+   ms, achieved GFLOP/s over the matmul peak of the factors' dtype (``bench_kernels.chunk_flops``), ratios to
+   transformers', to the BLAS products and of bf16 to fp32, and thread scaling (1-thread time / 2-thread time).
 3. ``delta_net_1b3``: the 1.3B Delta Net shape (hidden 2048, 16 heads of 128, 24 layers), the fast-weight kernel only:
    prefill of 2048 tokens (tokens/s, 24 layers of ``delta_rule(mode="auto")``) against the matmul bound (its FLOPs at
    the fp32 peak; bf16 inputs beside it, at the bf16 peak where the kernel multiplies in bfloat16), and decode (ms/token: 24 layers of one-token ``delta_rule(mode="auto")``, each with its own state)
@@ -30,11 +31,11 @@ Times are medians over the rounds (best beside them in the file); every function
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -105,39 +106,40 @@ def kernel_functions(T: int, hf) -> dict:
                 return linear_attention(*x[:3], output_final_state=True, **mode)
 
             fns[f"{rule}_C{C}"] = (call, fwd_bwd(call), chunk_flops(rule, 1, 8, T, 64, 64, flops_C))
+    fp32_products = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in chunk.cpu_product_kinds() \
+        else chunk.BLAS_PRODUCTS
     for rule in ("delta", "sum"):
-        def bf16_call(rule=rule, native=True):
-            with native_bf16(native):
-                if rule == "delta":
-                    return delta_rule(*bf16, output_final_state=True)
-                return linear_attention(*bf16[:3], output_final_state=True)
-
         flops = fns[f"{rule}_Cauto"][2]
-        fns[f"{rule}_auto_bf16"] = (bf16_call, fwd_bwd(bf16_call), flops)
-        via_fp32 = functools.partial(bf16_call, native=False)
-        fns[f"{rule}_auto_bf16_in_fp32"] = (via_fp32, fwd_bwd(via_fp32), flops)
+        # the same mode="auto" call with the products forced: fp32 inputs through the BLAS (the kernel before its own
+        # products), bf16 inputs as shipped (bfloat16 factors where built) and with float32 products
+        for name, x, kind in ((f"{rule}_auto_blas", fp32, chunk.BLAS_PRODUCTS), (f"{rule}_auto_bf16", bf16, None),
+                              (f"{rule}_auto_bf16_in_fp32", bf16, fp32_products)):
+            call = functools.partial(auto_call, rule, x, kind)
+            fns[name] = (call, fwd_bwd(call), flops)
     if hf is not None:
         hf_call = lambda: hf(*fp32)  # noqa: E731
         fns["delta_hf"] = (hf_call, fwd_bwd(hf_call), None)
     return fns
 
 
-@contextlib.contextmanager
-def native_bf16(allowed: bool):
-    """bfloat16 inputs take the kernel's bfloat16 forward (``chunk_forward_bf16``, where the build has AVX-512 BF16)
-    or, with `allowed` False, run in float32 as they did before it."""
-    decide = chunk.takes_native_bf16
-    if not allowed:
-        chunk.takes_native_bf16 = lambda *args: False
+def auto_call(rule: str, x: list, products: Optional[int]):
+    """`rule` (delta / sum) in mode="auto" on the inputs `x`, the C++ kernel's products forced to `products` (a
+    ``chunk.*_PRODUCTS`` kind; None: as shipped, ``chunk.cpu_products``)."""
+    choose = chunk.cpu_products
+    if products is not None:
+        chunk.cpu_products = lambda *args: products
     try:
-        yield
+        if rule == "delta":
+            return delta_rule(*x, output_final_state=True)
+        return linear_attention(*x[:3], output_final_state=True)
     finally:
-        chunk.takes_native_bf16 = decide
+        chunk.cpu_products = choose
 
 
 def kernels(size: dict, hf, peak: dict) -> dict:
-    """Forward and forward + backward times, GFLOP/s, share of the matmul peak of the inputs' dtype (the native bfloat16
-    forward's against the bf16 peak, every other against the fp32 one), ratio to transformers'."""
+    """Forward and forward + backward times, GFLOP/s, share of the matmul peak of the factors' dtype (bfloat16 factors
+    against the bf16 peak, every other against the fp32 one), ratios to transformers', to the BLAS products, and of
+    bfloat16 to float32."""
     fns = kernel_functions(size["T"], hf)
     with torch.no_grad():
         fwd = timings({name: f[0] for name, f in fns.items()}, size["repeats"])
@@ -151,9 +153,11 @@ def kernels(size: dict, hf, peak: dict) -> dict:
             row["forward_of_fp32_peak"] = row["forward_gflops"] / peak["matmul_fp32_gflops"]
             if name.endswith("_bf16") and chunk.native_bf16_available():
                 row["forward_of_bf16_peak"] = row["forward_gflops"] / peak["matmul_bf16_gflops"]
-        if name.endswith("_bf16"):
-            row["forward_vs_bf16_in_fp32"] = median_ms(fwd[f"{name}_in_fp32"]) / row["forward_ms"]
-            row["forward_vs_fp32"] = median_ms(fwd[name.replace("_auto_bf16", "_Cauto")]) / row["forward_ms"]
+        compared = {"_bf16": {"fp32": name.replace("_auto_bf16", "_Cauto"), "bf16_in_fp32": f"{name}_in_fp32"},
+                    "_Cauto": {"blas": name.replace("_Cauto", "_auto_blas")}}
+        for key, other in next((v for k, v in compared.items() if name.endswith(k)), {}).items():
+            row[f"forward_vs_{key}"] = median_ms(fwd[other]) / row["forward_ms"]
+            row[f"fwd_bwd_vs_{key}"] = median_ms(both[other]) / row["fwd_bwd_ms"]
         if "delta_hf" in fns and name.startswith("delta"):
             row["forward_vs_hf"] = median_ms(fwd["delta_hf"]) / row["forward_ms"]
             row["fwd_bwd_vs_hf"] = median_ms(both["delta_hf"]) / row["fwd_bwd_ms"]
@@ -183,8 +187,8 @@ def delta_net_1b3(size: dict, peak: dict) -> dict:
     decode_bound_s = layers * 2 * state_bytes / (peak["read_gbs"] * 1e9)  # read once, written once
     model_bound_s = (MODEL_1B3["params"] * 4 + layers * 2 * state_bytes) / (peak["read_gbs"] * 1e9)
     prefill_s = layers * t["prefill_layer"]["median"]
-    bf16_peak = peak["matmul_bf16_gflops" if chunk.takes_native_bf16(*prefill_bf16[:3], prefill_bf16[3:]) else
-                     "matmul_fp32_gflops"]
+    bf16_factors = chunk.cpu_products(*prefill_bf16[:3], prefill_bf16[3:]) == chunk.BFLOAT16_PRODUCTS
+    bf16_peak = peak["matmul_bf16_gflops" if bf16_factors else "matmul_fp32_gflops"]
     return {
         "prefill_T": T, "chunk_size": C,
         "prefill_tokens_per_s": T / prefill_s,
@@ -267,10 +271,13 @@ def print_side_by_side(results: dict) -> None:
     print("  (forward ms, share of the matmul peak (bf16's for the native bf16 forward), x transformers' | forward +"
           " backward ms)")
     one, two = runs[THREADS[0]]["kernels"], runs[THREADS[-1]]["kernels"]
-    for name in (n for n in one if n.endswith("_bf16")):
-        print(f"  {name}, forward: " + ", ".join(
-            f"{th} thread(s) {r['kernels'][name]['forward_vs_fp32']:.2f}x the fp32 kernel, "
-            f"{r['kernels'][name]['forward_vs_bf16_in_fp32']:.2f}x bf16 run in fp32" for th, r in runs.items()))
+    ratios = {"fp32": "the fp32 kernel", "bf16_in_fp32": "bf16 inputs with fp32 products", "blas": "BLAS products"}
+    for name in (n for n in one if "forward_vs_blas" in one[n] or "forward_vs_fp32" in one[n]):
+        print(f"  {name} faster than " + "; ".join(
+            f"{ratios[key]}: forward " + ", ".join(f"{r['kernels'][name][f'forward_vs_{key}']:.2f}x" for r in
+                                                   runs.values())
+            + " / fwd+bwd " + ", ".join(f"{r['kernels'][name][f'fwd_bwd_vs_{key}']:.2f}x" for r in runs.values())
+            for key in ratios if f"forward_vs_{key}" in one[name]) + " (1 / 2 threads)")
     print("  thread scaling, forward (1 / 2 threads): " + ", ".join(
         f"{n} {one[n]['forward_ms'] / two[n]['forward_ms']:.2f}x" for n in one))
     print(f"\n{'1.3B Delta Net shape, kernel only':<44}{head}")

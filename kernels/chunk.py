@@ -34,7 +34,7 @@ when a build fails. A saved model folder carries the C++ source (``chunk_delta.c
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -240,21 +240,44 @@ cpu_kernel_status = _CPU_KERNEL.describe
 cpu_kernel_available = _CPU_KERNEL.available
 
 
+# How the C++ kernel computes its products (csrc/chunk_delta.cpp's `Products`): the BLAS that torch links, or the file's
+# own AVX-512 micro-kernel with float32 factors, or with bfloat16 factors and float32 sums (AVX-512 BF16).
+BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS = 0, 1, 2
+# float32 inputs take the micro-kernel where it is built: faster than MKL's sgemm at the chunk loops' sizes on the AMD
+# CPUs measured (MKL runs AVX2 code there; bench_cpu, "kernels": fp32 forward and forward + backward).
+FLOAT32_DEFAULT_PRODUCTS = FLOAT32_PRODUCTS
+
+
+@torch.compiler.assume_constant_result
+def _built_product_kinds() -> int:
+    """The build's ``product_kinds()`` bits; a constant of the graph under ``torch.compile`` (read while tracing)."""
+    return int(_CPU_KERNEL.ops.product_kinds())
+
+
+def cpu_product_kinds() -> FrozenSet[int]:
+    """The kinds of products the C++ kernel's build has (none without the build)."""
+    if not cpu_kernel_available():
+        return frozenset()
+    kinds = _built_product_kinds()
+    return frozenset(kind for kind in (BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS) if kinds >> kind & 1)
+
+
 def native_bf16_available() -> bool:
-    """Whether the C++ kernel multiplies bfloat16 natively (its build has AVX-512 BF16: ``chunk_forward_bf16``)."""
-    return cpu_kernel_available() and bool(_CPU_KERNEL.ops.native_bf16())
+    """Whether the C++ kernel multiplies bfloat16 natively (its build has AVX-512 BF16)."""
+    return BFLOAT16_PRODUCTS in cpu_product_kinds()
 
 
-def takes_native_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...]) -> bool:
-    """Whether a C++ chunk forward of these inputs runs ``chunk_forward_bf16``: q, k, v and beta all bfloat16, head
-    sizes multiples of 16, and a build that has it. Else bfloat16 runs in float32, as everywhere without AVX-512 BF16.
-    """
-    return (
-        all(x.dtype == torch.bfloat16 for x in (q, k, v, *gates))
-        and q.shape[-1] % 16 == 0
-        and v.shape[-1] % 16 == 0
-        and native_bf16_available()
-    )
+def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...]) -> int:
+    """How the C++ chunk kernel computes the products for these inputs: with bfloat16 factors when q, k, v and beta
+    are all bfloat16 and the build has AVX-512 BF16 (float32 sums, state and solve); float32 with
+    ``FLOAT32_DEFAULT_PRODUCTS`` where built; else (float64, float16, mixed) the BLAS."""
+    kinds = cpu_product_kinds()
+    dtypes = {x.dtype for x in (q, k, v, *gates)}
+    if dtypes == {torch.bfloat16} and BFLOAT16_PRODUCTS in kinds:
+        return BFLOAT16_PRODUCTS
+    if dtypes <= {torch.float32, torch.bfloat16, torch.float16} and FLOAT32_DEFAULT_PRODUCTS in kinds:
+        return FLOAT32_DEFAULT_PRODUCTS
+    return BLAS_PRODUCTS
 
 
 def _flat(x: Optional[torch.Tensor], acc: torch.dtype) -> Optional[torch.Tensor]:
@@ -302,13 +325,11 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
         return decode_cpu(q, k, v, gates, initial_state)
     acc = acc_dtype(q, k, v, initial_state, *gates)
     state, o = compiled_forward_buffers(q, v, initial_state, acc)
-    if takes_native_bf16(q, k, v, gates):  # bfloat16 products, float32 sums and state
-        flat = [_flat(x, torch.bfloat16) for x in (q, k, v, _op_beta(gates))]
-        o = o.new_empty(o.shape, dtype=torch.bfloat16)
-        _CPU_KERNEL.ops.chunk_forward_bf16(*flat, state, chunk_size, o)
-    else:
-        flat = [_flat(x, acc) for x in (q, k, v, _op_beta(gates))]
-        _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None)
+    # bfloat16 inputs go in as they are (the kernel widens them as it reads them) and o comes out in bfloat16
+    io = torch.bfloat16 if all(x.dtype == torch.bfloat16 for x in (q, k, v, *gates)) else acc
+    o = o if io == acc else o.new_empty(o.shape, dtype=io)
+    flat = [_flat(x, io) for x in (q, k, v, _op_beta(gates))]
+    _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None, cpu_products(q, k, v, gates))
     return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
 
@@ -326,7 +347,7 @@ def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):
         dS.copy_(d_final.reshape(B * H, Dv, Dk))
     dq, dk, dv = torch.empty_like(flat[0]), torch.empty_like(flat[1]), torch.empty_like(flat[2])
     dbeta = None if beta is None else torch.empty_like(flat[3])
-    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta)
+    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta, cpu_products(q, k, v, gates))
     dq, dk, dv = (g.view(x.shape).to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
     dgates = () if beta is None else (dbeta.view(beta.shape).to(beta.dtype),)
     ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)

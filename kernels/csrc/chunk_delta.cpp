@@ -19,6 +19,7 @@
 // The Python wrapper allocates every output and passes it in; this file only runs loops over raw pointers.
 
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // The ops' namespace: fwp_chunk_<build key> when cpp_build compiles this file (-DFWP_OP_NAMESPACE), one
@@ -72,6 +74,274 @@ inline void gemm_rm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
             C, int(ldc));
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The products of the chunk loops. Each is gemm_rm's C [m, n] = alpha op(A) op(B) + beta C (beta 0 or 1) on row-major
+// float32 (or float64) matrices; a Gemm policy says how it is computed:
+//   BlasGemm    the BLAS that PyTorch links (MKL: AVX2 code on AMD CPUs, AVX-512 on Intel's);
+//   VectorGemm  a micro-kernel of this file for CPUs with AVX-512 (float32), or with AVX-512 BF16 (bfloat16 factors,
+//               each operand rounded to bfloat16 to nearest even as it is packed, float32 sums: as fla's Triton kernels
+//               multiply on a GPU).
+template <typename T>
+struct BlasGemm {
+  void operator()(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* A, int64_t lda,
+                  const T* B, int64_t ldb, T beta, T* C, int64_t ldc) const {
+    gemm_rm<T>(trans_a, trans_b, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+};
+
+// Which policy a call of the ops asks for (their `products` argument).
+enum Products : int64_t { kBlas = 0, kVectorFloat32 = 1, kVectorBfloat16 = 2 };
+
+#if defined(__AVX512F__)
+#define FWP_VECTOR_PRODUCTS 1
+#include <immintrin.h>
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1); }
+
+// float32 factors: one element of A broadcast against 16 columns of B, fused multiply-add.
+struct Float32Factors {
+  using Element = float;
+  using Vec = __m512;
+  static constexpr int64_t kPerStep = 1;  // elements of the inner dimension per step
+  static Vec load(const float* b, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, b); }
+  static Vec broadcast(const float* a) { return _mm512_set1_ps(*a); }
+  static __m512 multiply_add(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FWP_NATIVE_BF16 1
+using bf16_bits = uint16_t;
+typedef uint32_t pair_bits __attribute__((__may_alias__));  // two bfloat16 side by side
+
+// bfloat16 factors: a pair of A (two steps of the inner dimension) broadcast against 16 column pairs of B, vdpbf16ps.
+struct Bfloat16Factors {
+  using Element = bf16_bits;
+  using Vec = __m512bh;
+  static constexpr int64_t kPerStep = 2;
+  static Vec load(const bf16_bits* b, __mmask16 lanes) { return (__m512bh)_mm512_maskz_loadu_epi32(lanes, b); }
+  static Vec broadcast(const bf16_bits* a) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_bits*>(a)); }
+  static __m512 multiply_add(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
+#endif
+
+// The micro-kernel: C [MR, 16 NV] = alpha A B (+ C when accumulate), MR x NV float32 sums in registers, over `steps`
+// steps of the inner dimension. Row r's step s of A is at A + r a_row + s a_step; B's step s is the row at B + s b_step
+// (F::kPerStep elements per column). The last 16 columns keep `lanes` of theirs (n not a multiple of 16).
+template <typename F, int MR, int NV>
+inline void tile(int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
+                 const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
+                 __mmask16 lanes) {
+  // every loop over r and v unrolled, so that the sums live in registers (not rolled, GCC keeps acc on the stack)
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    typename F::Vec b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = F::load(B + s * b_step + 16 * F::kPerStep * v, v + 1 < NV ? 0xFFFF : lanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const typename F::Vec a = F::broadcast(A + r * a_row + s * a_step);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = F::multiply_add(acc[r][v], a, b[v]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 keep = v + 1 < NV ? 0xFFFF : lanes;
+      float* c = C + r * ldc + 16 * v;
+      const __m512 prior = accumulate ? _mm512_maskz_loadu_ps(keep, c) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(c, keep, _mm512_fmadd_ps(scale, acc[r][v], prior));
+    }
+  }
+}
+
+// The last rows (fewer than a full tile): tile with MR = rows, chosen at run time.
+template <typename F, int NV, int R = 1>
+inline void tile_rows(int rows, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
+                      const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc,
+                      bool accumulate, __mmask16 lanes) {
+  if constexpr (R < 8) {
+    if (rows == R) return tile<F, R, NV>(steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes);
+    tile_rows<F, NV, R + 1>(rows, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes);
+  }
+}
+
+// C [m, 16 NV at most] in tiles of MR rows: 6 x 4 or 8 x NV accumulators (of 32 vector registers).
+template <typename F, int NV>
+void tiles(int64_t m, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
+           const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
+           __mmask16 lanes) {
+  constexpr int MR = NV >= 3 ? 6 : 8;
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR)
+    tile<F, MR, NV>(steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, accumulate, lanes);
+  if (i < m)
+    tile_rows<F, NV>(int(m - i), steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, accumulate,
+                     lanes);
+}
+
+// C [m, n] = alpha A B (+ C) in blocks of 64 columns, A and B as in tile.
+template <typename F>
+void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
+                 const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t j = 0; j < n; j += 64) {
+    const typename F::Element* Bj = B + F::kPerStep * j;
+    const int64_t w = std::min<int64_t>(64, n - j);
+    const __mmask16 lanes = first_lanes(w - 16 * ((w - 1) / 16));
+    switch ((w + 15) / 16) {
+      case 4: tiles<F, 4>(m, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, lanes); break;
+      case 3: tiles<F, 3>(m, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, lanes); break;
+      case 2: tiles<F, 2>(m, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, lanes); break;
+      default: tiles<F, 1>(m, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, lanes); break;
+    }
+  }
+}
+
+// A thread's scratch for packed operands (reused by every product of the thread).
+template <typename E>
+E* scratch(int slot, int64_t size) {
+  thread_local std::vector<E> buffers[2];
+  if (int64_t(buffers[slot].size()) < size) buffers[slot].resize(size);
+  return buffers[slot].data();
+}
+
+// x^T of the float32 x [rows, ld] (cols columns) into out [cols, rows].
+inline void transpose_into(int64_t rows, int64_t cols, const float* x, int64_t ld, float* out) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = x[i * ld + j];
+}
+
+template <typename F>
+struct VectorGemm;
+
+template <>
+struct VectorGemm<Float32Factors> {
+  void operator()(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
+                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) const {
+    const float* Bk = B;  // op(B) row-major [k, n]
+    int64_t b_step = ldb;
+    if (trans_b) {
+      float* t = scratch<float>(0, k * n);
+      transpose_into(n, k, B, ldb, t);
+      Bk = t;
+      b_step = n;
+    }
+    vector_gemm<Float32Factors>(m, n, k, A, trans_a ? 1 : lda, trans_a ? lda : 1, Bk, b_step, alpha, C, ldc, beta != 0);
+  }
+};
+
+#ifdef FWP_NATIVE_BF16
+// Pair-packing of the float32 x [k, ld] (n columns): pair p of column j = (x[2p][j], x[2p+1][j]) rounded to bfloat16,
+// into out [ceil(k / 2), n_out, 2]; zero past row k and column n (n_out a multiple of 16).
+void pack_pairs(int64_t k, int64_t n, const float* x, int64_t ld, bf16_bits* out, int64_t n_out) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t p = 0; 2 * p < k; ++p) {
+    const float* r0 = x + 2 * p * ld;
+    for (int64_t j = 0; j < n_out; j += 16) {
+      const __mmask16 lanes = first_lanes(n - j);
+      const __m512 a = _mm512_maskz_loadu_ps(lanes, r0 + j);
+      const __m512 b = 2 * p + 1 < k ? _mm512_maskz_loadu_ps(lanes, r0 + ld + j) : _mm512_setzero_ps();
+      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(a, hi, b), _mm512_permutex2var_ps(a, lo, b));
+      _mm512_storeu_si512(out + 2 * (p * n_out + j), (__m512i)pairs);
+    }
+  }
+}
+
+// Pair-packing of x^T for the float32 x [n, ld] (k columns): pair p of column j = (x[j][2p], x[j][2p+1]) rounded to
+// bfloat16, into out [ceil(k / 2), n_out, 2]; zero past column n.
+void pack_transposed_pairs(int64_t k, int64_t n, const float* x, int64_t ld, bf16_bits* out, int64_t n_out) {
+  const int64_t kp = (k + 1) / 2;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(int(n_out)));
+  pair_bits* o = reinterpret_cast<pair_bits*>(out);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = x + j * ld;
+    for (int64_t p = 0; p < kp; p += 16) {  // 16 pairs: 32 elements of the row
+      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(k - 2 * p), row + 2 * p);
+      const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(k - 2 * p - 16), row + 2 * p + 16);
+      const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_mask_i32scatter_epi32(o + p * n_out + j, first_lanes(kp - p), rows, pairs, 4);
+    }
+  }
+  for (int64_t p = 0; p < kp; ++p)
+    for (int64_t j = n; j < n_out; ++j) o[p * n_out + j] = 0;
+}
+
+// Rows of the float32 x [m, ld] (k columns) rounded to bfloat16 into out [m, k2] (k2: k rounded up to even, the pad
+// zero): an A operand with its pairs along the rows.
+void round_rows(int64_t m, int64_t k, const float* x, int64_t ld, bf16_bits* out, int64_t k2) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < k2; j += 16) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first_lanes(k - j), x + i * ld + j));
+      _mm256_mask_storeu_epi16(out + i * k2 + j, first_lanes(k2 - j), (__m256i)y);
+    }
+  }
+}
+
+template <>
+struct VectorGemm<Bfloat16Factors> {
+  void operator()(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
+                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) const {
+    const int64_t kp = (k + 1) / 2, np = round_up(n, 16);
+    bf16_bits* Bp = scratch<bf16_bits>(0, 2 * kp * np);
+    if (trans_b) {
+      pack_transposed_pairs(k, n, B, ldb, Bp, np);
+    } else {
+      pack_pairs(k, n, B, ldb, Bp, np);
+    }
+    bf16_bits* Ap;
+    int64_t a_row, a_step;
+    if (trans_a) {  // op(A) [m, k] = A^T: pair p of row i is (A[2p][i], A[2p+1][i])
+      const int64_t mp = round_up(m, 16);
+      Ap = scratch<bf16_bits>(1, 2 * kp * mp);
+      pack_pairs(k, m, A, lda, Ap, mp);
+      a_row = 2, a_step = 2 * mp;
+    } else {
+      Ap = scratch<bf16_bits>(1, m * 2 * kp);
+      round_rows(m, k, A, lda, Ap, 2 * kp);
+      a_row = 2 * kp, a_step = 2;
+    }
+    vector_gemm<Bfloat16Factors>(m, n, kp, Ap, a_row, a_step, Bp, 2 * np, alpha, C, ldc, beta != 0);
+  }
+};
+#endif  // FWP_NATIVE_BF16
+#endif  // FWP_VECTOR_PRODUCTS
+
+// Runs f(gemm) with the Gemm policy that `products` names (float64: the BLAS only).
+template <typename T, typename F>
+void with_products(int64_t products, const F& f) {
+  if constexpr (std::is_same_v<T, float>) {
+#ifdef FWP_VECTOR_PRODUCTS
+    if (products == kVectorFloat32) return f(VectorGemm<Float32Factors>());
+#endif
+#ifdef FWP_NATIVE_BF16
+    if (products == kVectorBfloat16) return f(VectorGemm<Bfloat16Factors>());
+#endif
+  }
+  TORCH_CHECK(products == kBlas, "fwp_chunk: this build or dtype has no products of kind ", products);
+  f(BlasGemm<T>());
+}
+
+// The kinds of products this build has, a bit per Products value.
+int64_t product_kinds() {
+  int64_t kinds = 1 << kBlas;
+#ifdef FWP_VECTOR_PRODUCTS
+  kinds |= 1 << kVectorFloat32;
+#endif
+#ifdef FWP_NATIVE_BF16
+  kinds |= 1 << kVectorBfloat16;
+#endif
+  return kinds;
+}
+
 // The delta rule's triangular system in a chunk, (I + strictly_lower(diag(beta) G)) U = X, solved in place (X in U)
 // by forward substitution, row by row: u_i = x_i - beta_i sum_{j<i} G_ij u_j (eqs. 20-24: each write sees the ones
 // before it). G [c, ldg] row-major (its diagonal and upper part are not read), U [c, n]. For these small systems a
@@ -96,73 +366,89 @@ inline void unit_lower_forward_substitution(int64_t c, int64_t n, const T* G, in
 // (`entering` [N, Dv, Dk]) and the new values U' (`u_new` [L, Dv], delta rule) for the backward pass.
 // `work` holds chunk_workspace(C, Dk, Dv) elements.
 inline int64_t chunk_workspace(int64_t C, int64_t Dk, int64_t Dv) {
-  return 2 * C * Dk + Dk * C + 2 * C * C + 2 * C * Dv + C * Dv + Dk * Dv;
+  return 2 * C * Dk + (Dk + 2 * C) * (Dv + C) + C * Dv;
 }
 
-template <typename T>
-void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q, const T* k, const T* v,
-                       const T* beta, T* S, T* o, T* entering, T* u_new, T* work) {
-  // Inside the loop the state is kept transposed, St = S^T [Dk, Dv], and the chunk's queries and keys are
-  // stacked, X = [Q; K] [2c, Dk], with a transposed copy Kt = K^T [Dk, c]: then every product below is a
-  // plain row-major (no-transpose) product, and the four products with S or K^T are two calls.
-  T* X = work;              // [Q; K]                                                  [2c, Dk]
-  T* Kt = X + 2 * C * Dk;   // K^T                                                     [Dk, c]
-  T* G = Kt + Dk * C;       // [Q; K] K^T: P = tril(Q K^T) on top, then A = K K^T       [2c, c]
-  T* Y = G + 2 * C * C;     // [Q; K] S^T                                              [2c, Dv]
-  T* U_buf = Y + 2 * C * Dv;  // U' when the caller does not keep it                   [c, Dv]
-  T* St = U_buf + C * Dv;   // S^T                                                     [Dk, Dv]
+// Copies n elements of `from` into `to`, converting (bfloat16 inputs and outputs: widened to / rounded from float32).
+template <typename From, typename To>
+inline void convert_copy(const From* from, int64_t n, To* to) {
+  if constexpr (std::is_same_v<From, To>) {
+    std::memcpy(to, from, sizeof(To) * n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) to[i] = To(from[i]);
+  }
+}
+
+// In: the type of q, k, v, beta and o (T, or bfloat16 with T = float: the state, sums and products' results float32).
+template <typename T, typename Gemm, typename In = T>
+void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
+                       const In* beta, T* S, std::type_identity_t<In>* o, T* entering, T* u_new, T* work,
+                       const Gemm& gemm) {
+  // The state is kept transposed, St = S^T [Dk, Dv], beside K^T [Dk, c], and the chunk's queries and keys are stacked,
+  // X = [Q; K] [2c, Dk]. One buffer Z [Dk + 2C, Dv + C] (row stride ld) holds
+  //   rows 0 .. Dk:             [ S^T | K^T ]
+  //   then c rows (with o):     [ Q S^T | Q K^T ]   -> [ O | tril(Q K^T) ]
+  //   then c rows (delta rule): [ K S^T | K K^T ]
+  // so that each chunk is two products: X [S^T | K^T] fills the rows below the first Dk, and [K^T; P] U' adds both
+  // the chunk's writes to S^T and their reads to O.
+  const int64_t ld = Dv + C;
+  T* X = work;                           // [Q; K]                                [2C, Dk]
+  T* Z = X + 2 * C * Dk;                 // the buffer above                      [Dk + 2C, ld]
+  T* U_buf = Z + (Dk + 2 * C) * ld;      // U' when the caller does not keep it   [C, Dv]
+  T* St = Z;
+  T* Kt = Z + Dv;
   for (int64_t i = 0; i < Dv; ++i)
-    for (int64_t j = 0; j < Dk; ++j) St[j * Dv + i] = S[i * Dk + j];
+    for (int64_t j = 0; j < Dk; ++j) St[j * ld + i] = S[i * Dk + j];
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
     const int64_t c = std::min(C, L - t0);
-    const T* V = v + t0 * Dv;
-    T* O = o != nullptr ? o + t0 * Dv : nullptr;
+    const In* V = v + t0 * Dv;
     if (entering != nullptr) {
       T* E = entering + n * Dv * Dk;
       for (int64_t i = 0; i < Dv; ++i)
-        for (int64_t j = 0; j < Dk; ++j) E[i * Dk + j] = St[j * Dv + i];
+        for (int64_t j = 0; j < Dk; ++j) E[i * Dk + j] = St[j * ld + i];
     }
     // Without outputs to write (the backward's recomputation of the states) only the keys are stacked.
     const int64_t cq = o != nullptr ? c : 0;
-    if (cq > 0) std::memcpy(X, q + t0 * Dk, sizeof(T) * c * Dk);
-    std::memcpy(X + cq * Dk, k + t0 * Dk, sizeof(T) * c * Dk);
+    if (cq > 0) convert_copy(q + t0 * Dk, c * Dk, X);
+    convert_copy(k + t0 * Dk, c * Dk, X + cq * Dk);
     const T* K = X + cq * Dk;
     for (int64_t i = 0; i < c; ++i)
-      for (int64_t j = 0; j < Dk; ++j) Kt[j * c + i] = K[i * Dk + j];
+      for (int64_t j = 0; j < Dk; ++j) Kt[j * ld + i] = K[i * Dk + j];
 
-    // [Q; K] S^T: Q S^T is what the state entering the chunk returns for each query (eq. 25 with W = S)
+    // [Q; K] [S^T | K^T]: Q S^T is what the state entering the chunk returns for each query (eq. 25 with W = S)
     // (the sum rule needs neither K S^T nor K K^T: only the Q rows)
     const int64_t rows = cq + (beta != nullptr ? c : 0);
-    gemm_rm<T>(false, false, rows, Dv, Dk, T(1), X, Dk, St, Dv, T(0), Y, Dv);
-    // [Q; K] K^T
-    gemm_rm<T>(false, false, rows, c, Dk, T(1), X, Dk, Kt, c, T(0), G, c);
-    T* P = G;  // tril(Q K^T), diagonal included: position i reads the writes of positions j <= i
-    for (int64_t i = 0; i < cq; ++i) std::fill(P + i * c + i + 1, P + (i + 1) * c, T(0));
+    T* Y = Z + Dk * ld;  // [Q S^T | Q K^T] then [K S^T | K K^T]
+    gemm(false, false, rows, Dv + c, Dk, T(1), X, Dk, Z, ld, T(0), Y, ld);
+    T* P = Y + Dv;  // tril(Q K^T), diagonal included: position i reads the writes of positions j <= i
+    for (int64_t i = 0; i < cq; ++i) std::fill(P + i * ld + i + 1, P + i * ld + c, T(0));
 
-    const T* U = V;  // sum rule: the values themselves are written (eq. 17)
-    if (beta != nullptr) {
+    const T* U = U_buf;  // sum rule: the values themselves are written (eq. 17)
+    if (beta == nullptr) {
+      if constexpr (std::is_same_v<In, T>) {
+        U = V;
+      } else {
+        convert_copy(V, c * Dv, U_buf);
+      }
+    } else {
       // Delta rule within the chunk, u_i = beta_i (v_i - S_{i-1} k_i) with S_{i-1} = S + sum_{j<i} u_j k_j^T
       // (eqs. 20-24), stacked: (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) (V - K S^T).
       T* Un = u_new != nullptr ? u_new + t0 * Dv : U_buf;
-      const T* b = beta + t0;
-      const T* KS = Y + cq * Dv;
+      const In* b = beta + t0;
+      const T* KS = Y + cq * ld;
       for (int64_t i = 0; i < c; ++i) {
-        const T bi = b[i];
-        for (int64_t j = 0; j < Dv; ++j) Un[i * Dv + j] = bi * (V[i * Dv + j] - KS[i * Dv + j]);
+        const T bi = T(b[i]);
+        for (int64_t j = 0; j < Dv; ++j) Un[i * Dv + j] = bi * (T(V[i * Dv + j]) - KS[i * ld + j]);
       }
-      unit_lower_forward_substitution<T>(c, Dv, G + cq * c, c, [b](int64_t i) { return b[i]; }, Un);
+      unit_lower_forward_substitution<T>(c, Dv, KS + Dv, ld, [b](int64_t i) { return T(b[i]); }, Un);
       U = Un;
     }
-    // O = Q S^T + tril(Q K^T) U': the reads of the chunk's own writes
-    if (cq > 0) {
-      std::memcpy(O, Y, sizeof(T) * c * Dv);
-      gemm_rm<T>(false, false, c, Dv, c, T(1), P, c, U, Dv, T(1), O, Dv);
-    }
-    // S^T <- S^T + K^T U': the chunk's writes
-    gemm_rm<T>(false, false, Dk, Dv, c, T(1), Kt, c, U, Dv, T(1), St, Dv);
+    // [S^T; O] += [K^T; P] U': the chunk's writes (S^T <- S^T + K^T U') and their reads (O = Q S^T + P U')
+    gemm(false, false, Dk + cq, Dv, c, T(1), Kt, ld, U, Dv, T(1), St, ld);
+    for (int64_t i = 0; i < cq; ++i) convert_copy(Y + i * ld, Dv, o + (t0 + i) * Dv);
   }
   for (int64_t i = 0; i < Dv; ++i)
-    for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] = St[j * Dv + i];
+    for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] = St[j * ld + i];
 }
 
 // The transposed system of the backward, (I + strictly_lower(diag(beta) G))^T R = D, in place (D in R), by back
@@ -198,10 +484,10 @@ inline int64_t chunk_backward_workspace(int64_t C, int64_t Dk, int64_t Dv) {
 //     dR = (I + A)^-T dU',  dV = diag(beta) dR,  dbeta = rowsum(dR * X) + rowsum((dA K) * K),
 //     dA = -strictly_lower(dR U'^T),  dK += -dV S + diag(beta) dA K + dA^T diag(beta) K,  dS -= dV^T K
 //   sum rule: dV = dU'.
-template <typename T>
+template <typename T, typename Gemm>
 void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q, const T* k, const T* v,
                         const T* beta, const T* entering, const T* u_new, const T* dout, T* dS, T* dq, T* dk,
-                        T* dv, T* dbeta, T* work) {
+                        T* dv, T* dbeta, T* work, const Gemm& gemm) {
   T* P = work;              // tril(Q K^T), then dP = tril(dO U'^T) is a separate buffer  [c, c]
   T* A = P + C * C;         // I + strictly_lower(diag(beta) K K^T)                      [c, c]
   T* dP = A + C * C;        //                                                           [c, c]
@@ -223,28 +509,28 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q
     T* dK = dk + t0 * Dk;
     T* dV = dv + t0 * Dv;
 
-    gemm_rm<T>(false, true, c, c, Dk, T(1), Q, Dk, K, Dk, T(0), P, c);
+    gemm(false, true, c, c, Dk, T(1), Q, Dk, K, Dk, T(0), P, c);
     for (int64_t i = 0; i < c; ++i) std::fill(P + i * c + i + 1, P + (i + 1) * c, T(0));
     // dU' = K dS'^T + P^T dO   (into dV for the sum rule, where dV = dU')
     T* dU = beta != nullptr ? dR : dV;
-    gemm_rm<T>(false, true, c, Dv, Dk, T(1), K, Dk, dS, Dk, T(0), dU, Dv);
-    gemm_rm<T>(true, false, c, Dv, c, T(1), P, c, dO, Dv, T(1), dU, Dv);
+    gemm(false, true, c, Dv, Dk, T(1), K, Dk, dS, Dk, T(0), dU, Dv);
+    gemm(true, false, c, Dv, c, T(1), P, c, dO, Dv, T(1), dU, Dv);
     // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
-    gemm_rm<T>(false, false, c, Dk, Dv, T(1), U, Dv, dS, Dk, T(0), dK, Dk);
+    gemm(false, false, c, Dk, Dv, T(1), U, Dv, dS, Dk, T(0), dK, Dk);
     // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q;  dS = dS' + dO^T Q
-    gemm_rm<T>(false, true, c, c, Dv, T(1), dO, Dv, U, Dv, T(0), dP, c);
+    gemm(false, true, c, c, Dv, T(1), dO, Dv, U, Dv, T(0), dP, c);
     for (int64_t i = 0; i < c; ++i) std::fill(dP + i * c + i + 1, dP + (i + 1) * c, T(0));
-    gemm_rm<T>(false, false, c, Dk, Dv, T(1), dO, Dv, S, Dk, T(0), dQ, Dk);
-    gemm_rm<T>(false, false, c, Dk, c, T(1), dP, c, K, Dk, T(1), dQ, Dk);
-    gemm_rm<T>(true, false, c, Dk, c, T(1), dP, c, Q, Dk, T(1), dK, Dk);
-    gemm_rm<T>(true, false, Dv, Dk, c, T(1), dO, Dv, Q, Dk, T(1), dS, Dk);
+    gemm(false, false, c, Dk, Dv, T(1), dO, Dv, S, Dk, T(0), dQ, Dk);
+    gemm(false, false, c, Dk, c, T(1), dP, c, K, Dk, T(1), dQ, Dk);
+    gemm(true, false, c, Dk, c, T(1), dP, c, Q, Dk, T(1), dK, Dk);
+    gemm(true, false, Dv, Dk, c, T(1), dO, Dv, Q, Dk, T(1), dS, Dk);
     if (beta == nullptr) continue;
 
     const T* b = beta + t0;
     // Recompute X = V - K S^T and A, then dR = (I + A)^-T dU'
     std::memcpy(X, V, sizeof(T) * c * Dv);
-    gemm_rm<T>(false, true, c, Dv, Dk, T(-1), K, Dk, S, Dk, T(1), X, Dv);
-    gemm_rm<T>(false, true, c, c, Dk, T(1), K, Dk, K, Dk, T(0), A, c);
+    gemm(false, true, c, Dv, Dk, T(-1), K, Dk, S, Dk, T(1), X, Dv);
+    gemm(false, true, c, c, Dk, T(1), K, Dk, K, Dk, T(0), A, c);
     unit_lower_transposed_back_substitution<T>(c, Dv, A, c, [b](int64_t i) { return b[i]; }, dR);
     // dV = diag(beta) dR;  dbeta = rowsum(dR * X)
     for (int64_t i = 0; i < c; ++i) {
@@ -256,13 +542,13 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q
       dbeta[t0 + i] = acc;
     }
     // dK -= dV S;  dS -= dV^T K
-    gemm_rm<T>(false, false, c, Dk, Dv, T(-1), dV, Dv, S, Dk, T(1), dK, Dk);
-    gemm_rm<T>(true, false, Dv, Dk, c, T(-1), dV, Dv, K, Dk, T(1), dS, Dk);
+    gemm(false, false, c, Dk, Dv, T(-1), dV, Dv, S, Dk, T(1), dK, Dk);
+    gemm(true, false, Dv, Dk, c, T(-1), dV, Dv, K, Dk, T(1), dS, Dk);
     // dA = -strictly_lower(dR U'^T)
-    gemm_rm<T>(false, true, c, c, Dv, T(-1), dR, Dv, U, Dv, T(0), dA, c);
+    gemm(false, true, c, c, Dv, T(-1), dR, Dv, U, Dv, T(0), dA, c);
     for (int64_t i = 0; i < c; ++i) std::fill(dA + i * c + i, dA + (i + 1) * c, T(0));
     // M = dA K:  dK += diag(beta) M,  dbeta += rowsum(M * K);  dK += dA^T diag(beta) K
-    gemm_rm<T>(false, false, c, Dk, c, T(1), dA, c, K, Dk, T(0), M, Dk);
+    gemm(false, false, c, Dk, c, T(1), dA, c, K, Dk, T(0), M, Dk);
     for (int64_t i = 0; i < c; ++i) {
       T acc = 0;
       for (int64_t j = 0; j < Dk; ++j) {
@@ -272,7 +558,7 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q
       }
       dbeta[t0 + i] += acc;
     }
-    gemm_rm<T>(true, false, c, Dk, c, T(1), dA, c, bK, Dk, T(1), dK, Dk);
+    gemm(true, false, c, Dk, c, T(1), dA, c, bK, Dk, T(1), dK, Dk);
   }
 }
 
@@ -351,20 +637,22 @@ static ChunkShapes chunk_shapes(const at::Tensor& q, const at::Tensor& k, const 
 }
 
 // The forward of value_blocks(BH, L, Dv) = nb > 1 column blocks, one task per (sequence, block): see value_blocks.
-template <typename T>
-void forward_value_blocks(const ChunkShapes& s, int64_t nb, const T* q, const T* k, const T* v, const T* beta, T* S,
-                          T* o) {
+template <typename T, typename Gemm, typename In>
+void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const In* k, const In* v, const In* beta,
+                          T* S, In* o, const Gemm& gemm) {
   parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf;
+    std::vector<In> columns;
+    std::vector<T> work;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
-      buf.resize(2 * s.L * n + chunk_workspace(s.C, s.Dk, n));
-      T* vb = buf.data();  // the block's columns of V, then of O   [L, n] each
-      T* ob = vb + s.L * n;
+      columns.resize(2 * s.L * n);
+      work.resize(chunk_workspace(s.C, s.Dk, n));
+      In* vb = columns.data();  // the block's columns of V, then of O   [L, n] each
+      In* ob = vb + s.L * n;
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       chunk_forward_seq<T>(s.L, s.Dk, n, s.C, q + bh * s.L * s.Dk, k + bh * s.L * s.Dk, vb,
                            beta != nullptr ? beta + bh * s.L : nullptr, S + (bh * s.Dv + j0) * s.Dk, ob, nullptr,
-                           nullptr, ob + s.L * n);
+                           nullptr, work.data(), gemm);
       scatter_columns(ob, s.L, s.Dv, j0, n, o + bh * s.L * s.Dv);
     }
   });
@@ -372,10 +660,10 @@ void forward_value_blocks(const ChunkShapes& s, int64_t nb, const T* q, const T*
 
 // The backward in nb > 1 column blocks. dV and the rows of dS split like V and S; dQ, dK and dbeta are sums over
 // the value columns (dQ = dO S + dP K, dP = tril(dO U'^T), ...): each block writes its part, summed at the end.
-template <typename T>
+template <typename T, typename Gemm>
 void backward_value_blocks(const ChunkShapes& s, int64_t nb, const at::Tensor& q, const at::Tensor& k, const T* v,
                            const T* beta, const T* s0, const T* dout, T* dS, const at::Tensor& dq,
-                           const at::Tensor& dk, T* dv, const std::optional<at::Tensor>& dbeta) {
+                           const at::Tensor& dk, T* dv, const std::optional<at::Tensor>& dbeta, const Gemm& gemm) {
   const at::Tensor dq_parts = q.new_empty({nb, s.BH, s.L, s.Dk});
   const at::Tensor dk_parts = q.new_empty({nb, s.BH, s.L, s.Dk});
   const at::Tensor db_parts = q.new_empty({nb, s.BH, s.L});
@@ -399,11 +687,12 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const at::Tensor& q
       const T* qs = qp + bh * s.L * s.Dk;
       const T* ks = kp + bh * s.L * s.Dk;
       const T* bs = beta != nullptr ? beta + bh * s.L : nullptr;
-      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, state, nullptr, entering, u_new, state + n * s.Dk);
+      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, state, nullptr, entering, u_new, state + n * s.Dk,
+                           gemm);
       const int64_t part = j * s.BH + bh;
       chunk_backward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, entering, u_new, dob, dS + (bh * s.Dv + j0) * s.Dk,
                             dqp + part * s.L * s.Dk, dkp + part * s.L * s.Dk, dvb, dbp + part * s.L,
-                            state + n * s.Dk);
+                            state + n * s.Dk, gemm);
       scatter_columns(dvb, s.L, s.Dv, j0, n, dv + bh * s.L * s.Dv);
     }
   });
@@ -413,14 +702,19 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const at::Tensor& q
 }
 
 // q, k [BH, L, Dk], v [BH, L, Dv], beta [BH, L] or None (sum rule); S [BH, Dv, Dk]: initial state in,
-// final state out; o [BH, L, Dv] optional (not computed when None); entering [BH, N, Dv, Dk] and u_new [BH, L, Dv] optional.
+// final state out; o [BH, L, Dv] optional (not computed when None); entering [BH, N, Dv, Dk] and u_new [BH, L, Dv]
+// optional. bfloat16 q, k, v, beta and o take a float32 S (and no entering / u_new): converted as they are read and
+// written. `products`: how the products are computed (a Products value; product_kinds() lists this build's).
 void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const std::optional<at::Tensor>& beta, const at::Tensor& S, int64_t chunk_size,
                    const std::optional<at::Tensor>& o, const std::optional<at::Tensor>& entering,
-                   const std::optional<at::Tensor>& u_new) {
+                   const std::optional<at::Tensor>& u_new, int64_t products) {
   const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
   const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, C = shapes.C, N = shapes.N;
-  for (auto* x : {&k, &v, &S}) check(*x, q, "input");
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  for (auto* x : {&k, &v}) check(*x, q, "input");
+  TORCH_CHECK(S.device().is_cpu() && S.is_contiguous() && S.scalar_type() == (bf16 ? at::kFloat : q.scalar_type()),
+              "fwp_chunk: S must be a contiguous CPU tensor of q's dtype (float32 for bfloat16 q)");
   TORCH_CHECK(v.size(0) == BH && v.size(1) == L && S.size(0) == BH && S.size(1) == Dv && S.size(2) == Dk,
               "fwp_chunk: inconsistent shapes");
   if (o.has_value()) {
@@ -431,6 +725,7 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     check(*beta, q, "beta");
     TORCH_CHECK(beta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
+  TORCH_CHECK(!bf16 || (!entering.has_value() && !u_new.has_value()), "fwp_chunk: bfloat16 keeps no entering / u_new");
   if (entering.has_value()) {
     check(*entering, q, "entering");
     TORCH_CHECK(entering->numel() == BH * N * Dv * Dk, "fwp_chunk: entering must be [BH, N, Dv, Dk]");
@@ -441,22 +736,27 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
   // the states entering the chunks and U' are kept only by the backward's own call, which splits by itself
   const int64_t nb = o.has_value() && !entering.has_value() && !u_new.has_value() ? value_blocks(BH, L, Dv) : 1;
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_forward", [&] {
-    if (nb > 1) {
-      return forward_value_blocks<scalar_t>(
-          shapes, nb, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-          beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr, S.data_ptr<scalar_t>(), o->data_ptr<scalar_t>());
-    }
-    for_sequences(BH, [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> work(chunk_workspace(C, Dk, Dv));
-      for (int64_t bh = begin; bh < end; ++bh) {
-        chunk_forward_seq<scalar_t>(
-            L, Dk, Dv, C, q.data_ptr<scalar_t>() + bh * L * Dk, k.data_ptr<scalar_t>() + bh * L * Dk,
-            v.data_ptr<scalar_t>() + bh * L * Dv, beta.has_value() ? beta->data_ptr<scalar_t>() + bh * L : nullptr,
-            S.data_ptr<scalar_t>() + bh * Dv * Dk, o.has_value() ? o->data_ptr<scalar_t>() + bh * L * Dv : nullptr,
-            entering.has_value() ? entering->data_ptr<scalar_t>() + bh * N * Dv * Dk : nullptr,
-            u_new.has_value() ? u_new->data_ptr<scalar_t>() + bh * L * Dv : nullptr, work.data());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_forward", [&] {
+    using In = scalar_t;
+    using T = at::opmath_type<In>;  // float for bfloat16
+    auto ptr = [](const std::optional<at::Tensor>& x) { return x.has_value() ? x->data_ptr<In>() : nullptr; };
+    with_products<T>(products, [&](const auto& gemm) {
+      if (nb > 1) {
+        return forward_value_blocks<T>(shapes, nb, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), ptr(beta),
+                                       S.data_ptr<T>(), o->data_ptr<In>(), gemm);
       }
+      for_sequences(BH, [&](int64_t begin, int64_t end) {
+        std::vector<T> work(chunk_workspace(C, Dk, Dv));
+        T* entering_p = entering.has_value() ? entering->data_ptr<T>() : nullptr;
+        T* u_new_p = u_new.has_value() ? u_new->data_ptr<T>() : nullptr;
+        for (int64_t bh = begin; bh < end; ++bh) {
+          chunk_forward_seq<T>(L, Dk, Dv, C, q.data_ptr<In>() + bh * L * Dk, k.data_ptr<In>() + bh * L * Dk,
+                               v.data_ptr<In>() + bh * L * Dv, beta.has_value() ? ptr(beta) + bh * L : nullptr,
+                               S.data_ptr<T>() + bh * Dv * Dk, o.has_value() ? ptr(o) + bh * L * Dv : nullptr,
+                               entering_p != nullptr ? entering_p + bh * N * Dv * Dk : nullptr,
+                               u_new_p != nullptr ? u_new_p + bh * L * Dv : nullptr, work.data(), gemm);
+        }
+      });
     });
   });
 }
@@ -467,7 +767,7 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& beta, const at::Tensor& s0, int64_t chunk_size,
                     const at::Tensor& dout, const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk,
-                    const at::Tensor& dv, const std::optional<at::Tensor>& dbeta) {
+                    const at::Tensor& dv, const std::optional<at::Tensor>& dbeta, int64_t products) {
   const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
   const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, C = shapes.C, N = shapes.N;
   for (auto* x : {&k, &v, &s0, &dout, &dS, &dq, &dk, &dv}) check(*x, q, "input");
@@ -482,12 +782,12 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
   const int64_t nb = value_blocks(BH, L, Dv);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_backward", [&] { with_products<scalar_t>(products, [&](const auto& gemm) {
     if (nb > 1) {
       return backward_value_blocks<scalar_t>(
           shapes, nb, q, k, v.data_ptr<scalar_t>(), beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr,
           s0.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), dS.data_ptr<scalar_t>(), dq, dk,
-          dv.data_ptr<scalar_t>(), dbeta);
+          dv.data_ptr<scalar_t>(), dbeta, gemm);
     }
     for_sequences(BH, [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> work(std::max(chunk_workspace(C, Dk, Dv), chunk_backward_workspace(C, Dk, Dv)));
@@ -500,247 +800,15 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         const scalar_t* bs = beta.has_value() ? beta->data_ptr<scalar_t>() + bh * L : nullptr;
         std::memcpy(state.data(), s0.data_ptr<scalar_t>() + bh * Dv * Dk, sizeof(scalar_t) * Dv * Dk);
         chunk_forward_seq<scalar_t>(L, Dk, Dv, C, qs, ks, vs, bs, state.data(), nullptr, entering.data(),
-                                    bs != nullptr ? u_new.data() : nullptr, work.data());
+                                    bs != nullptr ? u_new.data() : nullptr, work.data(), gemm);
         chunk_backward_seq<scalar_t>(
             L, Dk, Dv, C, qs, ks, vs, bs, entering.data(), u_new.data(), dout.data_ptr<scalar_t>() + bh * L * Dv,
             dS.data_ptr<scalar_t>() + bh * Dv * Dk, dq.data_ptr<scalar_t>() + bh * L * Dk,
             dk.data_ptr<scalar_t>() + bh * L * Dk, dv.data_ptr<scalar_t>() + bh * L * Dv,
-            bs != nullptr ? dbeta->data_ptr<scalar_t>() + bh * L : nullptr, work.data());
+            bs != nullptr ? dbeta->data_ptr<scalar_t>() + bh * L : nullptr, work.data(), gemm);
       }
     });
-  });
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// bfloat16 inputs on a CPU with AVX-512 BF16 (the forward): every product of the chunk loop multiplies bfloat16 pairs
-// and sums in float32 (vdpbf16ps); the state S and the new values U' stay float32 and are rounded to bfloat16 only as
-// factors of a product (as fla's Triton kernels do on a GPU); the triangular solve runs in float32. Same equations as
-// chunk_forward_seq. Needs Dk and Dv multiples of 16; elsewhere, and for the backward, bfloat16 runs in float32.
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define FWP_NATIVE_BF16 1
-#include <immintrin.h>
-
-using bf16_bits = uint16_t;
-typedef uint32_t pair_bits __attribute__((__may_alias__));  // two bfloat16 side by side
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// The micro-kernel: C [MR, 16 NV] (+)= A B over kp pairs of the inner dimension, float32 sums. Row r's pair p of A is
-// the 32 bits at A + r a_row + p a_pair (in bfloat16 elements); B is pair-packed: pair p of column j at B + 2 (p ldb +
-// j). MR x NV accumulators stay in registers.
-template <int MR, int NV>
-inline void bf16_tile(int64_t kp, const bf16_bits* A, int64_t a_row, int64_t a_pair, const bf16_bits* B, int64_t ldb,
-                      float* C, int64_t ldc, bool accumulate) {
-  __m512 acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
-  for (int64_t p = 0; p < kp; ++p) {
-    __m512bh b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + 2 * (p * ldb + 16 * v));
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_bits*>(A + r * a_row + p * a_pair));
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
-}
-
-// The last rows (fewer than a full tile): bf16_tile with MR = rows, chosen at run time.
-template <int NV, int R = 1>
-inline void bf16_tile_rows(int rows, int64_t kp, const bf16_bits* A, int64_t a_row, int64_t a_pair,
-                           const bf16_bits* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  if constexpr (R < 8) {
-    if (rows == R) return bf16_tile<R, NV>(kp, A, a_row, a_pair, B, ldb, C, ldc, accumulate);
-    bf16_tile_rows<NV, R + 1>(rows, kp, A, a_row, a_pair, B, ldb, C, ldc, accumulate);
-  }
-}
-
-// C [m, 16 NV] (+)= A B in tiles of MR rows: 6 x 4 or 8 x NV accumulators (of 32 vector registers).
-template <int NV>
-void bf16_rows(int64_t m, int64_t kp, const bf16_bits* A, int64_t a_row, int64_t a_pair, const bf16_bits* B,
-               int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  constexpr int MR = NV >= 3 ? 6 : 8;
-  int64_t i = 0;
-  for (; i + MR <= m; i += MR) bf16_tile<MR, NV>(kp, A + i * a_row, a_row, a_pair, B, ldb, C + i * ldc, ldc, accumulate);
-  if (i < m) bf16_tile_rows<NV>(int(m - i), kp, A + i * a_row, a_row, a_pair, B, ldb, C + i * ldc, ldc, accumulate);
-}
-
-// C [m, n] (+)= A [m, 2 kp] B [2 kp, n], n a multiple of 16, in blocks of 64 columns (A and B as in bf16_tile).
-void bf16_gemm(int64_t m, int64_t n, int64_t kp, const bf16_bits* A, int64_t a_row, int64_t a_pair,
-               const bf16_bits* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  for (int64_t j = 0; j < n; j += 64) {
-    const bf16_bits* Bj = B + 2 * j;
-    switch (std::min<int64_t>(4, (n - j) / 16)) {
-      case 4: bf16_rows<4>(m, kp, A, a_row, a_pair, Bj, ldb, C + j, ldc, accumulate); break;
-      case 3: bf16_rows<3>(m, kp, A, a_row, a_pair, Bj, ldb, C + j, ldc, accumulate); break;
-      case 2: bf16_rows<2>(m, kp, A, a_row, a_pair, Bj, ldb, C + j, ldc, accumulate); break;
-      default: bf16_rows<1>(m, kp, A, a_row, a_pair, Bj, ldb, C + j, ldc, accumulate); break;
-    }
-  }
-}
-
-// Pair-packing of the float32 x [k, ld] (n % 16 == 0 columns): pair p of column j = (x[2p][j], x[2p+1][j]) rounded
-// to bfloat16 (to nearest even), zero past row k.
-void pack_pairs(int64_t k, int64_t n, const float* x, int64_t ld, bf16_bits* out) {
-  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  for (int64_t p = 0; 2 * p < k; ++p) {
-    const float* r0 = x + 2 * p * ld;
-    for (int64_t j = 0; j < n; j += 16) {
-      const __m512 a = _mm512_loadu_ps(r0 + j), b = 2 * p + 1 < k ? _mm512_loadu_ps(r0 + ld + j) : _mm512_setzero_ps();
-      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(a, hi, b), _mm512_permutex2var_ps(a, lo, b));
-      _mm512_storeu_si512(out + 2 * (p * n + j), (__m512i)pairs);
-    }
-  }
-}
-
-// The same packing of a bfloat16 x [k, ld] (no rounding): the 16 bits of row 2p below those of row 2p + 1.
-void interleave_pairs(int64_t k, int64_t n, const bf16_bits* x, int64_t ld, bf16_bits* out) {
-  for (int64_t p = 0; 2 * p < k; ++p) {
-    const bf16_bits* r0 = x + 2 * p * ld;
-    for (int64_t j = 0; j < n; j += 16) {
-      const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j)));
-      const __m512i b = 2 * p + 1 < k
-                            ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + ld + j)))
-                            : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + 2 * (p * n + j), _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-    }
-  }
-}
-
-// x^T pair-packed for a bfloat16 x [rows, 2 kp] (row-major): pair p of column i is pair p of row i of x; columns
-// rows .. n - 1 are zero.
-void transpose_pairs(int64_t rows, int64_t n, int64_t kp, const bf16_bits* x, bf16_bits* out) {
-  const pair_bits* in = reinterpret_cast<const pair_bits*>(x);
-  pair_bits* o = reinterpret_cast<pair_bits*>(out);
-  for (int64_t p = 0; p < kp; ++p) {
-    for (int64_t i = 0; i < rows; ++i) o[p * n + i] = in[i * kp + p];
-    for (int64_t i = rows; i < n; ++i) o[p * n + i] = 0;
-  }
-}
-
-inline float widen(bf16_bits x) {
-  const uint32_t bits = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// Rows [0, c) of the float32 x [c, ld] to bfloat16 out [c, ld_out]: columns j <= i (lower = true: tril, the diagonal
-// included, zero above it, up to column ld_out) or all n columns (n % 16 == 0).
-void round_rows(int64_t c, int64_t n, const float* x, int64_t ld, bf16_bits* out, int64_t ld_out, bool lower) {
-  for (int64_t i = 0; i < c; ++i) {
-    for (int64_t j = 0; j < (lower ? ld_out : n); j += 16) {
-      const __mmask16 keep = lower ? (j > i ? 0 : __mmask16(0xFFFFu >> std::max<int64_t>(0, 15 - (i - j)))) : 0xFFFF;
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, x + i * ld + j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * ld_out + j), (__m256i)y);
-    }
-  }
-}
-
-// Workspace of one sequence, in float32 elements (its bfloat16 buffers take half an element each, rounded up).
-inline int64_t bf16_chunk_workspace(int64_t C, int64_t Dk, int64_t Dv) {
-  const int64_t cp = round_up(C, 16), c2 = round_up(C, 2);
-  const int64_t floats = Dk * Dv + 2 * C * Dv + 2 * C * cp + C * Dv;
-  const int64_t halves = Dk * Dv + Dk * cp + c2 * Dk + c2 * Dv + C * cp;
-  return floats + (halves + 1) / 2 + 64;
-}
-
-// One sequence in bfloat16 (the layout of chunk_forward_seq): q, k [L, Dk], v, o [L, Dv], beta [L] or nullptr (sum
-// rule); the float32 S [Dv, Dk] holds the initial state on entry and the final one on return.
-void chunk_forward_seq_bf16(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const bf16_bits* q, const bf16_bits* k,
-                            const bf16_bits* v, const bf16_bits* beta, float* S, bf16_bits* o, float* work) {
-  const int64_t cp = round_up(C, 16), kp = Dk / 2;
-  float* St = work;             // S^T                                              [Dk, Dv]
-  float* Y = St + Dk * Dv;      // Q S^T, then O; K S^T                              [2C, Dv]
-  float* G = Y + 2 * C * Dv;    // Q K^T; K K^T (columns padded to cp)               [2C, cp]
-  float* Un = G + 2 * C * cp;   // U'                                               [C, Dv]
-  bf16_bits* Sp = reinterpret_cast<bf16_bits*>(Un + C * Dv);  // S^T pair-packed     [Dk / 2, Dv, 2]
-  bf16_bits* Kt = Sp + Dk * Dv;                                // K^T pair-packed     [Dk / 2, cp, 2]
-  bf16_bits* Kp = Kt + Dk * cp;                                // K pair-interleaved  [C / 2, Dk, 2]
-  bf16_bits* Up = Kp + round_up(C, 2) * Dk;                    // U' pair-packed      [C / 2, Dv, 2]
-  bf16_bits* P = Up + round_up(C, 2) * Dv;                     // tril(Q K^T)         [C, cp]
-  for (int64_t i = 0; i < Dv; ++i)
-    for (int64_t j = 0; j < Dk; ++j) St[j * Dv + i] = S[i * Dk + j];
-  for (int64_t t0 = 0; t0 < L; t0 += C) {
-    const int64_t c = std::min(C, L - t0), cpairs = (c + 1) / 2;
-    const bf16_bits *Q = q + t0 * Dk, *K = k + t0 * Dk, *V = v + t0 * Dv;
-    float* KS = Y + C * Dv;
-    float* A = G + C * cp;
-    pack_pairs(Dk, Dv, St, Dv, Sp);
-    transpose_pairs(c, cp, kp, K, Kt);
-    // Q S^T (eq. 25 with the state entering the chunk), Q K^T; the delta rule also K S^T and K K^T
-    bf16_gemm(c, Dv, kp, Q, Dk, 2, Sp, Dv, Y, Dv, false);
-    bf16_gemm(c, cp, kp, Q, Dk, 2, Kt, cp, G, cp, false);
-    if (beta != nullptr) {
-      bf16_gemm(c, Dv, kp, K, Dk, 2, Sp, Dv, KS, Dv, false);
-      bf16_gemm(c, cp, kp, K, Dk, 2, Kt, cp, A, cp, false);
-      // (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) (V - K S^T)   (eqs. 20-24, stacked), in float32
-      const bf16_bits* b = beta + t0;
-      for (int64_t i = 0; i < c; ++i) {
-        const float bi = widen(b[i]);
-#pragma omp simd
-        for (int64_t x = 0; x < Dv; ++x) Un[i * Dv + x] = bi * (widen(V[i * Dv + x]) - KS[i * Dv + x]);
-      }
-      unit_lower_forward_substitution<float>(c, Dv, A, cp, [b](int64_t i) { return widen(b[i]); }, Un);
-      pack_pairs(c, Dv, Un, Dv, Up);
-    } else {
-      interleave_pairs(c, Dv, V, Dv, Up);  // sum rule: U' = V (eq. 17)
-    }
-    // O = Q S^T + tril(Q K^T) U'
-    round_rows(c, c, G, cp, P, cp, true);
-    bf16_gemm(c, Dv, cpairs, P, cp, 2, Up, Dv, Y, Dv, true);
-    round_rows(c, Dv, Y, Dv, o + t0 * Dv, Dv, false);
-    // S^T <- S^T + K^T U'
-    interleave_pairs(c, Dk, K, Dk, Kp);
-    bf16_gemm(Dk, Dv, cpairs, Kp, 2, 2 * Dk, Up, Dv, St, Dv, true);
-  }
-  for (int64_t i = 0; i < Dv; ++i)
-    for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] = St[j * Dv + i];
-}
-#endif  // AVX-512 BF16
-
-// Whether this build multiplies bfloat16 natively (chunk_forward_bf16 runs).
-bool native_bf16() {
-#ifdef FWP_NATIVE_BF16
-  return true;
-#else
-  return false;
-#endif
-}
-
-// The forward of bfloat16 q, k, v [BH, L, D] and beta [BH, L] or None with a float32 state S [BH, Dv, Dk] (initial
-// in, final out), writing bfloat16 o [BH, L, Dv]: chunk_forward's products in bfloat16 (above). Dk, Dv multiples of
-// 16; one sequence per task.
-void chunk_forward_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const std::optional<at::Tensor>& beta, const at::Tensor& S, int64_t chunk_size,
-                        const at::Tensor& o) {
-  const ChunkShapes s = chunk_shapes(q, k, v, chunk_size);
-  TORCH_CHECK(native_bf16(), "fwp_chunk.chunk_forward_bf16: built without AVX-512 BF16");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && S.scalar_type() == at::kFloat && S.is_contiguous() &&
-                  S.sizes() == at::IntArrayRef({s.BH, s.Dv, s.Dk}),
-              "fwp_chunk.chunk_forward_bf16: q must be bfloat16 and S a contiguous float32 [BH, Dv, Dk]");
-  for (auto* x : {&k, &v, &o}) check(*x, q, "input");
-  TORCH_CHECK(v.size(0) == s.BH && v.size(1) == s.L && o.sizes() == v.sizes() && s.Dk % 16 == 0 && s.Dv % 16 == 0,
-              "fwp_chunk.chunk_forward_bf16: v and o must be [BH, L, Dv], Dk and Dv multiples of 16");
-  if (beta.has_value()) {
-    check(*beta, q, "beta");
-    TORCH_CHECK(beta->numel() == s.BH * s.L, "fwp_chunk: beta must be [BH, L]");
-  }
-#ifdef FWP_NATIVE_BF16
-  auto bits = [](const at::Tensor& x) { return reinterpret_cast<bf16_bits*>(x.data_ptr<at::BFloat16>()); };
-  const bf16_bits *qp = bits(q), *kp = bits(k), *vp = bits(v), *bp = beta.has_value() ? bits(*beta) : nullptr;
-  bf16_bits* op = bits(o);
-  float* Sp = S.data_ptr<float>();
-  for_sequences(s.BH, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(bf16_chunk_workspace(s.C, s.Dk, s.Dv));
-    for (int64_t bh = begin; bh < end; ++bh)
-      chunk_forward_seq_bf16(s.L, s.Dk, s.Dv, s.C, qp + bh * s.L * s.Dk, kp + bh * s.L * s.Dk, vp + bh * s.L * s.Dv,
-                             bp != nullptr ? bp + bh * s.L : nullptr, Sp + bh * s.Dv * s.Dk, op + bh * s.L * s.Dv,
-                             work.data());
-  });
-#endif
+  }); });
 }
 
 // One position for every sequence (decoding), each row of the state read and written once. Row i of S [Dv, Dk]
@@ -856,22 +924,18 @@ void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def(
       "chunk_forward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor(a!) S, int chunk_size, Tensor(b!)? o, "
-      "Tensor(c!)? entering, Tensor(d!)? u_new) -> ()");
+      "Tensor(c!)? entering, Tensor(d!)? u_new, int products=0) -> ()");
   m.def(
       "chunk_backward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor s0, int chunk_size, Tensor dout, "
-      "Tensor(a!) dS, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv, Tensor(e!)? dbeta) -> ()");
+      "Tensor(a!) dS, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv, Tensor(e!)? dbeta, int products=0) -> ()");
   m.def(
       "decode_step(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor? g, Tensor? S, Tensor(a!) S_out, Tensor(b!) o) "
       "-> ()");
-  m.def(
-      "chunk_forward_bf16(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor(a!) S, int chunk_size, Tensor(b!) o) "
-      "-> ()");
-  m.def("native_bf16", &native_bf16);  // no tensor argument: one kernel for every dispatch key
+  m.def("product_kinds", &product_kinds);  // no tensor argument: one kernel for every dispatch key
 }
 
 FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("chunk_forward", &chunk_forward);
   m.impl("chunk_backward", &chunk_backward);
   m.impl("decode_step", &decode_step);
-  m.impl("chunk_forward_bf16", &chunk_forward_bf16);
 }
