@@ -181,6 +181,41 @@ def kernel_rows(s: Source) -> List[Row]:
     ]
 
 
+def cpu_limit_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_cpu.py: the chunk delta rule's products (the kernel's own vs the BLAS's), bfloat16 vs float32,
+    against the fp32 matmul peak and transformers' fallback, at each thread count."""
+    rows = []
+    for th in (1, 2):
+        k = f"threads_{th}.kernels"
+        names = ("delta_Cauto", "delta_auto_blas", "delta_auto_bf16", "delta_auto_bf16_in_fp32", "delta_hf")
+        fw, fb = ({n: scaled(s.pair(f"{k}.{n}.{part}_timings.median", f"{k}.{n}.{part}_timings.best"), 1e3)
+                   for n in names} for part in ("forward", "fwd_bwd"))
+        peak = s.get(f"threads_{th}.peaks.matmul_fp32_gflops")
+        gflops = s.get(f"{k}.delta_Cauto.forward_gflops")  # at the median time
+        shape = f"B1 H8 T4096 D64, mode auto, {th} thread(s)"
+        rows.append([
+            f"chunk delta rule fwd, {shape}, fp32: the kernel's AVX-512 products vs the BLAS's (MKL)",
+            both("{t:.2f} ms ({r:.2f}x faster; {h:.1f}x transformers')", True, t=fw["delta_Cauto"],
+                 r=pdiv(fw["delta_auto_blas"], fw["delta_Cauto"]), h=pdiv(fw["delta_hf"], fw["delta_Cauto"]))
+            + fill("; {:.2f} of the fp32 matmul peak ({:.0f} GFLOP/s, same run) at the median", div(gflops, peak),
+                   peak),
+            "BLAS products " + both("{t:.2f} ms", t=fw["delta_auto_blas"]),
+            "0.8 of the peak; >= 5x transformers' at 2 threads"])
+        rows.append([
+            "same, fwd+bwd, fp32", both("{t:.1f} ms ({r:.2f}x faster)", True, t=fb["delta_Cauto"],
+                                       r=pdiv(fb["delta_auto_blas"], fb["delta_Cauto"])),
+            "BLAS products " + both("{t:.1f} ms", t=fb["delta_auto_blas"]), "faster"])
+        rows.append([
+            "same, bf16 inputs: bfloat16 factors (float32 sums and state) vs the fp32 kernel",
+            both("fwd {t:.2f} ms ({r:.2f}x), fwd+bwd {b:.1f} ms ({q:.2f}x)", True, t=fw["delta_auto_bf16"],
+                 r=pdiv(fw["delta_Cauto"], fw["delta_auto_bf16"]), b=fb["delta_auto_bf16"],
+                 q=pdiv(fb["delta_Cauto"], fb["delta_auto_bf16"])),
+            "fp32 kernel " + both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=fw["delta_Cauto"], b=fb["delta_Cauto"])
+            + "; bf16 inputs with fp32 products " + both("fwd {t:.2f} ms", t=fw["delta_auto_bf16_in_fp32"]),
+            ">= 1.7x"])
+    return rows
+
+
 def training_rows(s: Source) -> List[Row]:
     lengths = list(s.get("lengths") or {})[:2] or ["256", "1024"]
     batch = s.get("batch")
@@ -564,6 +599,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_batch2.json", decode_batch_rows),
     ("benchmarks/results/bench_decode_avx2_bf16.json", decode_rows),
     ("benchmarks/results/bench_decode_zen5.json", decode_rows),
+    ("benchmarks/results/bench_cpu_zen5.json", cpu_limit_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),
