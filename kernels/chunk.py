@@ -20,15 +20,15 @@ one state per chunk while it runs, never one per step. Derivation: README.md.
 
 On CPU the forward and the backward run in a C++ kernel instead (csrc/chunk_delta.cpp, built on first use by
 ``cpp_build`` and cached in ``$FWP_KERNELS_BUILD_DIR`` or ``~/.cache/fwp_kernels``) for the rules it implements
-(``ChunkRule.cpp``): per sequence, chunk by chunk, it solves ``(I + A) U' = diag(beta) (V - K S^T)`` with one
-triangular solve and calls the BLAS for every product, so the sequential pass costs no Python or dispatcher time and
-T, W, U are never formed; its backward recomputes the states entering the chunks (one per chunk, per sequence) and
-runs the transposed pass in the same loop; with fewer sequences than threads it splits the value columns over
-threads, and one position (a decode step) is one pass over the state (``decode_step``). bfloat16 inputs with heads
-of multiples of 16 run their forward in ``chunk_forward_bf16`` where the build has AVX-512 BF16 (bfloat16 products
-with float32 sums, float32 state and triangular solve); other bfloat16 and float16 inputs, and every backward, go
-through the kernel in float32. Without the build the PyTorch path above runs: silently when there is no compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning
-when a build fails. A saved model folder carries the C++ source (``chunk_delta.cpp`` and the string of
+(``ChunkRule.cpp``): per sequence, chunk by chunk, it solves ``(I + A) U' = diag(beta) (V - K S^T)`` by forward
+substitution and runs two products per chunk, so the sequential pass costs no Python or dispatcher time and T, W, U are
+never formed; its backward recomputes the states entering the chunks (one per chunk, per sequence) and runs the
+transposed pass in the same loop; with fewer sequences than threads it splits the value columns over threads, and one
+position (a decode step) is one pass over the state (``decode_step``). Its products (``cpu_products``): the file's own
+AVX-512 micro-kernel for float32 inputs where the CPU has AVX-512, with bfloat16 factors and float32 sums for
+bfloat16 inputs where it has AVX-512 BF16, else the BLAS; bfloat16 inputs are read and o written in bfloat16, the state
+stays float32. Without the build the PyTorch path above runs: silently when there is no compiler or ninja or
+``FWP_KERNELS_NO_BUILD=1``, with one warning when a build fails. A saved model folder carries the C++ source (``chunk_delta.cpp`` and the string of
 ``chunk_delta_csrc.py``, written by ``modeling_fwp.remote_code``) and builds it the same way.
 """
 from __future__ import annotations

@@ -10,11 +10,11 @@
 //   both:        O = Q S^T + tril(Q K^T) U',            S <- S + U'^T K
 //
 // U' (the new values written to the state, "pseudo-values") comes from one triangular solve per chunk (forward
-// substitution), so the UT-transform matrix T = (I + A)^-1 and the WY factors are never formed. Every product is a
-// call to the BLAS that PyTorch links (sgemm_/dgemm_): one call per product and chunk, no tensor allocation and no
-// dispatcher in the loop. Matrices are row-major; `gemm_rm` maps a row-major product to the column-major BLAS call by
-// computing its transpose. bfloat16 inputs on a CPU with AVX-512 BF16 have a forward of their own (chunk_forward_bf16,
-// below), whose products are a micro-kernel of this file.
+// substitution), so the UT-transform matrix T = (I + A)^-1 and the WY factors are never formed. Each chunk is two
+// products on one buffer (chunk_forward_seq), each a call of a Gemm policy: the BLAS that PyTorch links (sgemm_ /
+// dgemm_), or this file's AVX-512 micro-kernel with float32 factors or bfloat16 factors and float32 sums ("The
+// products" below); no tensor allocation and no dispatcher in the loop. Matrices are row-major; `gemm_rm` maps a
+// row-major product to the column-major BLAS call by computing its transpose.
 //
 // The Python wrapper allocates every output and passes it in; this file only runs loops over raw pointers.
 
@@ -97,7 +97,10 @@ enum Products : int64_t { kBlas = 0, kVectorFloat32 = 1, kVectorBfloat16 = 2 };
 #include <immintrin.h>
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1); }
+// The first min(max(n, 0), 16) of 16 lanes.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1);
+}
 
 // float32 factors: one element of A broadcast against 16 columns of B, fused multiply-add.
 struct Float32Factors {
@@ -120,7 +123,9 @@ struct Bfloat16Factors {
   using Vec = __m512bh;
   static constexpr int64_t kPerStep = 2;
   static Vec load(const bf16_bits* b, __mmask16 lanes) { return (__m512bh)_mm512_maskz_loadu_epi32(lanes, b); }
-  static Vec broadcast(const bf16_bits* a) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_bits*>(a)); }
+  static Vec broadcast(const bf16_bits* a) {
+    return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_bits*>(a));
+  }
   static __m512 multiply_add(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, a, b); }
 };
 #endif
@@ -782,33 +787,35 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
   const int64_t nb = value_blocks(BH, L, Dv);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_backward", [&] { with_products<scalar_t>(products, [&](const auto& gemm) {
-    if (nb > 1) {
-      return backward_value_blocks<scalar_t>(
-          shapes, nb, q, k, v.data_ptr<scalar_t>(), beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr,
-          s0.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), dS.data_ptr<scalar_t>(), dq, dk,
-          dv.data_ptr<scalar_t>(), dbeta, gemm);
-    }
-    for_sequences(BH, [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> work(std::max(chunk_workspace(C, Dk, Dv), chunk_backward_workspace(C, Dk, Dv)));
-      std::vector<scalar_t> entering(N * Dv * Dk), state(Dv * Dk);
-      std::vector<scalar_t> u_new(beta.has_value() ? L * Dv : 0);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const scalar_t* qs = q.data_ptr<scalar_t>() + bh * L * Dk;
-        const scalar_t* ks = k.data_ptr<scalar_t>() + bh * L * Dk;
-        const scalar_t* vs = v.data_ptr<scalar_t>() + bh * L * Dv;
-        const scalar_t* bs = beta.has_value() ? beta->data_ptr<scalar_t>() + bh * L : nullptr;
-        std::memcpy(state.data(), s0.data_ptr<scalar_t>() + bh * Dv * Dk, sizeof(scalar_t) * Dv * Dk);
-        chunk_forward_seq<scalar_t>(L, Dk, Dv, C, qs, ks, vs, bs, state.data(), nullptr, entering.data(),
-                                    bs != nullptr ? u_new.data() : nullptr, work.data(), gemm);
-        chunk_backward_seq<scalar_t>(
-            L, Dk, Dv, C, qs, ks, vs, bs, entering.data(), u_new.data(), dout.data_ptr<scalar_t>() + bh * L * Dv,
-            dS.data_ptr<scalar_t>() + bh * Dv * Dk, dq.data_ptr<scalar_t>() + bh * L * Dk,
-            dk.data_ptr<scalar_t>() + bh * L * Dk, dv.data_ptr<scalar_t>() + bh * L * Dv,
-            bs != nullptr ? dbeta->data_ptr<scalar_t>() + bh * L : nullptr, work.data(), gemm);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_backward", [&] {
+    with_products<scalar_t>(products, [&](const auto& gemm) {
+      if (nb > 1) {
+        return backward_value_blocks<scalar_t>(
+            shapes, nb, q, k, v.data_ptr<scalar_t>(), beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr,
+            s0.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), dS.data_ptr<scalar_t>(), dq, dk,
+            dv.data_ptr<scalar_t>(), dbeta, gemm);
       }
+      for_sequences(BH, [&](int64_t begin, int64_t end) {
+        std::vector<scalar_t> work(std::max(chunk_workspace(C, Dk, Dv), chunk_backward_workspace(C, Dk, Dv)));
+        std::vector<scalar_t> entering(N * Dv * Dk), state(Dv * Dk);
+        std::vector<scalar_t> u_new(beta.has_value() ? L * Dv : 0);
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const scalar_t* qs = q.data_ptr<scalar_t>() + bh * L * Dk;
+          const scalar_t* ks = k.data_ptr<scalar_t>() + bh * L * Dk;
+          const scalar_t* vs = v.data_ptr<scalar_t>() + bh * L * Dv;
+          const scalar_t* bs = beta.has_value() ? beta->data_ptr<scalar_t>() + bh * L : nullptr;
+          std::memcpy(state.data(), s0.data_ptr<scalar_t>() + bh * Dv * Dk, sizeof(scalar_t) * Dv * Dk);
+          chunk_forward_seq<scalar_t>(L, Dk, Dv, C, qs, ks, vs, bs, state.data(), nullptr, entering.data(),
+                                      bs != nullptr ? u_new.data() : nullptr, work.data(), gemm);
+          chunk_backward_seq<scalar_t>(
+              L, Dk, Dv, C, qs, ks, vs, bs, entering.data(), u_new.data(), dout.data_ptr<scalar_t>() + bh * L * Dv,
+              dS.data_ptr<scalar_t>() + bh * Dv * Dk, dq.data_ptr<scalar_t>() + bh * L * Dk,
+              dk.data_ptr<scalar_t>() + bh * L * Dk, dv.data_ptr<scalar_t>() + bh * L * Dv,
+              bs != nullptr ? dbeta->data_ptr<scalar_t>() + bh * L : nullptr, work.data(), gemm);
+        }
+      });
     });
-  }); });
+  });
 }
 
 // One position for every sequence (decoding), each row of the state read and written once. Row i of S [Dv, Dk]
@@ -817,8 +824,9 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 //                                  o_i = S'_i q = a S_i q + d_i (k q)
 //   sum rule (eqs. 10-11):          d_i = v_i
 // q, k [BH, Dk], v [BH, Dv], beta [BH] or None (sum rule), g [BH] or None, S [BH, Dv, Dk] or None (zeros); writes
-// S_out (may be S) and o [BH, Dv]. Rows in parallel over threads; four rows of one head at a time, so that the dot products have eight
-// independent sums (one row's two sums leave the vector unit waiting on the adds: 1.7x slower, measured).
+// S_out (may be S) and o [BH, Dv]. Rows in parallel over threads; four rows of one head at a time, so that the dot
+// products have eight independent sums (one row's two sums leave the vector unit waiting on the adds: 1.7x slower,
+// measured).
 template <typename T>
 inline void decode_four_rows(int64_t Dk, const T* Si, const T* kk, const T* qq, const T* v, const T* beta, T a,
                              T kq, T* So, T* o) {
