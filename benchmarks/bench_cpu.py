@@ -17,14 +17,18 @@ versions, machine, load average before and after), for each thread count side by
    transformers', to the BLAS products and of bf16 to fp32, and thread scaling (1-thread time / 2-thread time).
 3. ``delta_net_1b3``: the 1.3B Delta Net shape (hidden 2048, 16 heads of 128, 24 layers), the fast-weight kernel only:
    prefill of 2048 tokens (tokens/s, 24 layers of ``delta_rule(mode="auto")``) against the matmul bound (its FLOPs at
-   the fp32 peak; bf16 inputs beside it, at the bf16 peak where the kernel multiplies in bfloat16), and decode (ms/token: 24 layers of one-token ``delta_rule(mode="auto")``, each with its own state)
-   against the bandwidth bound (each layer's fp32 state read and written once, at the read bandwidth). The bound of the
+   the fp32 peak; bf16 inputs beside it, at the bf16 peak where the kernel multiplies in bfloat16), and decode
+   (ms/token: 24 layers of one-token ``delta_rule(mode="auto")``, each with its own state) against the bandwidth bound
+   (each layer's fp32 state read and written once, at the read bandwidth). The bound of the
    whole model's decode (1.3e9 fp32 weights read per token, plus the states) is printed beside it.
 4. ``linear_rows``: x W^T for one and two rows of x against eight 5632 x 2048 weights (the 1.3B shape's feed-forward,
    more than the cache), float32 and bfloat16: GB/s of the streaming kernel (``fwp_dense.linear_rows``,
    csrc/decode_linear.cpp), ``F.linear`` and oneDNN's matmul, beside ``x.sum()``'s read rate over the same weights.
 5. ``auto_table``: the chunk size with the least forward + (forward + backward) time per head width (64, 128), B*H = 8,
    and the T = 1 decode step against the step loop: the rows of ``fwp_kernels.chunk._CPU_AUTO`` (printed as code).
+6. ``products_by_length``: the delta rule's forward from T = 2 to 1,024 (D = 64 and 128), the C++ kernel's products
+   forced to each kind: fp32 inputs through the BLAS and the micro-kernel, bf16 inputs with float32 and bfloat16
+   factors.
 
 Times are medians over the rounds (best beside them in the file); every function runs once per round.
 """
@@ -58,9 +62,9 @@ def sizes(quick: bool) -> dict:
     """Problem sizes: the real ones, or tiny ones for --quick."""
     if quick:
         return {"matmul": 256, "bandwidth_mb": 16, "T": 256, "prefill_T": 128, "table_T": 128, "repeats": 2,
-                "linear": (64, 128)}
+                "linear": (64, 128), "lengths": (2, 16)}
     return {"matmul": 2048, "bandwidth_mb": 512, "T": 4096, "prefill_T": 2048, "table_T": 2048, "repeats": 5,
-            "linear": (5632, 2048)}
+            "linear": (5632, 2048), "lengths": (2, 4, 8, 16, 64, 256, 1024)}
 
 
 def median_ms(summary: dict) -> float:
@@ -226,6 +230,27 @@ def linear_rows(size: dict) -> dict:
     return out
 
 
+def products_by_length(size: dict) -> dict:
+    """Forward ms of the delta rule (mode="auto", B*H = 8 for D = 64, 16 for D = 128) from T = 2 up, the C++ kernel's
+    products forced: fp32 inputs with the BLAS's and the micro-kernel's, bf16 inputs with float32 and bfloat16 factors
+    (kinds this build lacks are skipped)."""
+    kinds = chunk.cpu_product_kinds()
+    variants = {"fp32_blas": (torch.float32, chunk.BLAS_PRODUCTS),
+                "fp32_vector": (torch.float32, chunk.FLOAT32_PRODUCTS),
+                "bf16_fp32_factors": (torch.bfloat16, chunk.FLOAT32_PRODUCTS),
+                "bf16_bf16_factors": (torch.bfloat16, chunk.BFLOAT16_PRODUCTS)}
+    out = {}
+    for D, H in ((64, 8), (128, 16)):
+        for T in size["lengths"]:
+            x = {dtype: make_inputs(1, H, T, D, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+            fns = {name: functools.partial(auto_call, "delta", x[dtype], kind)
+                   for name, (dtype, kind) in variants.items() if kind in kinds}
+            with torch.no_grad():
+                t = timings(fns, 4 * size["repeats"])
+            out[f"D{D}_T{T}"] = {name: median_ms(v) for name, v in t.items()}
+    return out
+
+
 def auto_table(size: dict) -> dict:
     """Per head width: forward and fwd + bwd ms per chunk size (delta rule, B*H = 8), the best size; T = 1."""
     out = {}
@@ -293,6 +318,11 @@ def print_side_by_side(results: dict) -> None:
         for name in rates:
             print(f"  {dtype + ' ' + name:<42}"
                   + "".join(f"{r['linear_rows'][dtype][name]:>24.1f}" for r in runs.values()))
+    print(f"\n{'delta rule fwd ms by length, products forced':<44}{head}")
+    for shape, row in runs[THREADS[0]]["products_by_length"].items():
+        for name in row:
+            print(f"  {shape + ' ' + name:<42}"
+                  + "".join(f"{r['products_by_length'][shape][name]:>24.3f}" for r in runs.values()))
     print("\nmode='auto' table (fwp_kernels/chunk.py _CPU_AUTO), from this run:")
     for th, r in runs.items():
         widths = tuple((int(D[1:]), row["best_chunk_size"]) for D, row in r["auto_table"].items())
@@ -318,7 +348,7 @@ def main() -> None:
         peak = peaks(size)
         results[f"threads_{th}"] = {"peaks": peak, "kernels": kernels(size, hf, peak),
                                     "delta_net_1b3": delta_net_1b3(size, peak), "linear_rows": linear_rows(size),
-                                    "auto_table": auto_table(size),
+                                    "auto_table": auto_table(size), "products_by_length": products_by_length(size),
                                     "wall_s": time.perf_counter() - start, "load_average": os.getloadavg()}
     torch.set_num_threads(threads_before)
     print_side_by_side(results)
