@@ -112,7 +112,7 @@ struct Float32Factors {
   static __m512 multiply_add(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
 };
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FWP_NATIVE_BF16 1
 using bf16_bits = uint16_t;
 typedef uint32_t pair_bits __attribute__((__may_alias__));  // two bfloat16 side by side
