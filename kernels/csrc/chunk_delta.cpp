@@ -218,10 +218,40 @@ E* scratch(int slot, int64_t size) {
   return buffers[slot].data();
 }
 
-// x^T of the float32 x [rows, ld] (cols columns) into out [cols, rows].
+// A 16 x 16 block of x (row stride ld) transposed into out (row stride ld_out), in registers: Eklundh's swaps of the
+// off-diagonal b x b blocks of every 2b x 2b block, b = 1, 2, 4, 8, each a two-source permute per row.
+inline void transpose_16x16(const float* x, int64_t ld, float* out, int64_t ld_out) {
+  __m512 r[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + i * ld);
+#pragma GCC unroll 4
+  for (int b = 1; b < 16; b *= 2) {
+    alignas(64) int upper[16], lower[16];  // row i (bit b clear) and row i + b of every pair
+    for (int col = 0; col < 16; ++col) {
+      upper[col] = (col & b) ? 16 + col - b : col;
+      lower[col] = (col & b) ? 16 + col : col + b;
+    }
+    const __m512i up = _mm512_load_si512(upper), low = _mm512_load_si512(lower);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const __m512 top = r[i], bottom = r[i + b];
+      r[i] = _mm512_permutex2var_ps(top, up, bottom);
+      r[i + b] = _mm512_permutex2var_ps(top, low, bottom);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * ld_out, r[i]);
+}
+
+// x^T of the float32 x [rows, ld] (cols columns) into out [cols, rows]: 16 x 16 blocks in registers, the edges one by
+// one.
 inline void transpose_into(int64_t rows, int64_t cols, const float* x, int64_t ld, float* out) {
+  const int64_t rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
+  for (int64_t i = 0; i < rows16; i += 16)
+    for (int64_t j = 0; j < cols16; j += 16) transpose_16x16(x + i * ld + j, ld, out + j * rows + i, rows);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = x[i * ld + j];
+    for (int64_t j = i < rows16 ? cols16 : 0; j < cols; ++j) out[j * rows + i] = x[i * ld + j];
 }
 
 template <typename F>
@@ -261,26 +291,6 @@ void pack_pairs(int64_t k, int64_t n, const float* x, int64_t ld, bf16_bits* out
   }
 }
 
-// Pair-packing of x^T for the float32 x [n, ld] (k columns): pair p of column j = (x[j][2p], x[j][2p+1]) rounded to
-// bfloat16, into out [ceil(k / 2), n_out, 2]; zero past column n.
-void pack_transposed_pairs(int64_t k, int64_t n, const float* x, int64_t ld, bf16_bits* out, int64_t n_out) {
-  const int64_t kp = (k + 1) / 2;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(int(n_out)));
-  pair_bits* o = reinterpret_cast<pair_bits*>(out);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* row = x + j * ld;
-    for (int64_t p = 0; p < kp; p += 16) {  // 16 pairs: 32 elements of the row
-      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(k - 2 * p), row + 2 * p);
-      const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(k - 2 * p - 16), row + 2 * p + 16);
-      const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-      _mm512_mask_i32scatter_epi32(o + p * n_out + j, first_lanes(kp - p), rows, pairs, 4);
-    }
-  }
-  for (int64_t p = 0; p < kp; ++p)
-    for (int64_t j = n; j < n_out; ++j) o[p * n_out + j] = 0;
-}
-
 // Rows of the float32 x [m, ld] (k columns) rounded to bfloat16 into out [m, k2] (k2: k rounded up to even, the pad
 // zero): an A operand with its pairs along the rows.
 void round_rows(int64_t m, int64_t k, const float* x, int64_t ld, bf16_bits* out, int64_t k2) {
@@ -298,8 +308,10 @@ struct VectorGemm<Bfloat16Factors> {
                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) const {
     const int64_t kp = (k + 1) / 2, np = round_up(n, 16);
     bf16_bits* Bp = scratch<bf16_bits>(0, 2 * kp * np);
-    if (trans_b) {
-      pack_transposed_pairs(k, n, B, ldb, Bp, np);
+    if (trans_b) {  // op(B) = B^T: transposed in float32 first, then packed like any row-major operand
+      float* t = scratch<float>(0, k * n);
+      transpose_into(n, k, B, ldb, t);
+      pack_pairs(k, n, t, n, Bp, np);
     } else {
       pack_pairs(k, n, B, ldb, Bp, np);
     }
