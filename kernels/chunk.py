@@ -422,15 +422,15 @@ class CpuAutoChoice(NamedTuple):
 # forward + backward ms, D = 64: C=16 7.4 / 34.8, C=32 8.3 / 34.2, C=64 10.7 / 41.5; D = 128: C=16 18.7 / 90.8,
 # C=32 19.8 / 83.6, C=64 23.4 / 87.8 (one thread, same run: D = 64 C=16 9.9 / 45.6; D = 128 C=32 29.1 / 130.5).
 # Decode step vs step loop at T = 1: 0.115 vs 0.200 ms (D = 64), 0.097 vs 0.128 (D = 128).
-# With the kernel's AVX-512 products (benchmarks/results/bench_cpu_zen5.json, a Zen 5 EPYC, 2026-11-28, load 0.6-0.8),
-# T = 2048, B*H = 8, forward / forward + backward ms, 1 thread: D = 64 C=16 3.8 / 21.4, C=32 4.2 / 20.9, C=64 4.8 /
-# 23.6; D = 128 C=16 12.1 / 137.8, C=32 12.1 / 94.3, C=64 13.9 / 81.6 (2 threads: D = 64 C=16 1.9 / 12.0, C=32 2.1 /
-# 11.8; D = 128 C=32 6.1 / 48.6, C=64 6.9 / 42.3). Width 128 moves from 32 to 64 (its backward gains more than its
-# forward loses); at width 64 the bench's sum of the two picks 32 by 2%, within this VM's noise, and 16 stays (its
-# forward, what inference runs, is 10% faster).
+# With the kernel's AVX-512 products (benchmarks/results/bench_cpu_zen5.json, a Zen 5 EPYC, 2026-11-28, load 0.5-0.8),
+# T = 2048, B*H = 8, forward / forward + backward ms, 1 thread: D = 64 C=16 3.3 / 18.2, C=32 3.5 / 18.1, C=64 4.5 /
+# 21.8; D = 128 C=16 11.3 / 50.1, C=32 11.4 / 50.5, C=64 12.3 / 53.9; 2 threads: D = 64 C=16 2.5 / 9.7, C=32 2.5 / 9.8;
+# D = 128 C=16 5.8 / 30.2, C=32 5.9 / 27.3, C=64 6.7 / 29.7. The rows stand (the bench's sum of the two picks 16 or
+# 32 for width 128 by 1-3%, 32 at 2 threads; an earlier run, before the transposed operands were vectorized, had the
+# backward at C=16 far slower and picked 64).
 _CPU_AUTO = {
-    1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 64))),
-    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 64))),
+    1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
+    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
 }
 # CPU without the C++ kernel: the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop
 # (same benchmark). CUDA, measured on an H100 (benchmarks/results/gpu_check_h100/run3_bench_gpu.json, auto_crossover:
