@@ -131,7 +131,7 @@ def auto_call(rule: str, x: list, products: Optional[int]):
     ``chunk.*_PRODUCTS`` kind; None: as shipped, ``chunk.cpu_products``)."""
     choose = chunk.cpu_products
     if products is not None:
-        chunk.cpu_products = lambda *args: products
+        chunk.cpu_products = lambda *args, **kwargs: products
     try:
         if rule == "delta":
             return delta_rule(*x, output_final_state=True)

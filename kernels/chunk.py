@@ -268,13 +268,16 @@ def native_bf16_available() -> bool:
     return BFLOAT16_PRODUCTS in cpu_product_kinds()
 
 
-def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...]) -> int:
-    """How the C++ chunk kernel computes the products for these inputs: with bfloat16 factors when q, k, v and beta
-    are all bfloat16 and the build has AVX-512 BF16 (float32 sums, state and solve); float32 with
-    ``FLOAT32_DEFAULT_PRODUCTS`` where built; else (float64, float16, mixed) the BLAS."""
+def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...],
+                 backward: bool = False) -> int:
+    """How the C++ chunk kernel computes the products for these inputs: with bfloat16 factors for the forward when q,
+    k, v and beta are all bfloat16 and the build has AVX-512 BF16 (float32 sums, state and solve); float32 with
+    ``FLOAT32_DEFAULT_PRODUCTS`` where built (the backward of bfloat16 inputs too: with bfloat16 factors it was no
+    faster in bench_cpu's forward + backward, and float32 factors round less); else (float64, float16, mixed) the
+    BLAS."""
     kinds = cpu_product_kinds()
     dtypes = {x.dtype for x in (q, k, v, *gates)}
-    if dtypes == {torch.bfloat16} and BFLOAT16_PRODUCTS in kinds:
+    if dtypes == {torch.bfloat16} and BFLOAT16_PRODUCTS in kinds and not backward:
         return BFLOAT16_PRODUCTS
     if dtypes <= {torch.float32, torch.bfloat16, torch.float16} and FLOAT32_DEFAULT_PRODUCTS in kinds:
         return FLOAT32_DEFAULT_PRODUCTS
@@ -348,7 +351,8 @@ def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):
         dS.copy_(d_final.reshape(B * H, Dv, Dk))
     dq, dk, dv = torch.empty_like(flat[0]), torch.empty_like(flat[1]), torch.empty_like(flat[2])
     dbeta = None if beta is None else torch.empty_like(flat[3])
-    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta, cpu_products(q, k, v, gates))
+    products = cpu_products(q, k, v, gates, backward=True)
+    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta, products)
     dq, dk, dv = (g.view(x.shape).to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
     dgates = () if beta is None else (dbeta.view(beta.shape).to(beta.dtype),)
     ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)

@@ -259,7 +259,7 @@ def _spy_products(monkeypatch):
     from fwp_kernels import chunk
 
     chosen, choose = [], chunk.cpu_products
-    monkeypatch.setattr(chunk, "cpu_products", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    monkeypatch.setattr(chunk, "cpu_products", lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1])
     return chosen
 
 
@@ -271,8 +271,9 @@ def _spy_products(monkeypatch):
 )
 def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
     """bfloat16 inputs multiply with bfloat16 factors and float32 sums (the micro-kernel's vdpbf16ps; state, solve and
-    sums in float32) where the build has AVX-512 BF16, forward and backward: outputs, final state and every gradient
-    within the bfloat16 bound of the float64 step loop. Odd chunks (T = 21, 53, 77), chunks and heads that are no
+    sums in float32) where the build has AVX-512 BF16, in the forward (their backward takes float32 factors), and with
+    bfloat16 factors forced on the backward too: outputs, final state and every gradient within the bfloat16 bound of
+    the float64 step loop. Odd chunks (T = 21, 53, 77), chunks and heads that are no
     multiple of 16 (10, 20, 24, 40, 48) or odd (17, 19) pad the packed operands and mask the last columns; 80 and 128 columns run 64-column
     blocks and a 16-column one. Measured on a Zen 5 CPU: o <= 3.6e-3 (the sum rule's 2.1e-3 is about its rounding to
     bfloat16 alone), final state <= 2.7e-3 (sum rule 6.8e-8), gradients <= 4.3e-3."""
@@ -282,9 +283,13 @@ def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
     chosen = _spy_products(monkeypatch)
     inputs, ref = case(rule, B, H, T, Dk, Dv, torch.bfloat16, seed=T + Dk)
     got = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size)
-    assert chosen == [chunk.BFLOAT16_PRODUCTS] * 2  # forward, backward
+    float32 = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in chunk.cpu_product_kinds() \
+        else chunk.BLAS_PRODUCTS
+    assert chosen == [chunk.BFLOAT16_PRODUCTS, float32]  # forward, backward
     assert got["o"].dtype == torch.bfloat16 and got["final_state"].dtype == torch.float32
     assert_close(got, ref, TOL[torch.bfloat16])
+    monkeypatch.setattr(chunk, "cpu_products", lambda *a, **kw: chunk.BFLOAT16_PRODUCTS)
+    assert_close(outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size), ref, TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("rule", ["delta", "sum"])
@@ -319,6 +324,7 @@ def test_products_follow_the_inputs_dtypes():
     bf16 = chunk.BFLOAT16_PRODUCTS if chunk.BFLOAT16_PRODUCTS in kinds else fp32
     b16 = x[torch.bfloat16]
     assert chunk.cpu_products(b16, b16, b16, (beta,)) == bf16 and chunk.cpu_products(b16, b16, b16, ()) == bf16
+    assert chunk.cpu_products(b16, b16, b16, (beta,), backward=True) == fp32
     assert chunk.cpu_products(b16, b16, b16, (beta.float(),)) == fp32
     assert chunk.cpu_products(x[torch.float32], b16, b16, ()) == fp32
     assert chunk.cpu_products(*[x[torch.float16]] * 3, ()) == fp32
