@@ -25,9 +25,9 @@ substitution and runs two products per chunk, so the sequential pass costs no Py
 never formed; its backward recomputes the states entering the chunks (one per chunk, per sequence) and runs the
 transposed pass in the same loop; with fewer sequences than threads it splits the value columns over threads, and one
 position (a decode step) is one pass over the state (``decode_step``). Its products (``cpu_products``): the file's own
-AVX-512 micro-kernel for float32 inputs where the CPU has AVX-512, with bfloat16 factors and float32 sums for
-bfloat16 inputs where it has AVX-512 BF16, else the BLAS; bfloat16 inputs are read and o written in bfloat16, the state
-stays float32. Without the build the PyTorch path above runs: silently when there is no compiler or ninja or
+AVX-512 micro-kernel for float32 inputs where the CPU has AVX-512, with bfloat16 factors and float32 sums for the
+forward of bfloat16 inputs where it has AVX-512 BF16, else the BLAS; bfloat16 inputs are read and o written in
+bfloat16 by the forward, the state stays float32. Without the build the PyTorch path above runs: silently when there is no compiler or ninja or
 ``FWP_KERNELS_NO_BUILD=1``, with one warning when a build fails. A saved model folder carries the C++ source
 (``chunk_delta.cpp`` and the string of ``chunk_delta_csrc.py``, written by ``modeling_fwp.remote_code``) and builds it
 the same way.
