@@ -206,7 +206,7 @@ def cpu_limit_rows(s: Source) -> List[Row]:
                                        r=pdiv(fb["delta_auto_blas"], fb["delta_Cauto"])),
             "BLAS products " + both("{t:.1f} ms", t=fb["delta_auto_blas"]), "faster"])
         rows.append([
-            "same, bf16 inputs: bfloat16 factors (float32 sums and state) vs the fp32 kernel",
+            "same, bf16 inputs: bfloat16 factors in the forward (float32 sums and state) vs the fp32 kernel",
             both("fwd {t:.2f} ms ({r:.2f}x), fwd+bwd {b:.1f} ms ({q:.2f}x)", True, t=fw["delta_auto_bf16"],
                  r=pdiv(fw["delta_Cauto"], fw["delta_auto_bf16"]), b=fb["delta_auto_bf16"],
                  q=pdiv(fb["delta_Cauto"], fb["delta_auto_bf16"])),

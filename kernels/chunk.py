@@ -27,10 +27,10 @@ transposed pass in the same loop; with fewer sequences than threads it splits th
 position (a decode step) is one pass over the state (``decode_step``). Its products (``cpu_products``): the file's own
 AVX-512 micro-kernel for float32 inputs where the CPU has AVX-512, with bfloat16 factors and float32 sums for the
 forward of bfloat16 inputs where it has AVX-512 BF16, else the BLAS; bfloat16 inputs are read and o written in
-bfloat16 by the forward, the state stays float32. Without the build the PyTorch path above runs: silently when there is no compiler or ninja or
-``FWP_KERNELS_NO_BUILD=1``, with one warning when a build fails. A saved model folder carries the C++ source
-(``chunk_delta.cpp`` and the string of ``chunk_delta_csrc.py``, written by ``modeling_fwp.remote_code``) and builds it
-the same way.
+bfloat16 by the forward, the state stays float32. Without the build the PyTorch path above runs: silently when there
+is no compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning when a build fails. A saved model folder
+carries the C++ source (``chunk_delta.cpp`` and the string of ``chunk_delta_csrc.py``, written by
+``modeling_fwp.remote_code``) and builds it the same way.
 """
 from __future__ import annotations
 
@@ -312,15 +312,17 @@ def decode_cpu(q, k, v, gates, initial_state) -> Tuple[torch.Tensor, torch.Tenso
     return o.to(q.dtype), new_state
 
 
-def compiled_forward_buffers(q, v, initial_state, acc: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """What a C++ chunk forward writes into: the state ``[B*H, Dv, Dk]`` (a copy of `initial_state`, or zeros: never
-    the caller's tensor) and the output ``[B*H, T, Dv]``, both in `acc`."""
+def compiled_forward_buffers(
+    q, v, initial_state, acc: torch.dtype, out_dtype: Optional[torch.dtype] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What a C++ chunk forward writes into: the state ``[B*H, Dv, Dk]`` in `acc` (a copy of `initial_state`, or
+    zeros: never the caller's tensor) and the output ``[B*H, T, Dv]`` in `out_dtype` (default `acc`)."""
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     state = q.new_zeros(B * H, Dv, Dk, dtype=acc)
     if initial_state is not None:
         state.copy_(initial_state.reshape(B * H, Dv, Dk))
-    return state, q.new_empty(B * H, T, Dv, dtype=acc)
+    return state, q.new_empty(B * H, T, Dv, dtype=out_dtype or acc)
 
 
 def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -328,10 +330,9 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
     if q.shape[2] == 1:
         return decode_cpu(q, k, v, gates, initial_state)
     acc = acc_dtype(q, k, v, initial_state, *gates)
-    state, o = compiled_forward_buffers(q, v, initial_state, acc)
     # bfloat16 inputs go in as they are (the kernel widens them as it reads them) and o comes out in bfloat16
     io = torch.bfloat16 if all(x.dtype == torch.bfloat16 for x in (q, k, v, *gates)) else acc
-    o = o if io == acc else o.new_empty(o.shape, dtype=io)
+    state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
     flat = [_flat(x, io) for x in (q, k, v, _op_beta(gates))]
     _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None, cpu_products(q, k, v, gates))
     return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
