@@ -210,10 +210,12 @@ void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element*
   }
 }
 
-// A thread's scratch for packed operands (reused by every product of the thread).
+// A thread's scratch for packed operands, reused by every product of the thread: slots 0 and 1 hold a VectorGemm's
+// packed B and A, slot 2 the operands a bfloat16 chunk keeps over its two products (ChunkProducts).
 template <typename E>
 E* scratch(int slot, int64_t size) {
-  thread_local std::vector<E> buffers[2];
+  thread_local std::vector<E> buffers[3];
+  TORCH_CHECK(slot >= 0 && slot < 3, "fwp_chunk: no scratch slot ", slot);
   if (int64_t(buffers[slot].size()) < size) buffers[slot].resize(size);
   return buffers[slot].data();
 }
@@ -244,14 +246,18 @@ inline void transpose_16x16(const float* x, int64_t ld, float* out, int64_t ld_o
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * ld_out, r[i]);
 }
 
-// x^T of the float32 x [rows, ld] (cols columns) into out [cols, rows]: 16 x 16 blocks in registers, the edges one by
-// one.
-inline void transpose_into(int64_t rows, int64_t cols, const float* x, int64_t ld, float* out) {
+// x^T of x [rows, ld] (cols columns) into out [cols, ld_out], for any 32-bit W (float32, or bfloat16 pairs): 16 x 16
+// blocks in registers (the bits moved, never converted), the edges one by one.
+template <typename W>
+inline void transpose_into(int64_t rows, int64_t cols, const W* x, int64_t ld, W* out, int64_t ld_out) {
+  static_assert(sizeof(W) == sizeof(float), "transpose_into moves 32-bit elements");
   const int64_t rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
   for (int64_t i = 0; i < rows16; i += 16)
-    for (int64_t j = 0; j < cols16; j += 16) transpose_16x16(x + i * ld + j, ld, out + j * rows + i, rows);
+    for (int64_t j = 0; j < cols16; j += 16)
+      transpose_16x16(reinterpret_cast<const float*>(x + i * ld + j), ld,
+                      reinterpret_cast<float*>(out + j * ld_out + i), ld_out);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = i < rows16 ? cols16 : 0; j < cols; ++j) out[j * rows + i] = x[i * ld + j];
+    for (int64_t j = i < rows16 ? cols16 : 0; j < cols; ++j) out[j * ld_out + i] = x[i * ld + j];
 }
 
 template <typename F>
@@ -265,7 +271,7 @@ struct VectorGemm<Float32Factors> {
     int64_t b_step = ldb;
     if (trans_b) {
       float* t = scratch<float>(0, k * n);
-      transpose_into(n, k, B, ldb, t);
+      transpose_into(n, k, B, ldb, t, n);
       Bk = t;
       b_step = n;
     }
@@ -277,16 +283,17 @@ struct VectorGemm<Float32Factors> {
 // Pair-packing of the float32 x [k, ld] (n columns): pair p of column j = (x[2p][j], x[2p+1][j]) rounded to bfloat16,
 // into out [ceil(k / 2), n_out, 2]; zero past row k and column n (n_out a multiple of 16).
 void pack_pairs(int64_t k, int64_t n, const float* x, int64_t ld, bf16_bits* out, int64_t n_out) {
-  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  alignas(64) int16_t order[32];  // the two rounded rows [a_0 .. a_15 | b_0 .. b_15] -> a_0 b_0 a_1 b_1 ...
+  for (int i = 0; i < 16; ++i) order[2 * i] = int16_t(i), order[2 * i + 1] = int16_t(16 + i);
+  const __m512i interleave = _mm512_load_si512(order);
   for (int64_t p = 0; 2 * p < k; ++p) {
     const float* r0 = x + 2 * p * ld;
     for (int64_t j = 0; j < n_out; j += 16) {
       const __mmask16 lanes = first_lanes(n - j);
       const __m512 a = _mm512_maskz_loadu_ps(lanes, r0 + j);
       const __m512 b = 2 * p + 1 < k ? _mm512_maskz_loadu_ps(lanes, r0 + ld + j) : _mm512_setzero_ps();
-      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(a, hi, b), _mm512_permutex2var_ps(a, lo, b));
-      _mm512_storeu_si512(out + 2 * (p * n_out + j), (__m512i)pairs);
+      const __m512i rows = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+      _mm512_storeu_si512(out + 2 * (p * n_out + j), _mm512_permutexvar_epi16(interleave, rows));
     }
   }
 }
@@ -310,7 +317,7 @@ struct VectorGemm<Bfloat16Factors> {
     bf16_bits* Bp = scratch<bf16_bits>(0, 2 * kp * np);
     if (trans_b) {  // op(B) = B^T: transposed in float32 first, then packed like any row-major operand
       float* t = scratch<float>(0, k * n);
-      transpose_into(n, k, B, ldb, t);
+      transpose_into(n, k, B, ldb, t, n);
       pack_pairs(k, n, t, n, Bp, np);
     } else {
       pack_pairs(k, n, B, ldb, Bp, np);
@@ -361,43 +368,59 @@ int64_t product_kinds() {
 }
 
 // The delta rule's triangular system in a chunk, (I + strictly_lower(diag(beta) G)) U = X, solved in place (X in U)
-// by forward substitution, row by row: u_i = x_i - beta_i sum_{j<i} G_ij u_j (eqs. 20-24: each write sees the ones
-// before it). G [c, ldg] row-major (its diagonal and upper part are not read), U [c, n]. For these small systems a
-// loop of vector updates is faster than the BLAS's trsm (measured by hand when it replaced MKL's strsm, B1 H8 T4096
-// D64, 1 thread: the float32 forward 6-9% faster at C = 16-64).
+// by forward substitution: u_i = x_i - beta_i sum_{j<i} G_ij u_j (eqs. 20-24: each write sees the ones before it).
+// G [c, ldg] row-major (its diagonal and upper part are not read), U [c, n]. The columns are independent systems:
+// blocks of W columns stay in vector registers, four rows at a time (the sums over the rows above the four share each
+// load of u_j and run as 16 independent vector sums; the four then finish among themselves). For these small systems
+// this is faster than the BLAS's trsm (measured by hand when a loop of one row at a time replaced MKL's strsm, B1 H8
+// T4096 D64, 1 thread: the float32 forward 6-9% faster at C = 16-64).
 template <typename T, typename B>
 inline void unit_lower_forward_substitution(int64_t c, int64_t n, const T* G, int64_t ldg, const B& beta, T* U) {
-  constexpr int64_t W = 64 / sizeof(T) * 4;  // a block of columns held in vector registers over the sum (4 x 64 bytes)
-  for (int64_t i = 1; i < c; ++i) {
-    T* ui = U + i * n;
-    const T bi = beta(i);
-    int64_t x0 = 0;
-    for (; x0 + W <= n; x0 += W) {
-      T sum[W];
+  constexpr int64_t W = 64 / sizeof(T) * 4;  // a block of columns: 4 vectors of 64 bytes
+  constexpr int64_t R = 4;                   // rows at a time
+  int64_t x0 = 0;
+  for (; x0 + W <= n; x0 += W) {
+    for (int64_t i0 = 0; i0 < c; i0 += R) {
+      const int64_t r = std::min(R, c - i0);
+      T sum[R][W];
+      T a[R];
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < R; ++k)
 #pragma omp simd
-      for (int64_t x = 0; x < W; ++x) sum[x] = ui[x0 + x];
-      for (int64_t j = 0; j < i; ++j) {
-        const T a = bi * G[i * ldg + j];
+        for (int64_t x = 0; x < W; ++x) sum[k][x] = k < r ? U[(i0 + k) * n + x0 + x] : T(0);
+      for (int64_t j = 0; j < i0; ++j) {
         const T* uj = U + j * n + x0;
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < R; ++k) a[k] = k < r ? beta(i0 + k) * G[(i0 + k) * ldg + j] : T(0);
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < R; ++k)
 #pragma omp simd
-        for (int64_t x = 0; x < W; ++x) sum[x] -= a * uj[x];
+          for (int64_t x = 0; x < W; ++x) sum[k][x] -= a[k] * uj[x];
       }
+      for (int64_t k = 1; k < r; ++k) {  // within the four rows
+        const T bk = beta(i0 + k);
+        for (int64_t j = 0; j < k; ++j) {
+          const T g = bk * G[(i0 + k) * ldg + i0 + j];
 #pragma omp simd
-      for (int64_t x = 0; x < W; ++x) ui[x0 + x] = sum[x];
+          for (int64_t x = 0; x < W; ++x) sum[k][x] -= g * sum[j][x];
+        }
+      }
+      for (int64_t k = 0; k < r; ++k)
+#pragma omp simd
+        for (int64_t x = 0; x < W; ++x) U[(i0 + k) * n + x0 + x] = sum[k][x];
     }
-    for (int64_t j = 0; j < i && x0 < n; ++j) {  // the last columns (fewer than W)
-      const T a = bi * G[i * ldg + j];
+  }
+  for (int64_t i = 1; i < c && x0 < n; ++i) {  // the last columns (fewer than W), a row at a time
+    const T bi = beta(i);
+    for (int64_t j = 0; j < i; ++j) {
+      const T g = bi * G[i * ldg + j];
       const T* uj = U + j * n;
 #pragma omp simd
-      for (int64_t x = x0; x < n; ++x) ui[x] -= a * uj[x];
+      for (int64_t x = x0; x < n; ++x) U[i * n + x] -= g * uj[x];
     }
   }
 }
 
-// One sequence: q, k [L, Dk], v [L, Dv], beta [L] (nullptr: sum rule). S [Dv, Dk] holds the initial state
-// on entry and the final one on return. Writes o [L, Dv] (unless nullptr); optionally the state entering each chunk
-// (`entering` [N, Dv, Dk]) and the new values U' (`u_new` [L, Dv], delta rule) for the backward pass.
-// `work` holds chunk_workspace(C, Dk, Dv) elements.
 inline int64_t chunk_workspace(int64_t C, int64_t Dk, int64_t Dv) {
   return 2 * C * Dk + (Dk + 2 * C) * (Dv + C) + C * Dv;
 }
@@ -412,6 +435,145 @@ inline void convert_copy(const From* from, int64_t n, To* to) {
   }
 }
 
+#ifdef FWP_NATIVE_BF16
+// The same in vector registers for bfloat16 <-> float32, with c10::BFloat16's results: widening is exact (the bits
+// shifted into the upper half); rounding is to nearest even, NaN to 0x7FC0 (c10's round_to_nearest_even, denormals
+// kept, where vcvtneps2bf16 would flush them).
+inline void convert_copy(const c10::BFloat16* from, int64_t n, float* to) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = first_lanes(n - i);
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, from + i));
+    _mm512_mask_storeu_ps(to + i, lanes, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+  }
+}
+inline void convert_copy(const float* from, int64_t n, c10::BFloat16* to) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = first_lanes(n - i);
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, from + i);
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, odd)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
+    _mm256_mask_storeu_epi16(to + i, lanes, _mm512_cvtepi32_epi16(r));
+  }
+}
+#endif
+
+// x^T of x [rows, ld] (cols columns) into out [cols, ld_out].
+template <typename T>
+inline void transpose(int64_t rows, int64_t cols, const T* x, int64_t ld, T* out, int64_t ld_out) {
+#ifdef FWP_VECTOR_PRODUCTS
+  if constexpr (std::is_same_v<T, float>) return transpose_into(rows, cols, x, ld, out, ld_out);
+#endif
+  for (int64_t j = 0; j < cols; ++j)  // rows of x^T written whole (x, a chunk's keys, is in L1)
+    for (int64_t i = 0; i < rows; ++i) out[j * ld_out + i] = x[i * ld + j];
+}
+
+// The two products of a chunk (chunk_forward_seq) on its buffer Z [Dk + 2C, ld] (S^T in the first Dk rows; the
+// layout is described there), from the chunk's queries and keys as `load` keeps them. This one, for every Gemm
+// policy: [Q; K] copied into X [2C, Dk] in T, K^T beside S^T in Z, so that each product is one call.
+template <typename T, typename Gemm, typename In>
+struct ChunkProducts {
+  const Gemm& gemm;
+  int64_t Dk, Dv, ld;
+  T* X;
+  T* Z;
+  ChunkProducts(const Gemm& gemm, int64_t /*C*/, int64_t Dk, int64_t Dv, int64_t ld, T* X, T* Z)
+      : gemm(gemm), Dk(Dk), Dv(Dv), ld(ld), X(X), Z(Z) {}
+
+  // The chunk's c keys, after its cq queries (cq = 0: keys only).
+  void load(const In* q, const In* k, int64_t cq, int64_t c) {
+    if (cq > 0) convert_copy(q, cq * Dk, X);
+    convert_copy(k, c * Dk, X + cq * Dk);
+    transpose(c, Dk, X + cq * Dk, Dk, Z + Dv, ld);
+  }
+  // Y = [Q; K] [S^T | K^T], Y [rows, ld] (rows: the cq queries, then the c keys where the rule needs them)
+  void states_and_keys(int64_t rows, int64_t c, T* Y) const {
+    gemm(false, false, rows, Dv + c, Dk, T(1), X, Dk, Z, ld, T(0), Y, ld);
+  }
+  // [S^T; O] += [K^T; P] U', U' [c, Dv], with O and P = tril(Q K^T) the first cq rows of Y = Z + Dk ld
+  void writes_and_reads(int64_t cq, int64_t c, const T* U) const {
+    gemm(false, false, Dk + cq, Dv, c, T(1), Z + Dv, ld, U, Dv, T(1), Z, ld);
+  }
+};
+
+#ifdef FWP_NATIVE_BF16
+// bfloat16 inputs with bfloat16 factors: the chunk's queries and keys are read in place as bfloat16 pairs (no float32
+// copies; copied only to pad an odd Dk), and K is paired once for its two uses. S^T, tril(Q K^T) and U' are rounded to
+// bfloat16 as they are paired, as VectorGemm<Bfloat16Factors> rounds any operand, so that the results are those of the
+// generic ChunkProducts with that policy; the sums are float32. Its buffers are the thread's scratch, not X.
+template <>
+struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
+  int64_t Dk, Dv, ld, k2, np, mp, nvp, cq = 0, c = 0;
+  float* Z;
+  const bf16_bits *Qr = nullptr, *Kr = nullptr;  // the chunk's queries and keys, rows of k2
+  bf16_bits* X;   // where Dk is odd: [Q; K] copied, rows of k2 (Dk rounded up to even, the pad zero)  [2C, k2]
+  bf16_bits* B;   // [S^T | K^T] in pairs of rows (as pack_pairs)                               [k2 / 2, np, 2]
+  bf16_bits* Kt;  // K^T in pairs of positions: pair p of row j = (K[2p][j], K[2p + 1][j])     [C / 2, mp, 2]
+  bf16_bits* P;   // tril(Q K^T) rounded, rows of positions padded to even                      [C, C + 1]
+  bf16_bits* U;   // U' in pairs of rows                                                        [C / 2, nvp, 2]
+  ChunkProducts(const VectorGemm<Bfloat16Factors>&, int64_t C, int64_t Dk, int64_t Dv, int64_t ld, float*, float* Z)
+      : Dk(Dk), Dv(Dv), ld(ld), k2(round_up(Dk, 2)), np(round_up(Dv + C, 16)), mp(round_up(Dk, 16)),
+        nvp(round_up(Dv, 16)), Z(Z) {
+    const int64_t cp = (C + 1) / 2;
+    X = scratch<bf16_bits>(2, 2 * C * k2 + k2 * np + 2 * cp * mp + C * 2 * cp + 2 * cp * nvp);
+    B = X + 2 * C * k2;
+    Kt = B + k2 * np;
+    P = Kt + 2 * cp * mp;
+    U = P + C * 2 * cp;
+  }
+
+  void load(const c10::BFloat16* q, const c10::BFloat16* k, int64_t cq_, int64_t c_) {
+    cq = cq_, c = c_;
+    Qr = rows_of(q, cq, X);
+    Kr = rows_of(k, c, X + cq * k2);
+    for (int64_t p = 0; 2 * p < c; ++p) {  // rows 2p and 2p + 1 of K, interleaved
+      const bf16_bits* r0 = Kr + 2 * p * k2;
+      for (int64_t j = 0; j < mp; j += 16) {
+        const __mmask16 lanes = first_lanes(Dk - j);
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, r0 + j));
+        const __m512i hi = 2 * p + 1 < c ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, r0 + k2 + j))
+                                         : _mm512_setzero_si512();
+        _mm512_storeu_si512(Kt + 2 * (p * mp + j), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  }
+  void states_and_keys(int64_t rows, int64_t, float* Y) const {
+    pack_pairs(Dk, Dv, Z, ld, B, np);
+    // pair p of column Dv + i of K^T is pair p of row i of K: a transpose of 32-bit pairs
+    transpose_into(c, k2 / 2, reinterpret_cast<const pair_bits*>(Kr), k2 / 2, reinterpret_cast<pair_bits*>(B) + Dv, np);
+    if (cq > 0) vector_gemm<Bfloat16Factors>(cq, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, false);
+    if (rows > cq)
+      vector_gemm<Bfloat16Factors>(rows - cq, Dv + c, k2 / 2, Kr, k2, 2, B, 2 * np, 1.f, Y + cq * ld, ld, false);
+  }
+  void writes_and_reads(int64_t, int64_t, const float* Un) const {
+    const int64_t cp = (c + 1) / 2;
+    pack_pairs(c, Dv, Un, Dv, U, nvp);
+    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, true);  // S^T += K^T U'
+    if (cq == 0) return;
+    float* O = Z + Dk * ld;
+    round_rows(cq, c, O + Dv, ld, P, 2 * cp);
+    vector_gemm<Bfloat16Factors>(cq, Dv, cp, P, 2 * cp, 2, U, 2 * nvp, 1.f, O, ld, true);  // O += P U'
+  }
+
+ private:
+  // rows of x as the products read them: x itself for an even Dk, else copied into `out` with a zero pad
+  const bf16_bits* rows_of(const c10::BFloat16* x, int64_t rows, bf16_bits* out) const {
+    if (k2 == Dk) return reinterpret_cast<const bf16_bits*>(x);
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(out + i * k2, x + i * Dk, sizeof(bf16_bits) * Dk);
+      out[i * k2 + Dk] = 0;
+    }
+    return out;
+  }
+};
+#endif  // FWP_NATIVE_BF16
+
+// One sequence: q, k [L, Dk], v [L, Dv], beta [L] (nullptr: sum rule). S [Dv, Dk] holds the initial state
+// on entry and the final one on return. Writes o [L, Dv] (unless nullptr); optionally the state entering each chunk
+// (`entering` [N, Dv, Dk]) and the new values U' (`u_new` [L, Dv], delta rule) for the backward pass.
+// `work` holds chunk_workspace(C, Dk, Dv) elements.
 // In: the type of q, k, v, beta and o (T, or bfloat16 with T = float: the state, sums and products' results float32).
 template <typename T, typename Gemm, typename In = T>
 void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
@@ -429,7 +591,7 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
   T* Z = X + 2 * C * Dk;                 // the buffer above                      [Dk + 2C, ld]
   T* U_buf = Z + (Dk + 2 * C) * ld;      // U' when the caller does not keep it   [C, Dv]
   T* St = Z;
-  T* Kt = Z + Dv;
+  ChunkProducts<T, Gemm, In> products(gemm, C, Dk, Dv, ld, X, Z);
   for (int64_t i = 0; i < Dv; ++i)
     for (int64_t j = 0; j < Dk; ++j) St[j * ld + i] = S[i * Dk + j];
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
@@ -442,17 +604,13 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
     }
     // Without outputs to write (the backward's recomputation of the states) only the keys are stacked.
     const int64_t cq = o != nullptr ? c : 0;
-    if (cq > 0) convert_copy(q + t0 * Dk, c * Dk, X);
-    convert_copy(k + t0 * Dk, c * Dk, X + cq * Dk);
-    const T* K = X + cq * Dk;
-    for (int64_t j = 0; j < Dk; ++j)  // rows of K^T written whole (K, a few KB, is in L1)
-      for (int64_t i = 0; i < c; ++i) Kt[j * ld + i] = K[i * Dk + j];
+    products.load(q + t0 * Dk, k + t0 * Dk, cq, c);
 
     // [Q; K] [S^T | K^T]: Q S^T is what the state entering the chunk returns for each query (eq. 25 with W = S)
     // (the sum rule needs neither K S^T nor K K^T: only the Q rows)
     const int64_t rows = cq + (beta != nullptr ? c : 0);
     T* Y = Z + Dk * ld;  // [Q S^T | Q K^T] then [K S^T | K K^T]
-    gemm(false, false, rows, Dv + c, Dk, T(1), X, Dk, Z, ld, T(0), Y, ld);
+    products.states_and_keys(rows, c, Y);
     T* P = Y + Dv;  // tril(Q K^T), diagonal included: position i reads the writes of positions j <= i
     for (int64_t i = 0; i < cq; ++i) std::fill(P + i * ld + i + 1, P + i * ld + c, T(0));
 
@@ -469,15 +627,16 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
       T* Un = u_new != nullptr ? u_new + t0 * Dv : U_buf;
       const In* b = beta + t0;
       const T* KS = Y + cq * ld;
+      convert_copy(V, c * Dv, Un);
       for (int64_t i = 0; i < c; ++i) {
         const T bi = T(b[i]);
-        for (int64_t j = 0; j < Dv; ++j) Un[i * Dv + j] = bi * (T(V[i * Dv + j]) - KS[i * ld + j]);
+        for (int64_t j = 0; j < Dv; ++j) Un[i * Dv + j] = bi * (Un[i * Dv + j] - KS[i * ld + j]);
       }
       unit_lower_forward_substitution<T>(c, Dv, KS + Dv, ld, [b](int64_t i) { return T(b[i]); }, Un);
       U = Un;
     }
     // [S^T; O] += [K^T; P] U': the chunk's writes (S^T <- S^T + K^T U') and their reads (O = Q S^T + P U')
-    gemm(false, false, Dk + cq, Dv, c, T(1), Kt, ld, U, Dv, T(1), St, ld);
+    products.writes_and_reads(cq, c, U);
     for (int64_t i = 0; i < cq; ++i) convert_copy(Y + i * ld, Dv, o + (t0 + i) * Dv);
   }
   for (int64_t i = 0; i < Dv; ++i)
