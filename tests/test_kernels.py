@@ -294,7 +294,7 @@ def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
 
 @pytest.mark.parametrize("rule", ["delta", "sum"])
 @pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (2, 1, 200, 24, 40, 48),
-                                                    (1, 2, 53, 17, 19, 16)])
+                                                    (1, 2, 53, 17, 19, 16), (1, 3, 150, 64, 80, 32)])
 def test_float32_products_agree_with_the_blas(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
     """float32 inputs take the micro-kernel's float32 products where the build has AVX-512; they and the BLAS's each
     stay within the float32 bound of the float64 step loop, and agree with each other to float32 rounding."""
