@@ -11,9 +11,10 @@
 //
 // U' (the new values written to the state, "pseudo-values") comes from one triangular solve per chunk (forward
 // substitution), so the UT-transform matrix T = (I + A)^-1 and the WY factors are never formed. Each chunk is two
-// products on one buffer (chunk_forward_seq), each a call of a Gemm policy: the BLAS that PyTorch links (sgemm_ /
-// dgemm_), or this file's AVX-512 micro-kernel with float32 factors or bfloat16 factors and float32 sums ("The
-// products" below); no tensor allocation and no dispatcher in the loop. Matrices are row-major; `gemm_rm` maps a
+// products on one buffer (chunk_forward_seq, ChunkProducts), computed by a Gemm policy: the BLAS that PyTorch links
+// (sgemm_ / dgemm_), or this file's AVX-512 micro-kernel with float32 factors or bfloat16 factors and float32 sums
+// ("The products" below; bfloat16 inputs with bfloat16 factors are read in place as pairs); no tensor allocation and
+// no dispatcher in the loop. Matrices are row-major; `gemm_rm` maps a
 // row-major product to the column-major BLAS call by computing its transpose.
 //
 // The Python wrapper allocates every output and passes it in; this file only runs loops over raw pointers.
