@@ -116,7 +116,8 @@ struct Float32Factors {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FWP_NATIVE_BF16 1
 using bf16_bits = uint16_t;
-typedef uint32_t pair_bits __attribute__((__may_alias__));  // two bfloat16 side by side
+// two bfloat16 side by side (read in place from a bfloat16 tensor: 2-byte aligned)
+typedef uint32_t pair_bits __attribute__((__may_alias__, __aligned__(2)));
 
 // bfloat16 factors: a pair of A (two steps of the inner dimension) broadcast against 16 column pairs of B, vdpbf16ps.
 struct Bfloat16Factors {
