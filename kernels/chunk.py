@@ -277,11 +277,16 @@ def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple
     BLAS."""
     kinds = cpu_product_kinds()
     dtypes = {x.dtype for x in (q, k, v, *gates)}
-    if dtypes == {torch.bfloat16} and BFLOAT16_PRODUCTS in kinds and not backward:
+    if _bfloat16_io(q, k, v, gates) and BFLOAT16_PRODUCTS in kinds and not backward:
         return BFLOAT16_PRODUCTS
     if dtypes <= {torch.float32, torch.bfloat16, torch.float16} and FLOAT32_DEFAULT_PRODUCTS in kinds:
         return FLOAT32_DEFAULT_PRODUCTS
     return BLAS_PRODUCTS
+
+
+def _bfloat16_io(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...]) -> bool:
+    """Whether q, k, v and the gates are all bfloat16: the C++ forward then reads them and writes o in bfloat16."""
+    return all(x.dtype == torch.bfloat16 for x in (q, k, v, *gates))
 
 
 def _flat(x: Optional[torch.Tensor], acc: torch.dtype) -> Optional[torch.Tensor]:
@@ -331,7 +336,7 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
         return decode_cpu(q, k, v, gates, initial_state)
     acc = acc_dtype(q, k, v, initial_state, *gates)
     # bfloat16 inputs go in as they are (the kernel widens them as it reads them) and o comes out in bfloat16
-    io = torch.bfloat16 if all(x.dtype == torch.bfloat16 for x in (q, k, v, *gates)) else acc
+    io = torch.bfloat16 if _bfloat16_io(q, k, v, gates) else acc
     state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
     flat = [_flat(x, io) for x in (q, k, v, _op_beta(gates))]
     _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None, cpu_products(q, k, v, gates))
@@ -427,12 +432,12 @@ class CpuAutoChoice(NamedTuple):
 # forward + backward ms, D = 64: C=16 7.4 / 34.8, C=32 8.3 / 34.2, C=64 10.7 / 41.5; D = 128: C=16 18.7 / 90.8,
 # C=32 19.8 / 83.6, C=64 23.4 / 87.8 (one thread, same run: D = 64 C=16 9.9 / 45.6; D = 128 C=32 29.1 / 130.5).
 # Decode step vs step loop at T = 1: 0.115 vs 0.200 ms (D = 64), 0.097 vs 0.128 (D = 128).
-# With the kernel's AVX-512 products (benchmarks/results/bench_cpu_zen5.json, a Zen 5 EPYC, 2026-11-28, load 0.5-0.8),
-# T = 2048, B*H = 8, forward / forward + backward ms, 1 thread: D = 64 C=16 3.3 / 18.2, C=32 3.5 / 18.1, C=64 4.5 /
-# 21.8; D = 128 C=16 11.3 / 50.1, C=32 11.4 / 50.5, C=64 12.3 / 53.9; 2 threads: D = 64 C=16 2.5 / 9.7, C=32 2.5 / 9.8;
-# D = 128 C=16 5.8 / 30.2, C=32 5.9 / 27.3, C=64 6.7 / 29.7. The rows stand (the bench's sum of the two picks 16 or
-# 32 for width 128 by 1-3%, 32 at 2 threads; an earlier run, before the transposed operands were vectorized, had the
-# backward at C=16 far slower and picked 64).
+# With the kernel's AVX-512 products (benchmarks/results/bench_cpu_zen5.json, a Zen 5 EPYC, commit 66be559, load
+# 0.45-0.67), T = 2048, B*H = 8, forward / forward + backward ms, 1 thread: D = 64 C=16 3.5 / 17.8, C=32 3.7 / 18.6,
+# C=64 4.8 / 22.5; D = 128 C=16 11.2 / 51.1, C=32 10.6 / 49.8, C=64 13.1 / 57.1; 2 threads: D = 64 C=16 1.7 / 9.4,
+# C=32 1.9 / 10.3, C=64 2.3 / 12.2; D = 128 C=16 5.5 / 29.7, C=32 5.6 / 27.8, C=64 6.7 / 30.7. The rows stand (the
+# bench's sum of the two picks 16 for width 64 and 32 for width 128 at both thread counts; session 44's runs picked 16
+# or 32 for width 128 by 1-3%, and one before the transposed operands were vectorized picked 64).
 _CPU_AUTO = {
     1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
     2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),

@@ -14,8 +14,8 @@
 // products on one buffer (chunk_forward_seq, ChunkProducts), computed by a Gemm policy: the BLAS that PyTorch links
 // (sgemm_ / dgemm_), or this file's AVX-512 micro-kernel with float32 factors or bfloat16 factors and float32 sums
 // ("The products" below; bfloat16 inputs with bfloat16 factors are read in place as pairs); no tensor allocation and
-// no dispatcher in the loop. Matrices are row-major; `gemm_rm` maps a
-// row-major product to the column-major BLAS call by computing its transpose.
+// no dispatcher in the loop. Matrices are row-major; `gemm_rm` maps a row-major product to the column-major BLAS call
+// by computing its transpose.
 //
 // The Python wrapper allocates every output and passes it in; this file only runs loops over raw pointers.
 
