@@ -27,7 +27,8 @@ transposed pass in the same loop; with fewer sequences than threads it splits th
 position (a decode step) is one pass over the state (``decode_step``). Its products (``cpu_products``): the file's own
 AVX-512 micro-kernel for float32 inputs where the CPU has AVX-512, with bfloat16 factors and float32 sums for the
 forward of bfloat16 inputs where it has AVX-512 BF16, else the BLAS; bfloat16 inputs are read and o written in
-bfloat16 by the forward, the state stays float32. Without the build the PyTorch path above runs: silently when there
+bfloat16 by the forward, the output gradient read and the gradients written in bfloat16 by the backward; the state
+stays float32. Without the build the PyTorch path above runs: silently when there
 is no compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning when a build fails. A saved model folder
 carries the C++ source (``chunk_delta.cpp`` and the string of ``chunk_delta_csrc.py``, written by
 ``modeling_fwp.remote_code``) and builds it the same way.
@@ -349,9 +350,12 @@ def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     beta = _op_beta(gates)
-    flat = [_flat(x, acc) for x in (q, k, v, beta)]
+    # bfloat16 inputs and output gradient go in as they are and the gradients come out in bfloat16 (the kernel widens
+    # as it reads and rounds as it writes; the states and sums float32)
+    io = torch.bfloat16 if _bfloat16_io(q, k, v, gates) else acc
+    flat = [_flat(x, io) for x in (q, k, v, beta)]
     s0 = q.new_zeros(B * H, Dv, Dk, dtype=acc) if initial_state is None else _flat(initial_state, acc)
-    do = torch.zeros_like(flat[2]) if do is None else _flat(do, acc)
+    do = torch.zeros_like(flat[2]) if do is None else _flat(do, io)
     dS = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # in: the final state's gradient, out: the initial state's
     if d_final is not None:
         dS.copy_(d_final.reshape(B * H, Dv, Dk))

@@ -293,6 +293,58 @@ def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
 
 
 @pytest.mark.parametrize("rule", ["delta", "sum"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 1, 150, 17, 40, 16),
+                                                    (1, 2, 53, 64, 19, 20)])
+def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
+    """The C++ backward of bfloat16 inputs takes q, k, v, beta and the output gradient as bfloat16 and writes bfloat16
+    gradients: exactly the float32 backward of the widened inputs with its gradients rounded once (the kernel widens
+    and rounds chunk by chunk; at B*H = 1 and 2 threads the value-column blocks sum their partial dq, dk and dbeta in
+    float32 before rounding). Ragged last chunks, odd Dk and Dv; the autograd path hands the op bfloat16 tensors."""
+    from fwp_kernels import chunk
+
+    _cpp_kernel_or_skip()
+    g = torch.Generator().manual_seed(T)
+    BH = B * H
+    q, k = (F.normalize(torch.randn(BH, T, Dk, generator=g), dim=-1).bfloat16() for _ in range(2))
+    v, do = (torch.randn(BH, T, Dv, generator=g).bfloat16() for _ in range(2))
+    beta = torch.sigmoid(torch.randn(BH, T, generator=g)).bfloat16() if rule == "delta" else None
+    s0, d_final = (0.1 * torch.randn(BH, Dv, Dk, generator=g) for _ in range(2))
+    products = chunk.cpu_products(q, k, v, () if beta is None else (beta,), backward=True)
+
+    def backward(dtype):
+        x = [None if t is None else t.to(dtype) for t in (q, k, v, beta)]
+        dS = d_final.clone()
+        grads = [torch.empty_like(t) for t in x[:3]] + [None if beta is None else torch.empty_like(x[3])]
+        _with_threads(threads, lambda: chunk._CPU_KERNEL.ops.chunk_backward(
+            *x, s0, chunk_size, do.to(dtype), dS, *grads, products))
+        return [t for t in grads if t is not None] + [dS]
+
+    got, widened = backward(torch.bfloat16), backward(torch.float32)
+    assert all(t.dtype == torch.bfloat16 for t in got[:-1])
+    for a, b in zip(got, widened):
+        assert torch.equal(a, b.to(a.dtype))
+    calls = []
+
+    class Spy:  # the kernel's ops, recording the dtypes chunk_backward is called with
+        def __init__(self, ops):
+            self.ops = ops
+
+        def __getattr__(self, name):
+            return getattr(self.ops, name)
+
+        def chunk_backward(self, *args):
+            calls.append([t.dtype for t in args if isinstance(t, torch.Tensor)])
+            return self.ops.chunk_backward(*args)
+
+    monkeypatch.setattr(chunk._CPU_KERNEL, "ops", Spy(chunk._CPU_KERNEL.ops))
+    outputs_and_grads(rule, make_inputs(rule, B, H, T, Dk, Dv, torch.bfloat16, seed=T), mode="chunk",
+                      chunk_size=chunk_size)
+    bf16, f32, n = torch.bfloat16, torch.float32, (4 if rule == "delta" else 3)  # q, k, v (, beta)
+    assert calls == [[bf16] * n + [f32, bf16, f32] + [bf16] * n]  # inputs, s0, do, dS, their gradients
+
+
+@pytest.mark.parametrize("rule", ["delta", "sum"])
 @pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (2, 1, 200, 24, 40, 48),
                                                     (1, 2, 53, 17, 19, 16), (1, 3, 150, 64, 80, 32)])
 def test_float32_products_agree_with_the_blas(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):

@@ -614,11 +614,7 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
     const int64_t c = std::min(C, L - t0);
     const In* V = v + t0 * Dv;
-    if (entering != nullptr) {
-      T* E = entering + n * Dv * Dk;
-      for (int64_t i = 0; i < Dv; ++i)
-        for (int64_t j = 0; j < Dk; ++j) E[i * Dk + j] = St[j * ld + i];
-    }
+    if (entering != nullptr) transpose(Dk, Dv, St, ld, entering + n * Dv * Dk, Dk);
     // Without outputs to write (the backward's recomputation of the states) only the keys are stacked.
     const int64_t cq = o != nullptr ? c : 0;
     products.load(q + t0 * Dk, k + t0 * Dk, cq, c);
@@ -683,8 +679,93 @@ inline void unit_lower_transposed_back_substitution(int64_t c, int64_t n, const 
   }
 }
 
+// A chunk's n elements of x as T: x itself, or widened into `buf` (bfloat16 inputs of the backward).
+template <typename T, typename In>
+inline const T* rows_as(const In* x, int64_t n, T* buf) {
+  if constexpr (std::is_same_v<In, T>) {
+    return x;
+  } else {
+    convert_copy(x, n, buf);
+    return buf;
+  }
+}
+// Where a chunk's gradient rows are computed: in x itself, or in `buf`, which store_rows rounds into x.
+template <typename T, typename Out>
+inline T* rows_for(Out* x, T* buf) {
+  if constexpr (std::is_same_v<Out, T>) {
+    return x;
+  } else {
+    return buf;
+  }
+}
+template <typename T, typename Out>
+inline void store_rows(const T* buf, int64_t n, Out* x) {
+  if constexpr (!std::is_same_v<Out, T>) convert_copy(buf, n, x);
+}
+
 inline int64_t chunk_backward_workspace(int64_t C, int64_t Dk, int64_t Dv) {
-  return 4 * C * C + 2 * C * Dv + 2 * C * Dk;
+  return 4 * C * C + 7 * C * Dk + 6 * C * Dv + 2 * C;
+}
+
+// The buffers of one chunk's backward (chunk_backward_seq), in a workspace of chunk_backward_workspace(C, Dk, Dv).
+template <typename T>
+struct BackwardBuffers {
+  T* P;    // tril(Q K^T)                                    [c, c]
+  T* A;    // strictly_lower(K K^T) (beta applied as read)   [c, c]
+  T* dP;   //                                                [c, c]
+  T* dA;   //                                                [c, c]
+  T* X;    // V - K S^T                                      [c, Dv]
+  T* dR;   // dU', then dR in place                          [c, Dv]
+  T* M;    // dA K                                           [c, Dk]
+  T* bK;   // diag(beta) K                                   [c, Dk]
+  T* Kt;   // K^T, for tril(Q K^T) and K K^T                 [Dk, c]
+  T* Ut;   // U'^T, for dP and dA                            [Dv, c]
+  T* in;   // Q, K, V, dO and beta widened to T (bfloat16 inputs)
+  T* out;  // dQ, dK, dV and dbeta before they are rounded (bfloat16 outputs)
+  BackwardBuffers(T* work, int64_t C, int64_t Dk, int64_t Dv)
+      : P(work), A(P + C * C), dP(A + C * C), dA(dP + C * C), X(dA + C * C), dR(X + C * Dv), M(dR + C * Dv),
+        bK(M + C * Dk), Kt(bK + C * Dk), Ut(Kt + C * Dk), in(Ut + C * Dv), out(in + 2 * C * (Dk + Dv) + C) {}
+};
+
+// The delta rule's part of a chunk's backward (after the products that the sum rule shares), with dU' in dR:
+//   (I + A) U' = diag(beta) X, X = V - K S^T, A = strictly_lower(diag(beta) K K^T):
+//     dR = (I + A)^-T dU',  dV = diag(beta) dR,  dbeta = rowsum(dR * X) + rowsum((dA K) * K),
+//     dA = -strictly_lower(dR U'^T),  dK += -dV S + diag(beta) dA K + dA^T diag(beta) K,  dS -= dV^T K
+template <typename T, typename Gemm>
+void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, const T* b, const T* S,
+                               const BackwardBuffers<T>& w, T* dS, T* dK, T* dV, T* db, const Gemm& gemm) {
+  // Recompute X = V - K S^T and A, then dR = (I + A)^-T dU'
+  std::memcpy(w.X, V, sizeof(T) * c * Dv);
+  gemm(false, true, c, Dv, Dk, T(-1), K, Dk, S, Dk, T(1), w.X, Dv);
+  gemm(false, false, c, c, Dk, T(1), K, Dk, w.Kt, c, T(0), w.A, c);
+  unit_lower_transposed_back_substitution<T>(c, Dv, w.A, c, [b](int64_t i) { return b[i]; }, w.dR);
+  // dV = diag(beta) dR;  dbeta = rowsum(dR * X)
+  for (int64_t i = 0; i < c; ++i) {
+    T acc = 0;
+    for (int64_t j = 0; j < Dv; ++j) {
+      acc += w.dR[i * Dv + j] * w.X[i * Dv + j];
+      dV[i * Dv + j] = b[i] * w.dR[i * Dv + j];
+    }
+    db[i] = acc;
+  }
+  // dK -= dV S;  dS -= dV^T K
+  gemm(false, false, c, Dk, Dv, T(-1), dV, Dv, S, Dk, T(1), dK, Dk);
+  gemm(true, false, Dv, Dk, c, T(-1), dV, Dv, K, Dk, T(1), dS, Dk);
+  // dA = -strictly_lower(dR U'^T)
+  gemm(false, false, c, c, Dv, T(-1), w.dR, Dv, w.Ut, c, T(0), w.dA, c);
+  for (int64_t i = 0; i < c; ++i) std::fill(w.dA + i * c + i, w.dA + (i + 1) * c, T(0));
+  // M = dA K:  dK += diag(beta) M,  dbeta += rowsum(M * K);  dK += dA^T diag(beta) K
+  gemm(false, false, c, Dk, c, T(1), w.dA, c, K, Dk, T(0), w.M, Dk);
+  for (int64_t i = 0; i < c; ++i) {
+    T acc = 0;
+    for (int64_t j = 0; j < Dk; ++j) {
+      acc += w.M[i * Dk + j] * K[i * Dk + j];
+      dK[i * Dk + j] += b[i] * w.M[i * Dk + j];
+      w.bK[i * Dk + j] = b[i] * K[i * Dk + j];
+    }
+    db[i] += acc;
+  }
+  gemm(true, false, c, Dk, c, T(1), w.dA, c, w.bK, Dk, T(1), dK, Dk);
 }
 
 // The backward of one sequence, chunks from last to first. Given the state entering each chunk
@@ -695,85 +776,53 @@ inline int64_t chunk_backward_workspace(int64_t C, int64_t Dk, int64_t Dv) {
 //   O = Q S^T + P U', P = tril(Q K^T), S' = S + U'^T K:
 //     dU' = K dS'^T + P^T dO,  dP = tril(dO U'^T),  dQ = dO S + dP K,  dK = U' dS' + dP^T Q,
 //     dS = dS' + dO^T Q
-//   delta rule, (I + A) U' = diag(beta) X, X = V - K S^T, A = strictly_lower(diag(beta) K K^T):
-//     dR = (I + A)^-T dU',  dV = diag(beta) dR,  dbeta = rowsum(dR * X) + rowsum((dA K) * K),
-//     dA = -strictly_lower(dR U'^T),  dK += -dV S + diag(beta) dA K + dA^T diag(beta) K,  dS -= dV^T K
-//   sum rule: dV = dU'.
-template <typename T, typename Gemm>
-void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q, const T* k, const T* v,
-                        const T* beta, const T* entering, const T* u_new, const T* dout, T* dS, T* dq, T* dk,
-                        T* dv, T* dbeta, T* work, const Gemm& gemm) {
-  T* P = work;              // tril(Q K^T), then dP = tril(dO U'^T) is a separate buffer  [c, c]
-  T* A = P + C * C;         // I + strictly_lower(diag(beta) K K^T)                      [c, c]
-  T* dP = A + C * C;        //                                                           [c, c]
-  T* dA = dP + C * C;       //                                                           [c, c]
-  T* X = dA + C * C;        // V - K S^T                                                 [c, Dv]
-  T* dR = X + C * Dv;       // dU', then dR in place                                     [c, Dv]
-  T* M = dR + C * Dv;       // dA K                                                      [c, Dk]
-  T* bK = M + C * Dk;       // diag(beta) K                                              [c, Dk]
+//   delta rule: delta_rule_chunk_backward;  sum rule: dV = dU'.
+// In: the type of q, k, v, beta and do; Out: of dq, dk, dv and dbeta (T, or bfloat16 with T = float: widened as
+// they are read, rounded as they are written, the rest float32).
+template <typename T, typename Gemm, typename In = T, typename Out = In>
+void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
+                        const In* beta, const T* entering, const T* u_new, const In* dout, T* dS, Out* dq, Out* dk,
+                        Out* dv, Out* dbeta, T* work, const Gemm& gemm) {
+  const BackwardBuffers<T> w(work, C, Dk, Dv);
   const int64_t N = (L + C - 1) / C;
   for (int64_t n = N - 1; n >= 0; --n) {
     const int64_t t0 = n * C, c = std::min(C, L - t0);
-    const T* Q = q + t0 * Dk;
-    const T* K = k + t0 * Dk;
-    const T* V = v + t0 * Dv;
-    const T* dO = dout + t0 * Dv;
+    const T* Q = rows_as(q + t0 * Dk, c * Dk, w.in);
+    const T* K = rows_as(k + t0 * Dk, c * Dk, w.in + C * Dk);
+    const T* V = rows_as(v + t0 * Dv, c * Dv, w.in + 2 * C * Dk);
+    const T* dO = rows_as(dout + t0 * Dv, c * Dv, w.in + 2 * C * Dk + C * Dv);
     const T* S = entering + n * Dv * Dk;
     const T* U = beta != nullptr ? u_new + t0 * Dv : V;
-    T* dQ = dq + t0 * Dk;
-    T* dK = dk + t0 * Dk;
-    T* dV = dv + t0 * Dv;
+    T* dQ = rows_for(dq + t0 * Dk, w.out);
+    T* dK = rows_for(dk + t0 * Dk, w.out + C * Dk);
+    T* dV = rows_for(dv + t0 * Dv, w.out + 2 * C * Dk);
 
-    gemm(false, true, c, c, Dk, T(1), Q, Dk, K, Dk, T(0), P, c);
-    for (int64_t i = 0; i < c; ++i) std::fill(P + i * c + i + 1, P + (i + 1) * c, T(0));
+    transpose(c, Dk, K, Dk, w.Kt, c);
+    transpose(c, Dv, U, Dv, w.Ut, c);
+    gemm(false, false, c, c, Dk, T(1), Q, Dk, w.Kt, c, T(0), w.P, c);
+    for (int64_t i = 0; i < c; ++i) std::fill(w.P + i * c + i + 1, w.P + (i + 1) * c, T(0));
     // dU' = K dS'^T + P^T dO   (into dV for the sum rule, where dV = dU')
-    T* dU = beta != nullptr ? dR : dV;
+    T* dU = beta != nullptr ? w.dR : dV;
     gemm(false, true, c, Dv, Dk, T(1), K, Dk, dS, Dk, T(0), dU, Dv);
-    gemm(true, false, c, Dv, c, T(1), P, c, dO, Dv, T(1), dU, Dv);
+    gemm(true, false, c, Dv, c, T(1), w.P, c, dO, Dv, T(1), dU, Dv);
     // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
     gemm(false, false, c, Dk, Dv, T(1), U, Dv, dS, Dk, T(0), dK, Dk);
     // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q;  dS = dS' + dO^T Q
-    gemm(false, true, c, c, Dv, T(1), dO, Dv, U, Dv, T(0), dP, c);
-    for (int64_t i = 0; i < c; ++i) std::fill(dP + i * c + i + 1, dP + (i + 1) * c, T(0));
+    gemm(false, false, c, c, Dv, T(1), dO, Dv, w.Ut, c, T(0), w.dP, c);
+    for (int64_t i = 0; i < c; ++i) std::fill(w.dP + i * c + i + 1, w.dP + (i + 1) * c, T(0));
     gemm(false, false, c, Dk, Dv, T(1), dO, Dv, S, Dk, T(0), dQ, Dk);
-    gemm(false, false, c, Dk, c, T(1), dP, c, K, Dk, T(1), dQ, Dk);
-    gemm(true, false, c, Dk, c, T(1), dP, c, Q, Dk, T(1), dK, Dk);
+    gemm(false, false, c, Dk, c, T(1), w.dP, c, K, Dk, T(1), dQ, Dk);
+    gemm(true, false, c, Dk, c, T(1), w.dP, c, Q, Dk, T(1), dK, Dk);
     gemm(true, false, Dv, Dk, c, T(1), dO, Dv, Q, Dk, T(1), dS, Dk);
-    if (beta == nullptr) continue;
-
-    const T* b = beta + t0;
-    // Recompute X = V - K S^T and A, then dR = (I + A)^-T dU'
-    std::memcpy(X, V, sizeof(T) * c * Dv);
-    gemm(false, true, c, Dv, Dk, T(-1), K, Dk, S, Dk, T(1), X, Dv);
-    gemm(false, true, c, c, Dk, T(1), K, Dk, K, Dk, T(0), A, c);
-    unit_lower_transposed_back_substitution<T>(c, Dv, A, c, [b](int64_t i) { return b[i]; }, dR);
-    // dV = diag(beta) dR;  dbeta = rowsum(dR * X)
-    for (int64_t i = 0; i < c; ++i) {
-      T acc = 0;
-      for (int64_t j = 0; j < Dv; ++j) {
-        acc += dR[i * Dv + j] * X[i * Dv + j];
-        dV[i * Dv + j] = b[i] * dR[i * Dv + j];
-      }
-      dbeta[t0 + i] = acc;
+    if (beta != nullptr) {
+      T* db = rows_for(dbeta + t0, w.out + 2 * C * Dk + C * Dv);
+      const T* b = rows_as(beta + t0, c, w.in + 2 * C * (Dk + Dv));
+      delta_rule_chunk_backward(c, Dk, Dv, K, V, b, S, w, dS, dK, dV, db, gemm);
+      store_rows(db, c, dbeta + t0);
     }
-    // dK -= dV S;  dS -= dV^T K
-    gemm(false, false, c, Dk, Dv, T(-1), dV, Dv, S, Dk, T(1), dK, Dk);
-    gemm(true, false, Dv, Dk, c, T(-1), dV, Dv, K, Dk, T(1), dS, Dk);
-    // dA = -strictly_lower(dR U'^T)
-    gemm(false, true, c, c, Dv, T(-1), dR, Dv, U, Dv, T(0), dA, c);
-    for (int64_t i = 0; i < c; ++i) std::fill(dA + i * c + i, dA + (i + 1) * c, T(0));
-    // M = dA K:  dK += diag(beta) M,  dbeta += rowsum(M * K);  dK += dA^T diag(beta) K
-    gemm(false, false, c, Dk, c, T(1), dA, c, K, Dk, T(0), M, Dk);
-    for (int64_t i = 0; i < c; ++i) {
-      T acc = 0;
-      for (int64_t j = 0; j < Dk; ++j) {
-        acc += M[i * Dk + j] * K[i * Dk + j];
-        dK[i * Dk + j] += b[i] * M[i * Dk + j];
-        bK[i * Dk + j] = b[i] * K[i * Dk + j];
-      }
-      dbeta[t0 + i] += acc;
-    }
-    gemm(true, false, c, Dk, c, T(1), dA, c, bK, Dk, T(1), dK, Dk);
+    store_rows(dQ, c * Dk, dq + t0 * Dk);
+    store_rows(dK, c * Dk, dk + t0 * Dk);
+    store_rows(dV, c * Dv, dv + t0 * Dv);
   }
 }
 
@@ -821,14 +870,14 @@ inline int64_t value_blocks(int64_t BH, int64_t L, int64_t Dv) {
   return std::max<int64_t>(1, std::min((threads + BH - 1) / BH, Dv / 16));
 }
 
-// Columns [j0, j0 + n) of a row-major x [L, ld] into the contiguous out [L, n], and back.
+// Columns [j0, j0 + n) of a row-major x [L, ld] into the contiguous out [L, n], and back (converted to out's type).
 template <typename T>
 void gather_columns(const T* x, int64_t L, int64_t ld, int64_t j0, int64_t n, T* out) {
   for (int64_t t = 0; t < L; ++t) std::memcpy(out + t * n, x + t * ld + j0, sizeof(T) * n);
 }
-template <typename T>
-void scatter_columns(const T* x, int64_t L, int64_t ld, int64_t j0, int64_t n, T* out) {
-  for (int64_t t = 0; t < L; ++t) std::memcpy(out + t * ld + j0, x + t * n, sizeof(T) * n);
+template <typename T, typename Out>
+void scatter_columns(const T* x, int64_t L, int64_t ld, int64_t j0, int64_t n, Out* out) {
+  for (int64_t t = 0; t < L; ++t) convert_copy(x + t * n, n, out + t * ld + j0);
 }
 
 void check(const at::Tensor& x, const at::Tensor& like, const char* name) {
@@ -874,40 +923,43 @@ void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const I
 }
 
 // The backward in nb > 1 column blocks. dV and the rows of dS split like V and S; dQ, dK and dbeta are sums over
-// the value columns (dQ = dO S + dP K, dP = tril(dO U'^T), ...): each block writes its part, summed at the end.
-template <typename T, typename Gemm>
-void backward_value_blocks(const ChunkShapes& s, int64_t nb, const at::Tensor& q, const at::Tensor& k, const T* v,
-                           const T* beta, const T* s0, const T* dout, T* dS, const at::Tensor& dq,
-                           const at::Tensor& dk, T* dv, const std::optional<at::Tensor>& dbeta, const Gemm& gemm) {
-  const at::Tensor dq_parts = q.new_empty({nb, s.BH, s.L, s.Dk});
-  const at::Tensor dk_parts = q.new_empty({nb, s.BH, s.L, s.Dk});
-  const at::Tensor db_parts = q.new_empty({nb, s.BH, s.L});
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>();
+// the value columns (dQ = dO S + dP K, dP = tril(dO U'^T), ...): each block writes its part in T, summed at the end
+// (and then rounded, for bfloat16 gradients).
+template <typename T, typename Gemm, typename In>
+void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const In* k, const In* v, const In* beta,
+                           const T* s0, const In* dout, T* dS, const at::Tensor& dq, const at::Tensor& dk, In* dv,
+                           const std::optional<at::Tensor>& dbeta, const Gemm& gemm) {
+  const at::TensorOptions in_T = dq.options().dtype(c10::CppTypeToScalarType<T>::value);
+  const at::Tensor dq_parts = dq.new_empty({nb, s.BH, s.L, s.Dk}, in_T);
+  const at::Tensor dk_parts = dq.new_empty({nb, s.BH, s.L, s.Dk}, in_T);
+  const at::Tensor db_parts = dq.new_empty({nb, s.BH, s.L}, in_T);
   T *dqp = dq_parts.data_ptr<T>(), *dkp = dk_parts.data_ptr<T>(), *dbp = db_parts.data_ptr<T>();
   parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
+    std::vector<In> columns;
     std::vector<T> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
       const int64_t work = std::max(chunk_workspace(s.C, s.Dk, n), chunk_backward_workspace(s.C, s.Dk, n));
-      buf.resize(4 * s.L * n + (s.N + 1) * n * s.Dk + work);
-      T* vb = buf.data();         // the block's columns of V, dO, dV and U'   [L, n] each
-      T* dob = vb + s.L * n;
-      T* dvb = dob + s.L * n;
+      columns.resize(2 * s.L * n);
+      buf.resize(2 * s.L * n + (s.N + 1) * n * s.Dk + work);
+      In* vb = columns.data();  // the block's columns of V and dO   [L, n] each
+      In* dob = vb + s.L * n;
+      T* dvb = buf.data();      // the block's columns of dV and U'  [L, n] each
       T* u_new = dvb + s.L * n;
       T* entering = u_new + s.L * n;  // the block's rows of the state entering each chunk   [N, n, Dk]
       T* state = entering + s.N * n * s.Dk;
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       gather_columns(dout + bh * s.L * s.Dv, s.L, s.Dv, j0, n, dob);
       std::memcpy(state, s0 + (bh * s.Dv + j0) * s.Dk, sizeof(T) * n * s.Dk);
-      const T* qs = qp + bh * s.L * s.Dk;
-      const T* ks = kp + bh * s.L * s.Dk;
-      const T* bs = beta != nullptr ? beta + bh * s.L : nullptr;
+      const In* qs = q + bh * s.L * s.Dk;
+      const In* ks = k + bh * s.L * s.Dk;
+      const In* bs = beta != nullptr ? beta + bh * s.L : nullptr;
       chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, state, nullptr, entering, u_new, state + n * s.Dk,
                            gemm);
       const int64_t part = j * s.BH + bh;
-      chunk_backward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, entering, u_new, dob, dS + (bh * s.Dv + j0) * s.Dk,
-                            dqp + part * s.L * s.Dk, dkp + part * s.L * s.Dk, dvb, dbp + part * s.L,
-                            state + n * s.Dk, gemm);
+      chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, entering, u_new, dob,
+                                         dS + (bh * s.Dv + j0) * s.Dk, dqp + part * s.L * s.Dk,
+                                         dkp + part * s.L * s.Dk, dvb, dbp + part * s.L, state + n * s.Dk, gemm);
       scatter_columns(dvb, s.L, s.Dv, j0, n, dv + bh * s.L * s.Dv);
     }
   });
@@ -976,16 +1028,42 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   });
 }
 
+// The backward of sequences [begin, end) one after another (chunk_backward without value blocks): the states entering
+// the chunks and U' recomputed per sequence into the thread's buffers.
+template <typename T, typename Gemm, typename In>
+void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const In* q, const In* k, const In* v,
+                        const In* beta, const T* s0, const In* dout, T* dS, In* dq, In* dk, In* dv, In* dbeta,
+                        const Gemm& gemm) {
+  const int64_t L = s.L, Dk = s.Dk, Dv = s.Dv;
+  std::vector<T> work(std::max(chunk_workspace(s.C, Dk, Dv), chunk_backward_workspace(s.C, Dk, Dv)));
+  std::vector<T> entering(s.N * Dv * Dk), state(Dv * Dk), u_new(beta != nullptr ? L * Dv : 0);
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const In* bs = beta != nullptr ? beta + bh * L : nullptr;
+    std::memcpy(state.data(), s0 + bh * Dv * Dk, sizeof(T) * Dv * Dk);
+    chunk_forward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv, bs, state.data(), nullptr,
+                         entering.data(), bs != nullptr ? u_new.data() : nullptr, work.data(), gemm);
+    chunk_backward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv, bs, entering.data(),
+                          u_new.data(), dout + bh * L * Dv, dS + bh * Dv * Dk, dq + bh * L * Dk, dk + bh * L * Dk,
+                          dv + bh * L * Dv, bs != nullptr ? dbeta + bh * L : nullptr, work.data(), gemm);
+  }
+}
+
 // Gradients of chunk_forward. dS [BH, Dv, Dk]: the final state's gradient in, the initial state's out.
 // dq, dk [BH, L, Dk], dv [BH, L, Dv], dbeta [BH, L] (delta rule) are written. The states entering the
-// chunks and U' are recomputed per sequence (one state per chunk, in a per-thread buffer).
+// chunks and U' are recomputed per sequence (one state per chunk, in a per-thread buffer). bfloat16 q, k, v, beta
+// and dout take a float32 s0 and dS and write bfloat16 gradients: widened as they are read, rounded as they are
+// written (the sums, states and products float32).
 void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& beta, const at::Tensor& s0, int64_t chunk_size,
                     const at::Tensor& dout, const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk,
                     const at::Tensor& dv, const std::optional<at::Tensor>& dbeta, int64_t products) {
   const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
-  const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, C = shapes.C, N = shapes.N;
-  for (auto* x : {&k, &v, &s0, &dout, &dS, &dq, &dk, &dv}) check(*x, q, "input");
+  const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv;
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  for (auto* x : {&k, &v, &dout, &dq, &dk, &dv}) check(*x, q, "input");
+  for (auto* x : {&s0, &dS})
+    TORCH_CHECK(x->device().is_cpu() && x->is_contiguous() && x->scalar_type() == (bf16 ? at::kFloat : q.scalar_type()),
+                "fwp_chunk: s0 and dS must be contiguous CPU tensors of q's dtype (float32 for bfloat16 q)");
   TORCH_CHECK(v.size(0) == BH && v.size(1) == L && s0.numel() == BH * Dv * Dk && dS.numel() == BH * Dv * Dk &&
                   dout.sizes() == v.sizes() && dv.sizes() == v.sizes() && dq.sizes() == q.sizes() &&
                   dk.sizes() == q.sizes(),
@@ -997,32 +1075,20 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
   const int64_t nb = value_blocks(BH, L, Dv);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "chunk_backward", [&] {
-    with_products<scalar_t>(products, [&](const auto& gemm) {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_backward", [&] {
+    using In = scalar_t;
+    using T = at::opmath_type<In>;  // float for bfloat16
+    auto ptr = [](const std::optional<at::Tensor>& x) { return x.has_value() ? x->data_ptr<In>() : nullptr; };
+    with_products<T>(products, [&](const auto& gemm) {
       if (nb > 1) {
-        return backward_value_blocks<scalar_t>(
-            shapes, nb, q, k, v.data_ptr<scalar_t>(), beta.has_value() ? beta->data_ptr<scalar_t>() : nullptr,
-            s0.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), dS.data_ptr<scalar_t>(), dq, dk,
-            dv.data_ptr<scalar_t>(), dbeta, gemm);
+        return backward_value_blocks<T>(shapes, nb, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), ptr(beta),
+                                        s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(), dq, dk,
+                                        dv.data_ptr<In>(), dbeta, gemm);
       }
       for_sequences(BH, [&](int64_t begin, int64_t end) {
-        std::vector<scalar_t> work(std::max(chunk_workspace(C, Dk, Dv), chunk_backward_workspace(C, Dk, Dv)));
-        std::vector<scalar_t> entering(N * Dv * Dk), state(Dv * Dk);
-        std::vector<scalar_t> u_new(beta.has_value() ? L * Dv : 0);
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const scalar_t* qs = q.data_ptr<scalar_t>() + bh * L * Dk;
-          const scalar_t* ks = k.data_ptr<scalar_t>() + bh * L * Dk;
-          const scalar_t* vs = v.data_ptr<scalar_t>() + bh * L * Dv;
-          const scalar_t* bs = beta.has_value() ? beta->data_ptr<scalar_t>() + bh * L : nullptr;
-          std::memcpy(state.data(), s0.data_ptr<scalar_t>() + bh * Dv * Dk, sizeof(scalar_t) * Dv * Dk);
-          chunk_forward_seq<scalar_t>(L, Dk, Dv, C, qs, ks, vs, bs, state.data(), nullptr, entering.data(),
-                                      bs != nullptr ? u_new.data() : nullptr, work.data(), gemm);
-          chunk_backward_seq<scalar_t>(
-              L, Dk, Dv, C, qs, ks, vs, bs, entering.data(), u_new.data(), dout.data_ptr<scalar_t>() + bh * L * Dv,
-              dS.data_ptr<scalar_t>() + bh * Dv * Dk, dq.data_ptr<scalar_t>() + bh * L * Dk,
-              dk.data_ptr<scalar_t>() + bh * L * Dk, dv.data_ptr<scalar_t>() + bh * L * Dv,
-              bs != nullptr ? dbeta->data_ptr<scalar_t>() + bh * L : nullptr, work.data(), gemm);
-        }
+        backward_sequences<T>(shapes, begin, end, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), ptr(beta),
+                              s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(), dq.data_ptr<In>(),
+                              dk.data_ptr<In>(), dv.data_ptr<In>(), ptr(dbeta), gemm);
       });
     });
   });
