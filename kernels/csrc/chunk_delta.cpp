@@ -587,14 +587,23 @@ inline void prefetch(const E* x, int64_t n) {
   for (int64_t b = 0; b < n * int64_t(sizeof(E)); b += 64) __builtin_prefetch(reinterpret_cast<const char*>(x) + b);
 }
 
+// What a forward keeps of one sequence for its backward, each nullptr where not kept: the state entering each chunk
+// (`entering` [N, Dv, Dk]), and for the delta rule the new values U' (`u_new` [L, Dv]) and X = V - K S^T of each
+// chunk (`x` [L, Dv]: what dbeta needs, so that the backward does not multiply K S^T again).
+template <typename T>
+struct ForwardRecord {
+  T* entering = nullptr;
+  T* u_new = nullptr;
+  T* x = nullptr;
+};
+
 // One sequence: q, k [L, Dk], v [L, Dv], beta [L] (nullptr: sum rule). S [Dv, Dk] holds the initial state
-// on entry and the final one on return. Writes o [L, Dv] (unless nullptr); optionally the state entering each chunk
-// (`entering` [N, Dv, Dk]) and the new values U' (`u_new` [L, Dv], delta rule) for the backward pass.
+// on entry and the final one on return. Writes o [L, Dv] (unless nullptr) and what `record` asks for.
 // `work` holds chunk_workspace(C, Dk, Dv) elements.
 // In: the type of q, k, v, beta and o (T, or bfloat16 with T = float: the state, sums and products' results float32).
 template <typename T, typename Gemm, typename In = T>
 void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
-                       const In* beta, T* S, std::type_identity_t<In>* o, T* entering, T* u_new, T* work,
+                       const In* beta, T* S, std::type_identity_t<In>* o, const ForwardRecord<T>& record, T* work,
                        const Gemm& gemm) {
   // The state is kept transposed, St = S^T [Dk, Dv], beside K^T [Dk, c], and the chunk's queries and keys are stacked,
   // X = [Q; K] [2c, Dk]. One buffer Z [Dk + 2C, Dv + C] (row stride ld) holds
@@ -614,7 +623,7 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
     const int64_t c = std::min(C, L - t0);
     const In* V = v + t0 * Dv;
-    if (entering != nullptr) transpose(Dk, Dv, St, ld, entering + n * Dv * Dk, Dk);
+    if (record.entering != nullptr) transpose(Dk, Dv, St, ld, record.entering + n * Dv * Dk, Dk);
     // Without outputs to write (the backward's recomputation of the states) only the keys are stacked.
     const int64_t cq = o != nullptr ? c : 0;
     products.load(q + t0 * Dk, k + t0 * Dk, cq, c);
@@ -643,13 +652,23 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
     } else {
       // Delta rule within the chunk, u_i = beta_i (v_i - S_{i-1} k_i) with S_{i-1} = S + sum_{j<i} u_j k_j^T
       // (eqs. 20-24), stacked: (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) (V - K S^T).
-      T* Un = u_new != nullptr ? u_new + t0 * Dv : U_buf;
+      T* Un = record.u_new != nullptr ? record.u_new + t0 * Dv : U_buf;
       const In* b = beta + t0;
       const T* KS = Y + cq * ld;
       convert_copy(V, c * Dv, Un);
-      for (int64_t i = 0; i < c; ++i) {
+      for (int64_t i = 0; i < c; ++i) {  // beta_i x_i, x_i = v_i - S k_i (kept for the backward where asked)
+        T* u = Un + i * Dv;
+        const T* ks = KS + i * ld;
         const T bi = T(b[i]);
-        for (int64_t j = 0; j < Dv; ++j) Un[i * Dv + j] = bi * (Un[i * Dv + j] - KS[i * ld + j]);
+        if (record.x == nullptr) {
+          for (int64_t j = 0; j < Dv; ++j) u[j] = bi * (u[j] - ks[j]);
+          continue;
+        }
+        T* x = record.x + (t0 + i) * Dv;
+        for (int64_t j = 0; j < Dv; ++j) {
+          x[j] = u[j] - ks[j];
+          u[j] = bi * x[j];
+        }
       }
       unit_lower_forward_substitution<T>(c, Dv, KS + Dv, ld, [b](int64_t i) { return T(b[i]); }, Un);
       U = Un;
@@ -704,7 +723,7 @@ inline void store_rows(const T* buf, int64_t n, Out* x) {
 }
 
 inline int64_t chunk_backward_workspace(int64_t C, int64_t Dk, int64_t Dv) {
-  return 4 * C * C + 7 * C * Dk + 6 * C * Dv + 2 * C;
+  return 4 * C * C + 7 * C * Dk + 5 * C * Dv + 2 * C;
 }
 
 // The buffers of one chunk's backward (chunk_backward_seq), in a workspace of chunk_backward_workspace(C, Dk, Dv).
@@ -714,7 +733,6 @@ struct BackwardBuffers {
   T* A;    // strictly_lower(K K^T) (beta applied as read)   [c, c]
   T* dP;   //                                                [c, c]
   T* dA;   //                                                [c, c]
-  T* X;    // V - K S^T                                      [c, Dv]
   T* dR;   // dU', then dR in place                          [c, Dv]
   T* M;    // dA K                                           [c, Dk]
   T* bK;   // diag(beta) K                                   [c, Dk]
@@ -723,27 +741,26 @@ struct BackwardBuffers {
   T* in;   // Q, K, V, dO and beta widened to T (bfloat16 inputs)
   T* out;  // dQ, dK, dV and dbeta before they are rounded (bfloat16 outputs)
   BackwardBuffers(T* work, int64_t C, int64_t Dk, int64_t Dv)
-      : P(work), A(P + C * C), dP(A + C * C), dA(dP + C * C), X(dA + C * C), dR(X + C * Dv), M(dR + C * Dv),
+      : P(work), A(P + C * C), dP(A + C * C), dA(dP + C * C), dR(dA + C * C), M(dR + C * Dv),
         bK(M + C * Dk), Kt(bK + C * Dk), Ut(Kt + C * Dk), in(Ut + C * Dv), out(in + 2 * C * (Dk + Dv) + C) {}
 };
 
-// The delta rule's part of a chunk's backward (after the products that the sum rule shares), with dU' in dR:
+// The delta rule's part of a chunk's backward (after the products that the sum rule shares), with dU' in dR and X
+// kept by the forward:
 //   (I + A) U' = diag(beta) X, X = V - K S^T, A = strictly_lower(diag(beta) K K^T):
 //     dR = (I + A)^-T dU',  dV = diag(beta) dR,  dbeta = rowsum(dR * X) + rowsum((dA K) * K),
 //     dA = -strictly_lower(dR U'^T),  dK += -dV S + diag(beta) dA K + dA^T diag(beta) K,  dS -= dV^T K
 template <typename T, typename Gemm>
-void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, const T* b, const T* S,
+void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* X, const T* b, const T* S,
                                const BackwardBuffers<T>& w, T* dS, T* dK, T* dV, T* db, const Gemm& gemm) {
-  // Recompute X = V - K S^T and A, then dR = (I + A)^-T dU'
-  std::memcpy(w.X, V, sizeof(T) * c * Dv);
-  gemm(false, true, c, Dv, Dk, T(-1), K, Dk, S, Dk, T(1), w.X, Dv);
+  // Recompute A, then dR = (I + A)^-T dU'
   gemm(false, false, c, c, Dk, T(1), K, Dk, w.Kt, c, T(0), w.A, c);
   unit_lower_transposed_back_substitution<T>(c, Dv, w.A, c, [b](int64_t i) { return b[i]; }, w.dR);
   // dV = diag(beta) dR;  dbeta = rowsum(dR * X)
   for (int64_t i = 0; i < c; ++i) {
     T acc = 0;
     for (int64_t j = 0; j < Dv; ++j) {
-      acc += w.dR[i * Dv + j] * w.X[i * Dv + j];
+      acc += w.dR[i * Dv + j] * X[i * Dv + j];
       dV[i * Dv + j] = b[i] * w.dR[i * Dv + j];
     }
     db[i] = acc;
@@ -768,8 +785,8 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
   gemm(true, false, c, Dk, c, T(1), w.dA, c, w.bK, Dk, T(1), dK, Dk);
 }
 
-// The backward of one sequence, chunks from last to first. Given the state entering each chunk
-// (`entering` [N, Dv, Dk]) and U' (`u_new` [L, Dv]; delta rule) from `chunk_forward_seq`, the output
+// The backward of one sequence, chunks from last to first. Given what `chunk_forward_seq` kept (`kept`: the states
+// entering the chunks; U' and X for the delta rule), the output
 // gradient do [L, Dv] and, in dS [Dv, Dk], the gradient of the final state (replaced by that of the
 // initial state). Per chunk, with S entering it and dS' the gradient of the state leaving it
 // (derivation: kernels/README.md, "Backward of the CPU kernel"):
@@ -781,7 +798,7 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
 // they are read, rounded as they are written, the rest float32).
 template <typename T, typename Gemm, typename In = T, typename Out = In>
 void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
-                        const In* beta, const T* entering, const T* u_new, const In* dout, T* dS, Out* dq, Out* dk,
+                        const In* beta, const ForwardRecord<T>& kept, const In* dout, T* dS, Out* dq, Out* dk,
                         Out* dv, Out* dbeta, T* work, const Gemm& gemm) {
   const BackwardBuffers<T> w(work, C, Dk, Dv);
   const int64_t N = (L + C - 1) / C;
@@ -791,8 +808,8 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const T* K = rows_as(k + t0 * Dk, c * Dk, w.in + C * Dk);
     const T* V = rows_as(v + t0 * Dv, c * Dv, w.in + 2 * C * Dk);
     const T* dO = rows_as(dout + t0 * Dv, c * Dv, w.in + 2 * C * Dk + C * Dv);
-    const T* S = entering + n * Dv * Dk;
-    const T* U = beta != nullptr ? u_new + t0 * Dv : V;
+    const T* S = kept.entering + n * Dv * Dk;
+    const T* U = beta != nullptr ? kept.u_new + t0 * Dv : V;
     T* dQ = rows_for(dq + t0 * Dk, w.out);
     T* dK = rows_for(dk + t0 * Dk, w.out + C * Dk);
     T* dV = rows_for(dv + t0 * Dv, w.out + 2 * C * Dk);
@@ -817,7 +834,7 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     if (beta != nullptr) {
       T* db = rows_for(dbeta + t0, w.out + 2 * C * Dk + C * Dv);
       const T* b = rows_as(beta + t0, c, w.in + 2 * C * (Dk + Dv));
-      delta_rule_chunk_backward(c, Dk, Dv, K, V, b, S, w, dS, dK, dV, db, gemm);
+      delta_rule_chunk_backward(c, Dk, Dv, K, kept.x + t0 * Dv, b, S, w, dS, dK, dV, db, gemm);
       store_rows(db, c, dbeta + t0);
     }
     store_rows(dQ, c * Dk, dq + t0 * Dk);
@@ -915,8 +932,8 @@ void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const I
       In* ob = vb + s.L * n;
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       chunk_forward_seq<T>(s.L, s.Dk, n, s.C, q + bh * s.L * s.Dk, k + bh * s.L * s.Dk, vb,
-                           beta != nullptr ? beta + bh * s.L : nullptr, S + (bh * s.Dv + j0) * s.Dk, ob, nullptr,
-                           nullptr, work.data(), gemm);
+                           beta != nullptr ? beta + bh * s.L : nullptr, S + (bh * s.Dv + j0) * s.Dk, ob,
+                           ForwardRecord<T>{}, work.data(), gemm);
       scatter_columns(ob, s.L, s.Dv, j0, n, o + bh * s.L * s.Dv);
     }
   });
@@ -941,23 +958,21 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
       const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
       const int64_t work = std::max(chunk_workspace(s.C, s.Dk, n), chunk_backward_workspace(s.C, s.Dk, n));
       columns.resize(2 * s.L * n);
-      buf.resize(2 * s.L * n + (s.N + 1) * n * s.Dk + work);
-      In* vb = columns.data();  // the block's columns of V and dO   [L, n] each
+      buf.resize(3 * s.L * n + (s.N + 1) * n * s.Dk + work);
+      In* vb = columns.data();  // the block's columns of V and dO      [L, n] each
       In* dob = vb + s.L * n;
-      T* dvb = buf.data();      // the block's columns of dV and U'  [L, n] each
-      T* u_new = dvb + s.L * n;
-      T* entering = u_new + s.L * n;  // the block's rows of the state entering each chunk   [N, n, Dk]
-      T* state = entering + s.N * n * s.Dk;
+      T* dvb = buf.data();      // the block's columns of dV, U' and X  [L, n] each
+      const ForwardRecord<T> kept{dvb + 3 * s.L * n, dvb + s.L * n, dvb + 2 * s.L * n};
+      T* state = kept.entering + s.N * n * s.Dk;  // after the block's rows of the states entering the chunks
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       gather_columns(dout + bh * s.L * s.Dv, s.L, s.Dv, j0, n, dob);
       std::memcpy(state, s0 + (bh * s.Dv + j0) * s.Dk, sizeof(T) * n * s.Dk);
       const In* qs = q + bh * s.L * s.Dk;
       const In* ks = k + bh * s.L * s.Dk;
       const In* bs = beta != nullptr ? beta + bh * s.L : nullptr;
-      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, state, nullptr, entering, u_new, state + n * s.Dk,
-                           gemm);
+      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, state, nullptr, kept, state + n * s.Dk, gemm);
       const int64_t part = j * s.BH + bh;
-      chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, entering, u_new, dob,
+      chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, kept, dob,
                                          dS + (bh * s.Dv + j0) * s.Dk, dqp + part * s.L * s.Dk,
                                          dkp + part * s.L * s.Dk, dvb, dbp + part * s.L, state + n * s.Dk, gemm);
       scatter_columns(dvb, s.L, s.Dv, j0, n, dv + bh * s.L * s.Dv);
@@ -1020,8 +1035,9 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           chunk_forward_seq<T>(L, Dk, Dv, C, q.data_ptr<In>() + bh * L * Dk, k.data_ptr<In>() + bh * L * Dk,
                                v.data_ptr<In>() + bh * L * Dv, beta.has_value() ? ptr(beta) + bh * L : nullptr,
                                S.data_ptr<T>() + bh * Dv * Dk, o.has_value() ? ptr(o) + bh * L * Dv : nullptr,
-                               entering_p != nullptr ? entering_p + bh * N * Dv * Dk : nullptr,
-                               u_new_p != nullptr ? u_new_p + bh * L * Dv : nullptr, work.data(), gemm);
+                               ForwardRecord<T>{entering_p != nullptr ? entering_p + bh * N * Dv * Dk : nullptr,
+                                                u_new_p != nullptr ? u_new_p + bh * L * Dv : nullptr},
+                               work.data(), gemm);
         }
       });
     });
@@ -1036,14 +1052,16 @@ void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const 
                         const Gemm& gemm) {
   const int64_t L = s.L, Dk = s.Dk, Dv = s.Dv;
   std::vector<T> work(std::max(chunk_workspace(s.C, Dk, Dv), chunk_backward_workspace(s.C, Dk, Dv)));
-  std::vector<T> entering(s.N * Dv * Dk), state(Dv * Dk), u_new(beta != nullptr ? L * Dv : 0);
+  std::vector<T> entering(s.N * Dv * Dk), state(Dv * Dk), values(beta != nullptr ? 2 * L * Dv : 0);
+  const ForwardRecord<T> kept{entering.data(), beta != nullptr ? values.data() : nullptr,
+                              beta != nullptr ? values.data() + L * Dv : nullptr};  // U', then X
   for (int64_t bh = begin; bh < end; ++bh) {
     const In* bs = beta != nullptr ? beta + bh * L : nullptr;
     std::memcpy(state.data(), s0 + bh * Dv * Dk, sizeof(T) * Dv * Dk);
     chunk_forward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv, bs, state.data(), nullptr,
-                         entering.data(), bs != nullptr ? u_new.data() : nullptr, work.data(), gemm);
-    chunk_backward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv, bs, entering.data(),
-                          u_new.data(), dout + bh * L * Dv, dS + bh * Dv * Dk, dq + bh * L * Dk, dk + bh * L * Dk,
+                         kept, work.data(), gemm);
+    chunk_backward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv, bs, kept,
+                          dout + bh * L * Dv, dS + bh * Dv * Dk, dq + bh * L * Dk, dk + bh * L * Dk,
                           dv + bh * L * Dv, bs != nullptr ? dbeta + bh * L : nullptr, work.data(), gemm);
   }
 }
