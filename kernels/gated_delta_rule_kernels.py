@@ -7,8 +7,8 @@ gate); ``g = 0`` is the delta rule.
 
 Modes (``dispatch.MODES``): "recurrent" (:func:`gated_delta_rule_recurrent`, the step loop), "chunk"
 (:func:`gated_delta_rule_chunk`, the decayed WY representation / UT transform of :class:`GatedDeltaRuleChunks`: the
-C++ kernel ``csrc/chunk_gated_delta.cpp`` on CPU, PyTorch elsewhere; ``triton_gated_chunk.gated_delta_rule_chunk`` on
-CUDA), "auto".
+C++ kernel ``csrc/chunk_delta.cpp`` (its ``gated_*`` ops) on CPU, PyTorch elsewhere;
+``triton_gated_chunk.gated_delta_rule_chunk`` on CUDA), "auto".
 
 Layout (DESIGN.md kernel contract): q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, beta and g ``[B, H, T]`` (g the log
 of the decay, normally <= 0), fast weight state ``[B, H, Dv, Dk]`` (the paper's W, read as ``y = W q``), accumulated
@@ -31,7 +31,6 @@ from .chunk import (
     compiled_forward_buffers,
     unit_lower_inverse,
 )
-from .cpp_build import KERNEL_CFLAGS, register_cpu_kernel
 from .dispatch import (
     Recurrence,
     acc_dtype,
@@ -76,17 +75,19 @@ def gated_delta_rule_recurrent(
     return o.to(q.dtype), (W if output_final_state else None)
 
 
-try:  # inside a saved model folder the C++ source travels as a string (transformers copies only Python modules)
-    from .chunk_gated_delta_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
-except ImportError:  # the installed package: the source is csrc/chunk_gated_delta.cpp
-    _EMBEDDED_SOURCE = None
-_CPU_KERNEL = register_cpu_kernel(
-    "chunk_gated_delta", _EMBEDDED_SOURCE, "fwp_gated_chunk", "gated_forward", KERNEL_CFLAGS,
-    "the PyTorch chunked kernel (slower on CPU)",
-)
-# Whether the C++ kernel runs (built on first use); module attributes, so that tests can switch it off.
+# The delta rule's C++ kernel (csrc/chunk_delta.cpp) has this rule's ops too (gated_forward, gated_backward: the same
+# products and substitutions). Whether it runs (built on first use); module attributes, so that tests can switch it
+# off for this rule alone.
+_CPU_KERNEL = chunk._CPU_KERNEL
 cpu_kernel_status = _CPU_KERNEL.describe
 cpu_kernel_available = _CPU_KERNEL.available
+
+
+def _float_products(flat) -> int:
+    """The C++ kernel's products (``chunk.cpu_products``) for the widened inputs it is handed (float32 or float64):
+    the AVX-512 micro-kernel's float32 factors where built, else the BLAS."""
+    q, k, v, *gates = flat
+    return chunk.cpu_products(q, k, v, tuple(gates), backward=True)
 
 
 class GatedIntra(NamedTuple):
@@ -116,7 +117,7 @@ class GatedDeltaRuleChunks(ChunkRule):
     gates = ("beta", "g")
 
     def compiled(self, x: torch.Tensor, acc: torch.dtype) -> bool:
-        """csrc/chunk_gated_delta.cpp on CPU for float32 / float64 accumulation, when it is built."""
+        """csrc/chunk_delta.cpp's gated ops on CPU for float32 / float64 accumulation, when it is built."""
         return x.device.type == "cpu" and acc in (torch.float32, torch.float64) and cpu_kernel_available()
 
     def compiled_forward(self, q, k, v, gates, initial_state, chunk_size: int):
@@ -124,7 +125,8 @@ class GatedDeltaRuleChunks(ChunkRule):
             return chunk.decode_cpu(q, k, v, gates, initial_state)
         acc = acc_dtype(q, k, v, initial_state, *gates)
         state, o = compiled_forward_buffers(q, v, initial_state, acc)
-        _CPU_KERNEL.ops.gated_forward(*[_flat(x, acc) for x in (q, k, v, *gates)], state, chunk_size, o)
+        flat = [_flat(x, acc) for x in (q, k, v, *gates)]
+        _CPU_KERNEL.ops.gated_forward(*flat, state, chunk_size, o, _float_products(flat))
         return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
     def compiled_backward(self, do, d_final, q, k, v, gates, initial_state, chunk_size: int):
@@ -138,7 +140,7 @@ class GatedDeltaRuleChunks(ChunkRule):
         if d_final is not None:
             dS.copy_(d_final.reshape(B * H, Dv, Dk))
         grads = [torch.empty_like(x) for x in flat]  # dq, dk, dv, dbeta, dg
-        _CPU_KERNEL.ops.gated_backward(*flat, s0, chunk_size, do, dS, *grads)
+        _CPU_KERNEL.ops.gated_backward(*flat, s0, chunk_size, do, dS, *grads, _float_products(flat))
         dq, dk, dv, dbeta, dg = (d.view(x.shape).to(x.dtype) for d, x in zip(grads, (q, k, v, *gates)))
         ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)
         return dq, dk, dv, (dbeta, dg), ds0

@@ -106,7 +106,7 @@ def test_prebuild_command_reports_every_kernel(monkeypatch, capsys):
     assert {"chunk_delta", "rfwp_scan"} <= set(kernels)
 
 
-@pytest.mark.parametrize("stem", ["chunk_delta", "chunk_gated_delta", "rfwp_scan", "decode_linear"])
+@pytest.mark.parametrize("stem", ["chunk_delta", "rfwp_scan", "decode_linear"])
 def test_kernels_are_built_with_openmp(stem):
     """at::parallel_for runs its tasks on several threads only in code compiled with -fopenmp (otherwise the header's
     `omp parallel` is compiled out: every kernel ran on one thread, whatever torch.set_num_threads said). The built

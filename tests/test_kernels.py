@@ -170,7 +170,7 @@ def test_chunk_long_sequence_float32(rule, chunk_size):
 
 def _cpp_kernel_modules():
     """The modules whose ``cpu_kernel_available`` switch the C++ chunk kernels: chunk.py (csrc/chunk_delta.cpp, sum
-    and delta rule) and gated_delta_rule_kernels.py (csrc/chunk_gated_delta.cpp)."""
+    and delta rule) and gated_delta_rule_kernels.py (the same source's gated ops)."""
     from fwp_kernels import chunk, gated_delta_rule_kernels
 
     return chunk, gated_delta_rule_kernels
