@@ -13,9 +13,11 @@ versions, machine, load average before and after), for each thread count side by
    with the BLAS's products (``*_auto_blas``: the kernel before its micro-kernel), bf16 inputs (``*_auto_bf16``:
    as shipped, bfloat16 factors in the forward where the build has AVX-512 BF16; ``*_auto_bf16_in_fp32``: the same
    inputs with float32 products throughout),
-   and transformers' ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``):
-   ms, achieved GFLOP/s over the matmul peak of the factors' dtype (``bench_kernels.chunk_flops``), ratios to
-   transformers', to the BLAS products and of bf16 to fp32, and thread scaling (1-thread time / 2-thread time).
+   and transformers' ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``);
+   the gated delta rule (``gated_Cauto``, chunk size 64; ``gated_auto_blas``; transformers' with the same g):
+   ms, achieved GFLOP/s over the matmul peak of the factors' dtype (``bench_kernels.chunk_flops``; forward + backward
+   with ``chunk_backward_flops``, over the fp32 peak), ratios to transformers', to the BLAS products and of bf16 to
+   fp32, and thread scaling (1-thread time / 2-thread time).
 3. ``delta_net_1b3``: the 1.3B Delta Net shape (hidden 2048, 16 heads of 128, 24 layers), the fast-weight kernel only:
    prefill of 2048 tokens (tokens/s, 24 layers of ``delta_rule(mode="auto")``) against the matmul bound (its FLOPs at
    the fp32 peak; bf16 inputs beside it, at the bf16 peak where the kernel multiplies in bfloat16), and decode
@@ -47,9 +49,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import chunk_flops, hf_delta_rule, make_inputs, timings  # noqa: E402
+from bench_kernels import chunk_backward_flops, chunk_flops, hf_delta_rule, make_inputs, timings  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fwp_kernels import chunk, delta_rule, dense, linear_attention  # noqa: E402
+from fwp_kernels import chunk, delta_rule, dense, gated_delta_rule, linear_attention  # noqa: E402
 from fwp_kernels.delta_rule_kernels import delta_rule_recurrent  # noqa: E402
 from training.result_file import RunRecord  # noqa: E402
 
@@ -97,7 +99,8 @@ def fwd_bwd(fn):
 
 
 def kernel_functions(T: int, hf) -> dict:
-    """The timed calls at B=1 H=8 T D=64: name -> (forward fn, forward + backward fn, flops or None)."""
+    """The timed calls at B=1 H=8 T D=64: name -> (forward fn, forward + backward fn, (forward FLOPs, backward
+    FLOPs) or None)."""
     fp32 = make_inputs(1, 8, T, 64, requires_grad=True)
     bf16 = make_inputs(1, 8, T, 64, dtype=torch.bfloat16, requires_grad=True)
     fns = {}
@@ -110,7 +113,8 @@ def kernel_functions(T: int, hf) -> dict:
                     return delta_rule(*x, output_final_state=True, **mode)
                 return linear_attention(*x[:3], output_final_state=True, **mode)
 
-            fns[f"{rule}_C{C}"] = (call, fwd_bwd(call), chunk_flops(rule, 1, 8, T, 64, 64, flops_C))
+            flops = (chunk_flops(rule, 1, 8, T, 64, 64, flops_C), chunk_backward_flops(rule, 1, 8, T, 64, 64, flops_C))
+            fns[f"{rule}_C{C}"] = (call, fwd_bwd(call), flops)
     fp32_products = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in chunk.cpu_product_kinds() \
         else chunk.BLAS_PRODUCTS
     for rule in ("delta", "sum"):
@@ -121,21 +125,30 @@ def kernel_functions(T: int, hf) -> dict:
                               (f"{rule}_auto_bf16_in_fp32", bf16, fp32_products)):
             call = functools.partial(auto_call, rule, x, kind)
             fns[name] = (call, fwd_bwd(call), flops)
+    # the gated delta rule (mode="auto": its C++ kernel at chunk size 64) with decays a = exp(g) spread over (0.5, 1)
+    gates = fp32 + [F.logsigmoid(torch.randn(1, 8, T, generator=torch.Generator().manual_seed(1)) + 2)
+                    .requires_grad_()]
+    for name, kind in (("gated_Cauto", None), ("gated_auto_blas", chunk.BLAS_PRODUCTS)):
+        call = functools.partial(auto_call, "gated", gates, kind)
+        fns[name] = (call, fwd_bwd(call), None)
     if hf is not None:
-        hf_call = lambda: hf(*fp32)  # noqa: E731
-        fns["delta_hf"] = (hf_call, fwd_bwd(hf_call), None)
+        for name, x in (("delta_hf", fp32), ("gated_hf", gates)):
+            hf_call = functools.partial(hf, *x)
+            fns[name] = (hf_call, fwd_bwd(hf_call), None)
     return fns
 
 
 def auto_call(rule: str, x: list, products: Optional[int]):
-    """`rule` (delta / sum) in mode="auto" on the inputs `x`, the C++ kernel's products forced to `products` (a
-    ``chunk.*_PRODUCTS`` kind; None: as shipped, ``chunk.cpu_products``)."""
+    """`rule` (delta / sum / gated) in mode="auto" on the inputs `x` (q, k, v, beta, and g for the gated rule), the C++
+    kernel's products forced to `products` (a ``chunk.*_PRODUCTS`` kind; None: as shipped, ``chunk.cpu_products``)."""
     choose = chunk.cpu_products
     if products is not None:
         chunk.cpu_products = lambda *args, **kwargs: products
     try:
         if rule == "delta":
             return delta_rule(*x, output_final_state=True)
+        if rule == "gated":
+            return gated_delta_rule(*x, output_final_state=True)
         return linear_attention(*x[:3], output_final_state=True)
     finally:
         chunk.cpu_products = choose
@@ -143,8 +156,9 @@ def auto_call(rule: str, x: list, products: Optional[int]):
 
 def kernels(size: dict, hf, peak: dict) -> dict:
     """Forward and forward + backward times, GFLOP/s, share of the matmul peak of the factors' dtype (bfloat16 factors
-    against the bf16 peak, every other against the fp32 one), ratios to transformers', to the BLAS products, and of
-    bfloat16 to float32."""
+    against the bf16 peak, every other against the fp32 one; forward + backward, with the backward's products counted
+    by ``chunk_backward_flops``, against the fp32 one), ratios to transformers', to the BLAS products, and of bfloat16
+    to float32."""
     fns = kernel_functions(size["T"], hf)
     with torch.no_grad():
         fwd = timings({name: f[0] for name, f in fns.items()}, size["repeats"])
@@ -154,8 +168,10 @@ def kernels(size: dict, hf, peak: dict) -> dict:
         row = {"forward_ms": median_ms(fwd[name]), "fwd_bwd_ms": median_ms(both[name]),
                "forward_timings": fwd[name], "fwd_bwd_timings": both[name]}
         if flops is not None:
-            row["forward_gflops"] = flops / fwd[name]["median"] / 1e9
+            row["forward_gflops"] = flops[0] / fwd[name]["median"] / 1e9
             row["forward_of_fp32_peak"] = row["forward_gflops"] / peak["matmul_fp32_gflops"]
+            row["fwd_bwd_gflops"] = sum(flops) / both[name]["median"] / 1e9
+            row["fwd_bwd_of_fp32_peak"] = row["fwd_bwd_gflops"] / peak["matmul_fp32_gflops"]
             if name.endswith("_bf16") and chunk.native_bf16_available():
                 row["forward_of_bf16_peak"] = row["forward_gflops"] / peak["matmul_bf16_gflops"]
         compared = {"_bf16": {"fp32": name.replace("_auto_bf16", "_Cauto"), "bf16_in_fp32": f"{name}_in_fp32"},
@@ -163,9 +179,10 @@ def kernels(size: dict, hf, peak: dict) -> dict:
         for key, other in next((v for k, v in compared.items() if name.endswith(k)), {}).items():
             row[f"forward_vs_{key}"] = median_ms(fwd[other]) / row["forward_ms"]
             row[f"fwd_bwd_vs_{key}"] = median_ms(both[other]) / row["fwd_bwd_ms"]
-        if "delta_hf" in fns and name.startswith("delta"):
-            row["forward_vs_hf"] = median_ms(fwd["delta_hf"]) / row["forward_ms"]
-            row["fwd_bwd_vs_hf"] = median_ms(both["delta_hf"]) / row["fwd_bwd_ms"]
+        hf_name = name.split("_")[0] + "_hf"  # transformers' fallback for the same rule
+        if hf_name in fns and name.startswith(("delta", "gated")):
+            row["forward_vs_hf"] = median_ms(fwd[hf_name]) / row["forward_ms"]
+            row["fwd_bwd_vs_hf"] = median_ms(both[hf_name]) / row["fwd_bwd_ms"]
         out[name] = row
     return out
 
@@ -292,10 +309,11 @@ def print_side_by_side(results: dict) -> None:
             of_peak = k.get("forward_of_bf16_peak", k.get("forward_of_fp32_peak"))
             share = f" {100 * of_peak:.0f}%" if of_peak is not None else ""
             vs = f" {k['forward_vs_hf']:.1f}x" if "forward_vs_hf" in k else ""
-            cells.append(f"{k['forward_ms']:.2f}{share}{vs} | {k['fwd_bwd_ms']:.1f}")
+            both_share = f" {100 * k['fwd_bwd_of_fp32_peak']:.0f}%" if "fwd_bwd_of_fp32_peak" in k else ""
+            cells.append(f"{k['forward_ms']:.2f}{share}{vs} | {k['fwd_bwd_ms']:.1f}{both_share}")
         print(f"  {name:<22}" + "".join(f"{c:>32}" for c in cells))
     print("  (forward ms, share of the matmul peak (bf16's for the native bf16 forward), x transformers' | forward +"
-          " backward ms)")
+          " backward ms, share of the fp32 matmul peak)")
     one, two = runs[THREADS[0]]["kernels"], runs[THREADS[-1]]["kernels"]
     ratios = {"fp32": "the fp32 kernel", "bf16_in_fp32": "bf16 inputs with fp32 products", "blas": "BLAS products"}
     for name in (n for n in one if "forward_vs_blas" in one[n] or "forward_vs_fp32" in one[n]):

@@ -53,11 +53,12 @@ def hf_delta_rule():
     except ImportError:
         return None
 
-    def run(q, k, v, beta, output_final_state=True):
+    def run(q, k, v, beta, g=None, output_final_state=True):
         # Its layout is [B, T, H, D] and it multiplies q by Dk^-0.5: undo that so both compute
-        # W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T, o_t = W_t q_t.
+        # W_t = a_t W_{t-1} + beta_t (v_t - a_t W_{t-1} k_t) k_t^T, o_t = W_t q_t (g = log a [B, H, T]; None: 0, the
+        # delta rule).
         Dk = q.shape[-1]
-        g = q.new_zeros(q.shape[0], q.shape[2], q.shape[1])  # log-decay 0: no gating
+        g = q.new_zeros(q.shape[0], q.shape[2], q.shape[1]) if g is None else g.transpose(1, 2)
         o, state = torch_chunk_gated_delta_rule(
             (q * Dk**0.5).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g, beta.transpose(1, 2),
             chunk_size=64, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
@@ -99,6 +100,25 @@ def chunk_flops(rule: str, B: int, H: int, T: int, Dk: int, Dv: int, C: int, alg
         per_chunk = C * C * (6 * Dk + 4 * Dv) + 6 * C * Dk * Dv + C**3 // 3
     else:
         per_chunk = C * C * (2 * Dk + 2 * Dv) + 4 * C * Dk * Dv
+    return B * H * N * per_chunk
+
+
+def chunk_backward_flops(rule: str, B: int, H: int, T: int, Dk: int, Dv: int, C: int) -> int:
+    """Multiply-add FLOPs (2 per MAC) of the C++ kernel's backward products (csrc/chunk_delta.cpp,
+    ``chunk_backward_seq``), N = ceil(T / C); its recomputation of the forward (the states entering the chunks and U')
+    is not counted, so that forward + backward is counted as the forward's FLOPs plus these. Per chunk, both rules:
+    P = tril(Q K^T) (2 C^2 Dk), dU' = K dS'^T + P^T dO (2 C Dk Dv + 2 C^2 Dv), dK = U' dS' (2 C Dk Dv),
+    dP = tril(dO U'^T) (2 C^2 Dv), dQ = dO S + dP K (2 C Dk Dv + 2 C^2 Dk), dK += dP^T Q (2 C^2 Dk),
+    dS += dO^T Q (2 C Dk Dv) -> 8 C Dk Dv + C^2 (6 Dk + 4 Dv);
+    delta rule besides: X = V - K S^T, dK -= dV S, dS -= dV^T K (6 C Dk Dv), K K^T, M = dA K, dK += dA^T diag(beta) K
+    (6 C^2 Dk), dA = -strictly_lower(dR U'^T) (2 C^2 Dv), the transposed solve (C^2 Dv)
+        -> 14 C Dk Dv + C^2 (12 Dk + 7 Dv).
+    Triangular factors count as full products; elementwise work is not counted."""
+    N = -(-T // C)
+    if rule == "delta":
+        per_chunk = 14 * C * Dk * Dv + C * C * (12 * Dk + 7 * Dv)
+    else:
+        per_chunk = 8 * C * Dk * Dv + C * C * (6 * Dk + 4 * Dv)
     return B * H * N * per_chunk
 
 

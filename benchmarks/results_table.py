@@ -201,10 +201,13 @@ def cpu_limit_rows(s: Source) -> List[Row]:
                    peak),
             "BLAS products " + both("{t:.2f} ms", t=fw["delta_auto_blas"]),
             "0.8 of the peak; >= 5x transformers' at 2 threads"])
+        both_share = div(s.get(f"{k}.delta_Cauto.fwd_bwd_gflops"), peak)
         rows.append([
             "same, fwd+bwd, fp32", both("{t:.1f} ms ({r:.2f}x faster)", True, t=fb["delta_Cauto"],
-                                       r=pdiv(fb["delta_auto_blas"], fb["delta_Cauto"])),
-            "BLAS products " + both("{t:.1f} ms", t=fb["delta_auto_blas"]), "faster"])
+                                       r=pdiv(fb["delta_auto_blas"], fb["delta_Cauto"]))
+            + fill("; {:.2f} of the fp32 matmul peak at the median (the backward's products as "
+                   "`chunk_backward_flops` counts them)", both_share),
+            "BLAS products " + both("{t:.1f} ms", t=fb["delta_auto_blas"]), "0.8 of the peak; faster"])
         rows.append([
             "same, bf16 inputs: bfloat16 factors in the forward (float32 sums and state) vs the fp32 kernel",
             both("fwd {t:.2f} ms ({r:.2f}x), fwd+bwd {b:.1f} ms ({q:.2f}x)", True, t=fw["delta_auto_bf16"],
@@ -213,6 +216,21 @@ def cpu_limit_rows(s: Source) -> List[Row]:
             "fp32 kernel " + both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=fw["delta_Cauto"], b=fb["delta_Cauto"])
             + "; bf16 inputs with fp32 products " + both("fwd {t:.2f} ms", t=fw["delta_auto_bf16_in_fp32"]),
             ">= 1.7x"])
+        gated = {n: (scaled(s.pair(f"{k}.{n}.forward_timings.median", f"{k}.{n}.forward_timings.best"), 1e3),
+                     scaled(s.pair(f"{k}.{n}.fwd_bwd_timings.median", f"{k}.{n}.fwd_bwd_timings.best"), 1e3))
+                 for n in ("gated_Cauto", "gated_auto_blas", "gated_hf")}
+        rows.append([
+            f"chunk gated delta rule, {shape} (chunk size 64), fp32: the kernel's AVX-512 products vs the BLAS's",
+            both("fwd {t:.2f} ms ({r:.2f}x faster; {h:.1f}x transformers'), fwd+bwd {b:.1f} ms ({q:.2f}x; {p:.1f}x)",
+                 True, t=gated["gated_Cauto"][0], r=pdiv(gated["gated_auto_blas"][0], gated["gated_Cauto"][0]),
+                 h=pdiv(gated["gated_hf"][0], gated["gated_Cauto"][0]), b=gated["gated_Cauto"][1],
+                 q=pdiv(gated["gated_auto_blas"][1], gated["gated_Cauto"][1]),
+                 p=pdiv(gated["gated_hf"][1], gated["gated_Cauto"][1])),
+            "BLAS products " + both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_auto_blas"][0],
+                                    b=gated["gated_auto_blas"][1])
+            + "; transformers' `torch_chunk_gated_delta_rule`, same g, "
+            + both("fwd {t:.1f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_hf"][0], b=gated["gated_hf"][1]),
+            "faster"])
     return rows
 
 
