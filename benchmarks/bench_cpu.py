@@ -162,7 +162,7 @@ def kernels(size: dict, hf, peak: dict) -> dict:
     fns = kernel_functions(size["T"], hf)
     with torch.no_grad():
         fwd = timings({name: f[0] for name, f in fns.items()}, size["repeats"])
-    both = timings({name: f[1] for name, f in fns.items()}, max(2, size["repeats"] - 2))
+    both = timings({name: f[1] for name, f in fns.items()}, size["repeats"])
     out = {}
     for name, (_, _, flops) in fns.items():
         row = {"forward_ms": median_ms(fwd[name]), "fwd_bwd_ms": median_ms(both[name]),

@@ -83,9 +83,15 @@ cpu_kernel_status = _CPU_KERNEL.describe
 cpu_kernel_available = _CPU_KERNEL.available
 
 
+def _io_dtype(q, k, v, gates, acc: torch.dtype) -> torch.dtype:
+    """What the C++ kernel reads and writes: bfloat16 when q, k, v, beta and g all are (widened chunk by chunk as they
+    are read, o and the gradients rounded once as they are written; the state and sums float32), else `acc`."""
+    return torch.bfloat16 if chunk._bfloat16_io(q, k, v, gates) else acc
+
+
 def _float_products(flat) -> int:
-    """The C++ kernel's products (``chunk.cpu_products``) for the widened inputs it is handed (float32 or float64):
-    the AVX-512 micro-kernel's float32 factors where built, else the BLAS."""
+    """The C++ kernel's products (``chunk.cpu_products``): float32 factors (the AVX-512 micro-kernel's where built, else
+    the BLAS) for float32 and bfloat16 inputs, float64 through the BLAS."""
     q, k, v, *gates = flat
     return chunk.cpu_products(q, k, v, tuple(gates), backward=True)
 
@@ -124,8 +130,9 @@ class GatedDeltaRuleChunks(ChunkRule):
         if q.shape[2] == 1 and chunk.cpu_kernel_available():  # a decode step: the delta rule's one-pass kernel, gated
             return chunk.decode_cpu(q, k, v, gates, initial_state)
         acc = acc_dtype(q, k, v, initial_state, *gates)
-        state, o = compiled_forward_buffers(q, v, initial_state, acc)
-        flat = [_flat(x, acc) for x in (q, k, v, *gates)]
+        io = _io_dtype(q, k, v, gates, acc)
+        state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
+        flat = [_flat(x, io) for x in (q, k, v, *gates)]
         _CPU_KERNEL.ops.gated_forward(*flat, state, chunk_size, o, _float_products(flat))
         return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
@@ -133,9 +140,10 @@ class GatedDeltaRuleChunks(ChunkRule):
         acc = acc_dtype(q, k, v, initial_state, *gates)
         B, H, T, Dk = q.shape
         Dv = v.shape[-1]
-        flat = [_flat(x, acc) for x in (q, k, v, *gates)]
+        io = _io_dtype(q, k, v, gates, acc)
+        flat = [_flat(x, io) for x in (q, k, v, *gates)]
         s0 = q.new_zeros(B * H, Dv, Dk, dtype=acc) if initial_state is None else _flat(initial_state, acc)
-        do = torch.zeros_like(flat[2]) if do is None else _flat(do, acc)
+        do = torch.zeros_like(flat[2]) if do is None else _flat(do, io)
         dS = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # in: the final state's gradient, out: the initial state's
         if d_final is not None:
             dS.copy_(d_final.reshape(B * H, Dv, Dk))

@@ -254,6 +254,26 @@ def _products_or_skip(kind):
         pytest.skip(f"the C++ kernel's build has no products of kind {kind} (AVX-512 / AVX-512 BF16) on this CPU")
 
 
+def _spy_op_dtypes(monkeypatch, op: str) -> list:
+    """Records the dtypes of the tensors that every call of the C++ kernel's op `op` is given."""
+    from fwp_kernels import chunk
+
+    calls = []
+
+    class Spy:  # the kernel's ops, `op` recording its calls
+        def __init__(self, ops):
+            self.ops = ops
+
+        def __getattr__(self, name):
+            found = getattr(self.ops, name)
+            if name != op:
+                return found
+            return lambda *args: calls.append([t.dtype for t in args if isinstance(t, torch.Tensor)]) or found(*args)
+
+    monkeypatch.setattr(chunk._CPU_KERNEL, "ops", Spy(chunk._CPU_KERNEL.ops))
+    return calls
+
+
 def _spy_products(monkeypatch):
     """Records what chunk.cpu_products chose for every C++ chunk call."""
     from fwp_kernels import chunk
@@ -324,20 +344,7 @@ def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chu
     assert all(t.dtype == torch.bfloat16 for t in got[:-1])
     for a, b in zip(got, widened):
         assert torch.equal(a, b.to(a.dtype))
-    calls = []
-
-    class Spy:  # the kernel's ops, recording the dtypes chunk_backward is called with
-        def __init__(self, ops):
-            self.ops = ops
-
-        def __getattr__(self, name):
-            return getattr(self.ops, name)
-
-        def chunk_backward(self, *args):
-            calls.append([t.dtype for t in args if isinstance(t, torch.Tensor)])
-            return self.ops.chunk_backward(*args)
-
-    monkeypatch.setattr(chunk._CPU_KERNEL, "ops", Spy(chunk._CPU_KERNEL.ops))
+    calls = _spy_op_dtypes(monkeypatch, "chunk_backward")
     outputs_and_grads(rule, make_inputs(rule, B, H, T, Dk, Dv, torch.bfloat16, seed=T), mode="chunk",
                       chunk_size=chunk_size)
     bf16, f32, n = torch.bfloat16, torch.float32, (4 if rule == "delta" else 3)  # q, k, v (, beta)
@@ -649,6 +656,42 @@ def test_gated_delta_rule_with_zero_gate_is_the_delta_rule(dtype, mode):
     assert gated.keys() == delta.keys()
     for name in delta:
         assert torch.equal(gated[name], delta[name]), name
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 2, 53, 17, 19, 16)])
+def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
+    """The C++ gated kernel takes bfloat16 q, k, v, beta, g (and dout) as they are and writes bfloat16 o and
+    gradients: exactly its float32 forward and backward of the widened inputs, each output rounded once (ragged last
+    chunks, odd Dk and Dv); the public function hands it bfloat16 and returns bfloat16."""
+    from fwp_kernels import chunk
+
+    _cpp_kernel_or_skip()
+    inputs = {n: x.detach() for n, x in make_inputs("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T).items()}
+    flat = [x.reshape(B * H, T, -1).squeeze(-1) for x in positional("gated", inputs)]  # q, k, v, beta, g
+    s0 = inputs["initial_state"].float().reshape(B * H, Dv, Dk)
+    do = torch.randn(B * H, T, Dv, generator=torch.Generator().manual_seed(1)).bfloat16()
+    d_final = torch.randn(B * H, Dv, Dk, generator=torch.Generator().manual_seed(2))
+    ops, products = chunk._CPU_KERNEL.ops, chunk.cpu_products(*flat[:3], tuple(flat[3:]), backward=True)
+
+    def forward_and_backward(dtype):
+        x = [t.to(dtype) for t in flat]
+        S, o = s0.clone(), torch.empty_like(x[2])
+        dS, grads = d_final.clone(), [torch.empty_like(t) for t in x]
+        _with_threads(threads, lambda: ops.gated_forward(*x, S, chunk_size, o, products))
+        _with_threads(threads, lambda: ops.gated_backward(*x, s0, chunk_size, do.to(dtype), dS, *grads, products))
+        return [o, S, dS, *grads]
+
+    got, widened = forward_and_backward(torch.bfloat16), forward_and_backward(torch.float32)
+    for a, b in zip(got, widened):
+        assert torch.equal(a, b.to(a.dtype))
+    assert [t.dtype for t in got] == [torch.bfloat16] + [torch.float32] * 2 + [torch.bfloat16] * 5
+    calls = [_spy_op_dtypes(monkeypatch, op) for op in ("gated_forward", "gated_backward")]
+    outputs_and_grads("gated", make_inputs("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T), mode="chunk",
+                      chunk_size=chunk_size)
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert calls[0] == [[bf16] * 5 + [f32, bf16]]  # q, k, v, beta, g, S, o
+    assert calls[1] == [[bf16] * 5 + [f32, bf16, f32] + [bf16] * 5]  # ..., s0, dout, dS, their gradients
 
 
 @pytest.mark.parametrize("qk_l2norm", [False, True])

@@ -1258,11 +1258,31 @@ struct Decays {
 // Per-chunk buffers of forward and backward, [c, c] and [c, D] matrices at the chunk length C.
 template <typename T>
 struct Work {
+  int64_t C;
   Decays<T> dec;
   std::vector<T> P, KD, dP, dA, X, dR, Kl, M1, M2;
+  std::vector<T> in, out;  // a chunk's inputs widened to T and its outputs before rounding (bfloat16 inputs)
   Work(int64_t C, int64_t Dk, int64_t Dv)
-      : dec(C), P(C * C), KD(C * C), dP(C * C), dA(C * C), X(C * Dv), dR(C * Dv), Kl(C * Dk), M1(C * Dk),
-        M2(C * Dk) {}
+      : C(C), dec(C), P(C * C), KD(C * C), dP(C * C), dA(C * C), X(C * Dv), dR(C * Dv), Kl(C * Dk), M1(C * Dk),
+        M2(C * Dk), in(2 * C * (Dk + Dv + 1)), out(2 * C * (Dk + 1) + C * Dv) {}
+};
+
+// A chunk's rows of the inputs as T (in place, or widened into w.in: rows_as), positions [t0, t0 + c).
+template <typename T>
+struct ChunkInputs {
+  const T *Q, *K, *V, *b, *g, *dO;
+  template <typename In>
+  ChunkInputs(int64_t t0, int64_t c, int64_t Dk, int64_t Dv, const In* q, const In* k, const In* v, const In* beta,
+              const In* gs, const In* dout, Work<T>& w) {
+    const int64_t C = w.C;
+    T* buf = w.in.data();
+    Q = q != nullptr ? rows_as(q + t0 * Dk, c * Dk, buf) : nullptr;
+    K = rows_as(k + t0 * Dk, c * Dk, buf + C * Dk);
+    V = rows_as(v + t0 * Dv, c * Dv, buf + 2 * C * Dk);
+    dO = dout != nullptr ? rows_as(dout + t0 * Dv, c * Dv, buf + 2 * C * Dk + C * Dv) : nullptr;
+    b = rows_as(beta + t0, c, buf + 2 * C * (Dk + Dv));
+    g = rows_as(gs + t0, c, buf + 2 * C * (Dk + Dv) + C);
+  }
 };
 
 // KD = strictly_lower(K K^T * D); A = diag(beta) KD is applied as the substitutions read it.
@@ -1292,25 +1312,27 @@ void solve_values(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, con
 
 // One sequence: q, k [L, Dk], v [L, Dv], beta, g [L]; S [Dv, Dk]: initial state in, final state out. Writes o
 // [L, Dv] (unless nullptr) and, for the backward, the state entering each chunk and U' (unless nullptr).
-template <typename T, typename Gemm>
-void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q, const T* k, const T* v, const T* beta,
-                 const T* g, T* S, T* o, T* entering, T* u_new, Work<T>& w, std::vector<T>& u_buf, const Gemm& gemm) {
+template <typename T, typename Gemm, typename In>
+void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v, const In* beta,
+                 const In* g, T* S, In* o, T* entering, T* u_new, Work<T>& w, std::vector<T>& u_buf, const Gemm& gemm) {
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
     const int64_t c = std::min(C, L - t0);
-    const T *Q = q + t0 * Dk, *K = k + t0 * Dk, *V = v + t0 * Dv, *b = beta + t0;
+    const ChunkInputs<T> x(t0, c, Dk, Dv, o != nullptr ? q : nullptr, k, v, beta, g, (const In*)nullptr, w);
+    const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b;
     T* Un = u_new != nullptr ? u_new + t0 * Dv : u_buf.data();
     if (entering != nullptr) std::memcpy(entering + n * Dv * Dk, S, sizeof(T) * Dv * Dk);
-    w.dec.compute(c, g + t0);
+    w.dec.compute(c, x.g);
     build_KD(c, Dk, K, w, gemm);
     solve_values(c, Dk, Dv, K, V, b, S, Un, w, gemm);
     if (o != nullptr) {  // O = diag(Gamma) Q S^T + (tril(Q K^T) * D) U'
-      T* O = o + t0 * Dv;
+      T* O = rows_for(o + t0 * Dv, w.out.data());
       gemm(false, true, c, c, Dk, T(1), Q, Dk, K, Dk, T(0), w.P.data(), c);
       for (int64_t i = 0; i < c * c; ++i) w.P[i] *= w.dec.D[i];
       gemm(false, true, c, Dv, Dk, T(1), Q, Dk, S, Dk, T(0), O, Dv);
       for (int64_t i = 0; i < c; ++i)
         for (int64_t j = 0; j < Dv; ++j) O[i * Dv + j] *= w.dec.Gamma[i];
       gemm(false, false, c, Dv, c, T(1), w.P.data(), c, Un, Dv, T(1), O, Dv);
+      store_rows(O, c * Dv, o + t0 * Dv);
     }
     // S <- Gamma_c S + U'^T diag(lambda) K
     for (int64_t i = 0; i < c; ++i)
@@ -1444,38 +1466,49 @@ void backward_solve(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, c
 
 // The backward of one sequence, chunks from last to first, from the states entering the chunks and U' of
 // forward_seq. dS: the final state's gradient in, the initial state's out.
-template <typename T, typename Gemm>
-void backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const T* q, const T* k, const T* v, const T* beta,
-                  const T* g, const T* entering, const T* u_new, const T* dout, T* dS, T* dq, T* dk, T* dv, T* dbeta,
-                  T* dg, Work<T>& w, std::vector<T>& dgam, const Gemm& gemm) {
+template <typename T, typename Gemm, typename In>
+void backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
+                  const In* beta, const In* g, const T* entering, const T* u_new, const In* dout, T* dS, In* dq, In* dk,
+                  In* dv, In* dbeta, In* dg, Work<T>& w, std::vector<T>& dgam, const Gemm& gemm) {
   const int64_t N = (L + C - 1) / C;
   for (int64_t n = N - 1; n >= 0; --n) {
     const int64_t t0 = n * C, c = std::min(C, L - t0);
-    const T *Q = q + t0 * Dk, *K = k + t0 * Dk, *V = v + t0 * Dv, *b = beta + t0, *Un = u_new + t0 * Dv;
+    const ChunkInputs<T> x(t0, c, Dk, Dv, q, k, v, beta, g, dout, w);
+    const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b, *Un = u_new + t0 * Dv;
+    T* dQ = rows_for(dq + t0 * Dk, w.out.data());
+    T* dK = rows_for(dk + t0 * Dk, w.out.data() + C * Dk);
+    T* dV = rows_for(dv + t0 * Dv, w.out.data() + 2 * C * Dk);
+    T* db = rows_for(dbeta + t0, w.out.data() + 2 * C * Dk + C * Dv);
+    T* dgs = rows_for(dg + t0, w.out.data() + 2 * C * Dk + C * Dv + C);
     const T* S = entering + n * Dv * Dk;
-    w.dec.compute(c, g + t0);
+    w.dec.compute(c, x.g);
     build_KD(c, Dk, K, w, gemm);
-    backward_outputs(c, Dk, Dv, Q, K, Un, dout + t0 * Dv, S, dS, dq + t0 * Dk, dk + t0 * Dk, dgam.data(), w, gemm);
+    backward_outputs(c, Dk, Dv, Q, K, Un, x.dO, S, dS, dQ, dK, dgam.data(), w, gemm);
     // X = V - diag(Gamma) K S^T, recomputed into w.X (solve_values' first half, U' already known)
     gemm(false, true, c, Dv, Dk, T(1), K, Dk, S, Dk, T(0), w.X.data(), Dv);
     for (int64_t i = 0; i < c; ++i)
       for (int64_t j = 0; j < Dv; ++j) w.X[i * Dv + j] = V[i * Dv + j] - w.dec.Gamma[i] * w.X[i * Dv + j];
-    backward_solve(c, Dk, Dv, K, V, b, Un, S, dS, dk + t0 * Dk, dv + t0 * Dv, dbeta + t0, dgam.data(), w, gemm);
-    backward_decay_products(c, Dk, Q, K, dq + t0 * Dk, dk + t0 * Dk, dgam.data(), w, gemm);
+    backward_solve(c, Dk, Dv, K, V, b, Un, S, dS, dK, dV, db, dgam.data(), w, gemm);
+    backward_decay_products(c, Dk, Q, K, dQ, dK, dgam.data(), w, gemm);
     T acc = 0;  // gamma = cumsum(g): dg_j = sum_{i >= j} dgamma_i
-    for (int64_t i = c - 1; i >= 0; --i) dg[t0 + i] = acc += dgam[i];
+    for (int64_t i = c - 1; i >= 0; --i) dgs[i] = acc += dgam[i];
+    store_rows(dQ, c * Dk, dq + t0 * Dk);
+    store_rows(dK, c * Dk, dk + t0 * Dk);
+    store_rows(dV, c * Dv, dv + t0 * Dv);
+    store_rows(db, c, dbeta + t0);
+    store_rows(dgs, c, dg + t0);
   }
 }
 
-void check(const at::Tensor& x, const at::Tensor& like, int64_t numel, const char* name) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == like.scalar_type() && x.is_contiguous() &&
-                  x.numel() == numel,
-              "fwp_chunk.gated: `", name, "` must be a contiguous CPU tensor of dtype ", like.scalar_type(), " with ",
-              numel, " elements");
+void check(const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype && x.is_contiguous() && x.numel() == numel,
+              "fwp_chunk.gated: `", name, "` must be a contiguous CPU tensor of dtype ", dtype, " with ", numel,
+              " elements");
 }
 
 struct Shapes {
   int64_t BH, L, Dk, Dv, C, N;
+  at::ScalarType in, state;  // of q, k, v, the gates, o and the gradients; of the states (float32 for bfloat16 q)
 };
 
 Shapes shapes(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size) {
@@ -1484,28 +1517,31 @@ Shapes shapes(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size) {
   const int64_t C = std::min(chunk_size, std::max<int64_t>(L, 1));
   TORCH_CHECK(std::max({L * std::max(Dk, Dv), C * C, Dv * Dk}) < std::numeric_limits<int>::max(),
               "fwp_chunk.gated: sizes exceed the 32-bit BLAS interface");
-  return {BH, L, Dk, Dv, C, (L + C - 1) / C};
+  const at::ScalarType in = q.scalar_type(), state = in == at::kBFloat16 ? at::kFloat : in;
+  return {BH, L, Dk, Dv, C, (L + C - 1) / C, in, state};
 }
 
 // q, k [BH, L, Dk], v [BH, L, Dv], beta, g [BH, L]; S [BH, Dv, Dk]: initial state in, final state out; o [BH, L, Dv].
+// bfloat16 q, k, v, beta, g and o take a float32 S: widened chunk by chunk as they are read, o rounded as written.
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
              const at::Tensor& g, const at::Tensor& S, int64_t chunk_size, const at::Tensor& o, int64_t products) {
   const Shapes s = shapes(q, v, chunk_size);
-  check(k, q, s.BH * s.L * s.Dk, "k");
-  for (auto* x : {&v, &o}) check(*x, q, s.BH * s.L * s.Dv, "v / o");
-  for (auto* x : {&beta, &g}) check(*x, q, s.BH * s.L, "beta / g");
-  check(S, q, s.BH * s.Dv * s.Dk, "S");
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_forward", [&] {
-    with_products<scalar_t>(products, [&](const auto& gemm) {
+  check(k, s.in, s.BH * s.L * s.Dk, "k");
+  for (auto* x : {&v, &o}) check(*x, s.in, s.BH * s.L * s.Dv, "v / o");
+  for (auto* x : {&beta, &g}) check(*x, s.in, s.BH * s.L, "beta / g");
+  check(S, s.state, s.BH * s.Dv * s.Dk, "S");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "gated_forward", [&] {
+    using In = scalar_t;
+    using T = at::opmath_type<In>;
+    with_products<T>(products, [&](const auto& gemm) {
       parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
-        Work<scalar_t> w(s.C, s.Dk, s.Dv);
-        std::vector<scalar_t> u_buf(s.C * s.Dv);
+        Work<T> w(s.C, s.Dk, s.Dv);
+        std::vector<T> u_buf(s.C * s.Dv);
         for (int64_t bh = begin; bh < end; ++bh) {
-          forward_seq<scalar_t>(s.L, s.Dk, s.Dv, s.C, q.data_ptr<scalar_t>() + bh * s.L * s.Dk,
-                                k.data_ptr<scalar_t>() + bh * s.L * s.Dk, v.data_ptr<scalar_t>() + bh * s.L * s.Dv,
-                                beta.data_ptr<scalar_t>() + bh * s.L, g.data_ptr<scalar_t>() + bh * s.L,
-                                S.data_ptr<scalar_t>() + bh * s.Dv * s.Dk, o.data_ptr<scalar_t>() + bh * s.L * s.Dv,
-                                nullptr, nullptr, w, u_buf, gemm);
+          forward_seq<T>(s.L, s.Dk, s.Dv, s.C, q.data_ptr<In>() + bh * s.L * s.Dk, k.data_ptr<In>() + bh * s.L * s.Dk,
+                         v.data_ptr<In>() + bh * s.L * s.Dv, beta.data_ptr<In>() + bh * s.L,
+                         g.data_ptr<In>() + bh * s.L, S.data_ptr<T>() + bh * s.Dv * s.Dk,
+                         o.data_ptr<In>() + bh * s.L * s.Dv, nullptr, nullptr, w, u_buf, gemm);
         }
       });
     });
@@ -1513,34 +1549,35 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 }
 
 // Gradients of gated_forward. dS [BH, Dv, Dk]: the final state's gradient in, the initial state's out. The states
-// entering the chunks and U' are recomputed per sequence (one state per chunk, in a per-thread buffer).
+// entering the chunks and U' are recomputed per sequence (one state per chunk, in a per-thread buffer). bfloat16
+// inputs and dout take a float32 s0 and dS and write bfloat16 gradients (each rounded once).
 void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
               const at::Tensor& g, const at::Tensor& s0, int64_t chunk_size, const at::Tensor& dout,
               const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
               const at::Tensor& dbeta, const at::Tensor& dg, int64_t products) {
   const Shapes s = shapes(q, v, chunk_size);
-  for (auto* x : {&k, &dq, &dk}) check(*x, q, s.BH * s.L * s.Dk, "k / dq / dk");
-  for (auto* x : {&v, &dout, &dv}) check(*x, q, s.BH * s.L * s.Dv, "v / dout / dv");
-  for (auto* x : {&beta, &g, &dbeta, &dg}) check(*x, q, s.BH * s.L, "beta / g / dbeta / dg");
-  for (auto* x : {&s0, &dS}) check(*x, q, s.BH * s.Dv * s.Dk, "s0 / dS");
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_backward", [&] {
-    with_products<scalar_t>(products, [&](const auto& gemm) {
+  for (auto* x : {&k, &dq, &dk}) check(*x, s.in, s.BH * s.L * s.Dk, "k / dq / dk");
+  for (auto* x : {&v, &dout, &dv}) check(*x, s.in, s.BH * s.L * s.Dv, "v / dout / dv");
+  for (auto* x : {&beta, &g, &dbeta, &dg}) check(*x, s.in, s.BH * s.L, "beta / g / dbeta / dg");
+  for (auto* x : {&s0, &dS}) check(*x, s.state, s.BH * s.Dv * s.Dk, "s0 / dS");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "gated_backward", [&] {
+    using In = scalar_t;
+    using T = at::opmath_type<In>;
+    with_products<T>(products, [&](const auto& gemm) {
       parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
-        Work<scalar_t> w(s.C, s.Dk, s.Dv);
-        std::vector<scalar_t> entering(s.N * s.Dv * s.Dk), state(s.Dv * s.Dk), u_new(s.L * s.Dv), dgam(s.C);
+        Work<T> w(s.C, s.Dk, s.Dv);
+        std::vector<T> entering(s.N * s.Dv * s.Dk), state(s.Dv * s.Dk), u_new(s.L * s.Dv), dgam(s.C);
         for (int64_t bh = begin; bh < end; ++bh) {
           const int64_t ok = bh * s.L * s.Dk, ov = bh * s.L * s.Dv, ob = bh * s.L, os = bh * s.Dv * s.Dk;
-          const scalar_t *qs = q.data_ptr<scalar_t>() + ok, *ks = k.data_ptr<scalar_t>() + ok;
-          const scalar_t *vs = v.data_ptr<scalar_t>() + ov, *bs = beta.data_ptr<scalar_t>() + ob;
-          const scalar_t* gs = g.data_ptr<scalar_t>() + ob;
-          std::memcpy(state.data(), s0.data_ptr<scalar_t>() + os, sizeof(scalar_t) * s.Dv * s.Dk);
-          forward_seq<scalar_t>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, state.data(), nullptr, entering.data(),
-                                u_new.data(), w, u_new, gemm);
-          backward_seq<scalar_t>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, entering.data(), u_new.data(),
-                                 dout.data_ptr<scalar_t>() + ov, dS.data_ptr<scalar_t>() + os,
-                                 dq.data_ptr<scalar_t>() + ok, dk.data_ptr<scalar_t>() + ok,
-                                 dv.data_ptr<scalar_t>() + ov, dbeta.data_ptr<scalar_t>() + ob,
-                                 dg.data_ptr<scalar_t>() + ob, w, dgam, gemm);
+          const In *qs = q.data_ptr<In>() + ok, *ks = k.data_ptr<In>() + ok, *vs = v.data_ptr<In>() + ov;
+          const In *bs = beta.data_ptr<In>() + ob, *gs = g.data_ptr<In>() + ob;
+          std::memcpy(state.data(), s0.data_ptr<T>() + os, sizeof(T) * s.Dv * s.Dk);
+          forward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, state.data(), (In*)nullptr, entering.data(),
+                         u_new.data(), w, u_new, gemm);
+          backward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, entering.data(), u_new.data(),
+                          dout.data_ptr<In>() + ov, dS.data_ptr<T>() + os, dq.data_ptr<In>() + ok,
+                          dk.data_ptr<In>() + ok, dv.data_ptr<In>() + ov, dbeta.data_ptr<In>() + ob,
+                          dg.data_ptr<In>() + ob, w, dgam, gemm);
         }
       });
     });
