@@ -441,7 +441,11 @@ class CpuAutoChoice(NamedTuple):
 # C=64 4.8 / 22.5; D = 128 C=16 11.2 / 51.1, C=32 10.6 / 49.8, C=64 13.1 / 57.1; 2 threads: D = 64 C=16 1.7 / 9.4,
 # C=32 1.9 / 10.3, C=64 2.3 / 12.2; D = 128 C=16 5.5 / 29.7, C=32 5.6 / 27.8, C=64 6.7 / 30.7. The rows stand (the
 # bench's sum of the two picks 16 for width 64 and 32 for width 128 at both thread counts; session 44's runs picked 16
-# or 32 for width 128 by 1-3%, and one before the transposed operands were vectorized picked 64).
+# or 32 for width 128 by 1-3%, and one before the transposed operands were vectorized picked 64). The gated delta
+# rule's kernel (the same products) takes the same rows (it kept the caller's 64 before): by hand, interleaved, B*H = 8,
+# fp32, forward / forward + backward ms, C = 16, 32, 64, 1 thread: D = 64 (T = 4096) 11.7 / 50.7, 11.3 / 53.9,
+# 13.6 / 60.2; D = 128 (T = 2048) 18.0 / 77.0, 15.7 / 69.2, 16.8 / 72.4; 2 threads: D = 64 7.0 / 30.1, 6.8 / 31.4,
+# 8.0 / 35.1; D = 128 8.2 / 39.1, 7.9 / 35.8, 8.3 / 36.5.
 _CPU_AUTO = {
     1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
     2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
@@ -545,11 +549,10 @@ def run_outer_product_rule(
     mode: str,
     chunk_size: int,
     mask: Optional[torch.Tensor],
-    tune_chunk_size: bool = True,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """What the public outer-product rules (``delta_rule``, ``gated_delta_rule``, ``linear_attention``) do with their
     arguments: check them (``ValueError`` naming the bad one), pick `recurrence`'s kernel for `mode`, take the measured
-    chunk size in mode "auto" (when `tune_chunk_size`), zero k and the gates at padded positions, and run it.
+    chunk size in mode "auto" (``auto_chunk_size``), zero k and the gates at padded positions, and run it.
 
     Args:
         q, k: ``[B, H, T, Dk]``; v: ``[B, H, T, Dv]``.
@@ -560,7 +563,7 @@ def run_outer_product_rule(
     """
     check_fast_weight_inputs(q, k, v, initial_state, chunk_size, mask, **gates)
     kernel = select_kernel(recurrence, mode, q.shape[2], q.device)
-    if mode == "auto" and tune_chunk_size:  # the measured chunk size (auto_chunk_size)
+    if mode == "auto":  # the measured chunk size
         chunk_size = auto_chunk_size(q.device, max(q.shape[-1], v.shape[-1]), chunk_size)
     values = tuple(gates.values())
     if mask is not None:

@@ -318,7 +318,8 @@ def gated_delta_rule(
         output_final_state: return the final ``[B, H, Dv, Dk]`` float32 state.
         mode: "recurrent" (step loop), "chunk" (chunkwise-parallel) or "auto" (on CPU with the C++ kernels a
             decode step is the one-pass ``decode_step``, longer inputs chunkwise).
-        chunk_size: chunk length for the chunkwise modes (any T works).
+        chunk_size: chunk length for mode "chunk" (any T works), and for mode "auto" where no measured size applies
+            (on CPU with the C++ kernel, heads up to 128 wide take the delta rule's table, ``chunk.auto_chunk_size``).
         mask: ``[B, T]`` or None; 0 marks padding, where k, beta and g are zeroed, so that the state neither
             decays nor is written (the outputs there are of no use).
     Returns:
@@ -326,5 +327,4 @@ def gated_delta_rule(
     """
     return run_outer_product_rule(
         GATED_DELTA_RULE, q, k, v, {"beta": beta, "g": g}, initial_state, output_final_state, mode, chunk_size, mask,
-        tune_chunk_size=False,
     )

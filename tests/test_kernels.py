@@ -563,6 +563,22 @@ def test_auto_chunk_size_from_the_measured_table(monkeypatch):
     assert chunk.auto_chunk_size(cpu, 64, 64) == 64
 
 
+@pytest.mark.parametrize("rule", ["delta", "gated"])
+def test_auto_mode_runs_the_table_chunk_size(rule):
+    """mode="auto" with the C++ kernel runs the table's chunk size for the delta and the gated rule alike: the same
+    bits as mode="chunk" at that size, whatever chunk_size the caller passed."""
+    from fwp_kernels import chunk
+
+    _cpp_kernel_or_skip()
+    inputs = {n: None if x is None else x.detach()
+              for n, x in make_inputs(rule, 1, 2, 100, 64, 64, torch.float32, seed=3).items()}
+    size = chunk.auto_chunk_size(torch.device("cpu"), 64, 64)
+    auto, _ = run(rule, inputs, mode="auto", chunk_size=128)
+    table, _ = run(rule, inputs, mode="chunk", chunk_size=size)
+    other, _ = run(rule, inputs, mode="chunk", chunk_size=128)
+    assert torch.equal(auto, table) and not torch.equal(auto, other)
+
+
 def _with_threads(threads, fn):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
