@@ -248,6 +248,11 @@ BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS = 0, 1, 2
 # float32 inputs take the micro-kernel where it is built: faster than MKL's sgemm at the chunk loops' sizes on the AMD
 # CPUs measured (MKL runs AVX2 code there; bench_cpu, "kernels": fp32 forward and forward + backward).
 FLOAT32_DEFAULT_PRODUCTS = FLOAT32_PRODUCTS
+# bfloat16 factors from this many positions on: below it the state's packing into pairs (Dk x Dv per chunk) outweighs
+# the few rows multiplied (bench_cpu_zen5.json at 3c96134, products_by_length, bfloat16 inputs, float32 / bfloat16
+# factors, 1 / 2 threads: D = 128 T = 2 0.89x / 0.95x, T = 8 0.97x / 1.02x, T = 16 1.07x / 1.10x; D = 64 T = 2
+# 0.90x / 0.94x, T = 16 1.02x / 1.02x, T = 1,024 1.42x / 1.33x).
+BFLOAT16_PRODUCTS_MIN_T = 16
 
 
 @torch.compiler.assume_constant_result
@@ -272,13 +277,15 @@ def native_bf16_available() -> bool:
 def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...],
                  backward: bool = False) -> int:
     """How the C++ chunk kernel computes the products for these inputs: with bfloat16 factors for the forward when q,
-    k, v and beta are all bfloat16 and the build has AVX-512 BF16 (float32 sums, state and solve); float32 with
+    k, v and beta are all bfloat16, the build has AVX-512 BF16 and there are at least ``BFLOAT16_PRODUCTS_MIN_T``
+    positions (float32 sums, state and solve); float32 with
     ``FLOAT32_DEFAULT_PRODUCTS`` where built (the backward of bfloat16 inputs too: with bfloat16 factors it was no
     faster in bench_cpu's forward + backward, and float32 factors round less); else (float64, float16, mixed) the
     BLAS."""
     kinds = cpu_product_kinds()
     dtypes = {x.dtype for x in (q, k, v, *gates)}
-    if _bfloat16_io(q, k, v, gates) and BFLOAT16_PRODUCTS in kinds and not backward:
+    long_enough = q.shape[-2] >= BFLOAT16_PRODUCTS_MIN_T
+    if _bfloat16_io(q, k, v, gates) and BFLOAT16_PRODUCTS in kinds and not backward and long_enough:
         return BFLOAT16_PRODUCTS
     if dtypes <= {torch.float32, torch.bfloat16, torch.float16} and FLOAT32_DEFAULT_PRODUCTS in kinds:
         return FLOAT32_DEFAULT_PRODUCTS

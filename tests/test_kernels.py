@@ -372,18 +372,22 @@ def test_float32_products_agree_with_the_blas(rule, B, H, T, Dk, Dv, chunk_size,
 
 
 def test_products_follow_the_inputs_dtypes():
-    """bfloat16 factors only for q, k, v and beta all bfloat16; float64 always the BLAS."""
+    """bfloat16 factors only for q, k, v and beta all bfloat16 and at least BFLOAT16_PRODUCTS_MIN_T positions; float64
+    always the BLAS."""
     from fwp_kernels import chunk
 
     _cpp_kernel_or_skip()
     kinds = chunk.cpu_product_kinds()
-    x = {d: torch.zeros(1, 1, 4, 8, dtype=d) for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
-    beta = torch.zeros(1, 1, 4, dtype=torch.bfloat16)
+    T = chunk.BFLOAT16_PRODUCTS_MIN_T
+    x = {d: torch.zeros(1, 1, T, 8, dtype=d) for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
+    beta = torch.zeros(1, 1, T, dtype=torch.bfloat16)
     fp32 = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in kinds else chunk.BLAS_PRODUCTS
     bf16 = chunk.BFLOAT16_PRODUCTS if chunk.BFLOAT16_PRODUCTS in kinds else fp32
     b16 = x[torch.bfloat16]
     assert chunk.cpu_products(b16, b16, b16, (beta,)) == bf16 and chunk.cpu_products(b16, b16, b16, ()) == bf16
     assert chunk.cpu_products(b16, b16, b16, (beta,), backward=True) == fp32
+    short = b16[:, :, : T - 1]
+    assert chunk.cpu_products(short, short, short, (beta[..., : T - 1],)) == fp32
     assert chunk.cpu_products(b16, b16, b16, (beta.float(),)) == fp32
     assert chunk.cpu_products(x[torch.float32], b16, b16, ()) == fp32
     assert chunk.cpu_products(*[x[torch.float16]] * 3, ()) == fp32
