@@ -14,7 +14,7 @@ versions, machine, load average before and after), for each thread count side by
    as shipped, bfloat16 factors in the forward where the build has AVX-512 BF16; ``*_auto_bf16_in_fp32``: the same
    inputs with float32 products throughout),
    and transformers' ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``);
-   the gated delta rule (``gated_Cauto``, chunk size 64; ``gated_auto_blas``; transformers' with the same g):
+   the gated delta rule (``gated_Cauto``; ``gated_auto_blas``; transformers' with the same g):
    ms, achieved GFLOP/s over the matmul peak of the factors' dtype (``bench_kernels.chunk_flops``; forward + backward
    with ``chunk_backward_flops``, over the fp32 peak), ratios to transformers', to the BLAS products and of bf16 to
    fp32, and thread scaling (1-thread time / 2-thread time).
@@ -125,7 +125,7 @@ def kernel_functions(T: int, hf) -> dict:
                               (f"{rule}_auto_bf16_in_fp32", bf16, fp32_products)):
             call = functools.partial(auto_call, rule, x, kind)
             fns[name] = (call, fwd_bwd(call), flops)
-    # the gated delta rule (mode="auto": its C++ kernel at chunk size 64) with decays a = exp(g) spread over (0.5, 1)
+    # the gated delta rule (mode="auto": its C++ kernel) with decays a = exp(g) spread over (0.5, 1)
     gates = fp32 + [F.logsigmoid(torch.randn(1, 8, T, generator=torch.Generator().manual_seed(1)) + 2)
                     .requires_grad_()]
     for name, kind in (("gated_Cauto", None), ("gated_auto_blas", chunk.BLAS_PRODUCTS)):

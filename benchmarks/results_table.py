@@ -220,7 +220,7 @@ def cpu_limit_rows(s: Source) -> List[Row]:
                      scaled(s.pair(f"{k}.{n}.fwd_bwd_timings.median", f"{k}.{n}.fwd_bwd_timings.best"), 1e3))
                  for n in ("gated_Cauto", "gated_auto_blas", "gated_hf")}
         rows.append([
-            f"chunk gated delta rule, {shape} (chunk size 64), fp32: the kernel's AVX-512 products vs the BLAS's",
+            f"chunk gated delta rule, {shape}, fp32: the kernel's AVX-512 products vs the BLAS's",
             both("fwd {t:.2f} ms ({r:.2f}x faster; {h:.1f}x transformers'), fwd+bwd {b:.1f} ms ({q:.2f}x; {p:.1f}x)",
                  True, t=gated["gated_Cauto"][0], r=pdiv(gated["gated_auto_blas"][0], gated["gated_Cauto"][0]),
                  h=pdiv(gated["gated_hf"][0], gated["gated_Cauto"][0]), b=gated["gated_Cauto"][1],
