@@ -352,6 +352,33 @@ def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chu
 
 
 @pytest.mark.parametrize("rule", ["delta", "sum"])
+@pytest.mark.parametrize("BH,T,Dk,Dv,chunk_size", [(2, 21, 64, 32, 10), (2, 100, 64, 64, 16), (1, 53, 17, 19, 16),
+                                                   (2, 70, 128, 80, 32), (1, 40, 24, 24, 20)])
+def test_bfloat16_operands_in_place_are_the_generic_ones(rule, BH, T, Dk, Dv, chunk_size):
+    """The bfloat16 forward's own operands (q and k read in place, K interleaved once, S^T's pairs written by the
+    previous chunk's update from its registers) give bit for bit the outputs and final state of the generic
+    bfloat16-factor products on the widened inputs, which pack every operand from float32 per product: short chunks
+    (copied and stacked), odd Dk, Dv of two column blocks, ragged last chunks."""
+    from fwp_kernels import chunk
+
+    _products_or_skip(chunk.BFLOAT16_PRODUCTS)
+    g = torch.Generator().manual_seed(T + Dk)
+    q, k = (F.normalize(torch.randn(BH, T, Dk, generator=g), dim=-1).bfloat16() for _ in range(2))
+    v = torch.randn(BH, T, Dv, generator=g).bfloat16()
+    beta = torch.sigmoid(torch.randn(BH, T, generator=g)).bfloat16() if rule == "delta" else None
+    s0 = 0.1 * torch.randn(BH, Dv, Dk, generator=g)
+
+    def forward(dtype):
+        x = [None if t is None else t.to(dtype) for t in (q, k, v, beta)]
+        S, o = s0.clone(), torch.empty_like(x[2])
+        chunk._CPU_KERNEL.ops.chunk_forward(*x, S, chunk_size, o, None, None, chunk.BFLOAT16_PRODUCTS)
+        return o, S
+
+    (o, S), (o_generic, S_generic) = forward(torch.bfloat16), forward(torch.float32)
+    assert torch.equal(o, o_generic.bfloat16()) and torch.equal(S, S_generic)
+
+
+@pytest.mark.parametrize("rule", ["delta", "sum"])
 @pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (2, 1, 200, 24, 40, 48),
                                                     (1, 2, 53, 17, 19, 16), (1, 3, 150, 64, 80, 32)])
 def test_float32_products_agree_with_the_blas(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):

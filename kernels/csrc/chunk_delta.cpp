@@ -134,13 +134,19 @@ struct Bfloat16Factors {
 };
 #endif
 
+// Rows 2p and 2p + 1 of a result, 16 columns each, as 16 bfloat16 pairs (rounded to nearest even; as pack_pairs).
+inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row);
+
 // The micro-kernel: C [MR, 16 NV] = alpha A B (+ C when accumulate), MR x NV float32 sums in registers, over `steps`
 // steps of the inner dimension. Row r's step s of A is at A + r a_row + s a_step; B's step s is the row at B + s b_step
-// (F::kPerStep elements per column). The last 16 columns keep `lanes` of theirs (n not a multiple of 16).
-template <typename F, int MR, int NV>
+// (F::kPerStep elements per column). The last 16 columns keep `lanes` of theirs (n not a multiple of 16). With
+// kPairs, the tile's rows (its first row even) are also written rounded to bfloat16 pairs of rows into `pairs`, in
+// pack_pairs' layout (pair row stride pairs_ld elements, zero past the last row and column): the packed operand of a
+// later product, formed while the results are still in registers.
+template <typename F, int MR, int NV, bool kPairs = false>
 inline void tile(int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
                  const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
-                 __mmask16 lanes) {
+                 __mmask16 lanes, uint16_t* pairs = nullptr, int64_t pairs_ld = 0) {
   // every loop over r and v unrolled, so that the sums live in registers (left rolled, GCC kept acc on the stack and
   // the float32 forward took 16.1 instead of 8.8 ms at B1 H8 T4096 D64, C = 16, 1 thread)
   __m512 acc[MR][NV];
@@ -167,49 +173,81 @@ inline void tile(int64_t steps, const typename F::Element* A, int64_t a_row, int
       const __mmask16 keep = v + 1 < NV ? 0xFFFF : lanes;
       float* c = C + r * ldc + 16 * v;
       const __m512 prior = accumulate ? _mm512_maskz_loadu_ps(keep, c) : _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(c, keep, _mm512_fmadd_ps(scale, acc[r][v], prior));
+      acc[r][v] = _mm512_fmadd_ps(scale, acc[r][v], prior);
+      _mm512_mask_storeu_ps(c, keep, acc[r][v]);
     }
+  }
+  if constexpr (kPairs) {
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r += 2)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v)
+        store_pairs(pairs + (r / 2) * pairs_ld + 32 * v, acc[r][v], r + 1 < MR ? acc[r + 1][v] : _mm512_setzero_ps());
   }
 }
 
 // The last rows (fewer than a full tile): tile with MR = rows, chosen at run time.
-template <typename F, int NV, int R = 1>
+template <typename F, int NV, bool kPairs, int R = 1>
 inline void tile_rows(int rows, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
                       const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc,
-                      bool accumulate, __mmask16 lanes) {
+                      bool accumulate, __mmask16 lanes, uint16_t* pairs, int64_t pairs_ld) {
   if constexpr (R < 8) {
-    if (rows == R) return tile<F, R, NV>(steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes);
-    tile_rows<F, NV, R + 1>(rows, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes);
+    if (rows == R)
+      return tile<F, R, NV, kPairs>(steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+                                    pairs_ld);
+    tile_rows<F, NV, kPairs, R + 1>(rows, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+                                    pairs_ld);
   }
 }
 
-// C [m, 16 NV at most] in tiles of MR rows: 6 x 4 or 8 x NV accumulators (of 32 vector registers).
-template <typename F, int NV>
+// C [m, 16 NV at most] in tiles of MR rows: 6 x 4 or 8 x NV accumulators (of 32 vector registers); MR even, so that
+// every tile starts at an even row (kPairs).
+template <typename F, int NV, bool kPairs>
 void tiles(int64_t m, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
            const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
-           __mmask16 lanes) {
+           __mmask16 lanes, uint16_t* pairs, int64_t pairs_ld) {
   constexpr int MR = NV >= 3 ? 6 : 8;
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    tile<F, MR, NV>(steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, accumulate, lanes);
+    tile<F, MR, NV, kPairs>(steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, accumulate, lanes,
+                            pairs + i / 2 * pairs_ld, pairs_ld);
   if (i < m)
-    tile_rows<F, NV>(int(m - i), steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, accumulate,
-                     lanes);
+    tile_rows<F, NV, kPairs>(int(m - i), steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc,
+                             accumulate, lanes, pairs + i / 2 * pairs_ld, pairs_ld);
 }
 
-// C [m, n] = alpha A B (+ C) in blocks of 64 columns, A and B as in tile.
+// The 64-column block [j, j + w) of vector_gemm.
+template <typename F, bool kPairs>
+void column_block(int64_t m, int64_t w, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
+                  const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
+                  uint16_t* pairs, int64_t pairs_ld) {
+  const __mmask16 lanes = first_lanes(w - 16 * ((w - 1) / 16));
+  switch ((w + 15) / 16) {
+    case 4: return tiles<F, 4, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+                                       pairs_ld);
+    case 3: return tiles<F, 3, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+                                       pairs_ld);
+    case 2: return tiles<F, 2, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+                                       pairs_ld);
+    default: return tiles<F, 1, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes,
+                                        pairs, pairs_ld);
+  }
+}
+
+// C [m, n] = alpha A B (+ C) in blocks of 64 columns, A and B as in tile; with `pairs`, C's rows also rounded to
+// bfloat16 pairs of rows there (tile's kPairs; pair row stride pairs_ld elements, 16-column groups written whole).
 template <typename F>
 void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
-                 const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate) {
+                 const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
+                 uint16_t* pairs = nullptr, int64_t pairs_ld = 0) {
   for (int64_t j = 0; j < n; j += 64) {
-    const typename F::Element* Bj = B + F::kPerStep * j;
     const int64_t w = std::min<int64_t>(64, n - j);
-    const __mmask16 lanes = first_lanes(w - 16 * ((w - 1) / 16));
-    switch ((w + 15) / 16) {
-      case 4: tiles<F, 4>(m, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, lanes); break;
-      case 3: tiles<F, 3>(m, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, lanes); break;
-      case 2: tiles<F, 2>(m, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, lanes); break;
-      default: tiles<F, 1>(m, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, lanes); break;
+    const typename F::Element* Bj = B + F::kPerStep * j;
+    if (pairs != nullptr) {
+      column_block<F, true>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, pairs + 2 * j,
+                            pairs_ld);
+    } else {
+      column_block<F, false>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, nullptr, 0);
     }
   }
 }
@@ -284,20 +322,26 @@ struct VectorGemm<Float32Factors> {
 };
 
 #ifdef FWP_NATIVE_BF16
+inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row) {
+  alignas(64) static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i rows = (__m512i)_mm512_cvtne2ps_pbh(odd_row, even_row);
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_load_si512(order), rows));
+}
+#else
+inline void store_pairs(uint16_t*, __m512, __m512) {}  // no bfloat16 products in this build: never called
+#endif
+
+#ifdef FWP_NATIVE_BF16
 // Pair-packing of the float32 x [k, ld] (n columns): pair p of column j = (x[2p][j], x[2p+1][j]) rounded to bfloat16,
 // into out [ceil(k / 2), n_out, 2]; zero past row k and column n (n_out a multiple of 16).
 void pack_pairs(int64_t k, int64_t n, const float* x, int64_t ld, bf16_bits* out, int64_t n_out) {
-  alignas(64) int16_t order[32];  // the two rounded rows [a_0 .. a_15 | b_0 .. b_15] -> a_0 b_0 a_1 b_1 ...
-  for (int i = 0; i < 16; ++i) order[2 * i] = int16_t(i), order[2 * i + 1] = int16_t(16 + i);
-  const __m512i interleave = _mm512_load_si512(order);
   for (int64_t p = 0; 2 * p < k; ++p) {
     const float* r0 = x + 2 * p * ld;
     for (int64_t j = 0; j < n_out; j += 16) {
       const __mmask16 lanes = first_lanes(n - j);
-      const __m512 a = _mm512_maskz_loadu_ps(lanes, r0 + j);
-      const __m512 b = 2 * p + 1 < k ? _mm512_maskz_loadu_ps(lanes, r0 + ld + j) : _mm512_setzero_ps();
-      const __m512i rows = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-      _mm512_storeu_si512(out + 2 * (p * n_out + j), _mm512_permutexvar_epi16(interleave, rows));
+      store_pairs(out + 2 * (p * n_out + j), _mm512_maskz_loadu_ps(lanes, r0 + j),
+                  2 * p + 1 < k ? _mm512_maskz_loadu_ps(lanes, r0 + ld + j) : _mm512_setzero_ps());
     }
   }
 }
@@ -511,6 +555,7 @@ struct ChunkProducts {
 template <>
 struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
   int64_t Dk, Dv, ld, k2, np, mp, nvp, cq = 0, c = 0;
+  bool state_in_B = false;  // B's first Dv columns hold S^T's pairs (written by the last S^T update)
   float* Z;
   const bf16_bits *Qr = nullptr, *Kr = nullptr;  // the chunk's queries and keys, rows of k2
   bf16_bits* X;   // where Dk is odd: [Q; K] copied, rows of k2 (Dk rounded up to even, the pad zero)  [2C, k2]
@@ -544,8 +589,8 @@ struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
       }
     }
   }
-  void states_and_keys(int64_t rows, int64_t, float* Y) const {
-    pack_pairs(Dk, Dv, Z, ld, B, np);
+  void states_and_keys(int64_t rows, int64_t, float* Y) {
+    if (!state_in_B) pack_pairs(Dk, Dv, Z, ld, B, np);  // the initial state
     // pair p of column Dv + i of K^T is pair p of row i of K: a transpose of 32-bit pairs
     transpose_into(c, k2 / 2, reinterpret_cast<const pair_bits*>(Kr), k2 / 2, reinterpret_cast<pair_bits*>(B) + Dv, np);
     if (Kr == Qr + cq * k2)  // stacked: one product
@@ -554,10 +599,12 @@ struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     if (rows > cq)
       vector_gemm<Bfloat16Factors>(rows - cq, Dv + c, k2 / 2, Kr, k2, 2, B, 2 * np, 1.f, Y + cq * ld, ld, false);
   }
-  void writes_and_reads(int64_t, int64_t, const float* Un) const {
+  void writes_and_reads(int64_t, int64_t, const float* Un) {
     const int64_t cp = (c + 1) / 2;
     pack_pairs(c, Dv, Un, Dv, U, nvp);
-    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, true);  // S^T += K^T U'
+    // S^T += K^T U', S^T's pairs for the next chunk's first product written from the tiles' registers
+    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, true, B, 2 * np);
+    state_in_B = true;
     if (cq == 0) return;
     float* O = Z + Dk * ld;
     round_rows(cq, c, O + Dv, ld, P, 2 * cp);
@@ -573,7 +620,7 @@ struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     if (k2 == Dk && rows >= 16) return reinterpret_cast<const bf16_bits*>(x);
     for (int64_t i = 0; i < rows; ++i) {
       std::memcpy(out + i * k2, x + i * Dk, sizeof(bf16_bits) * Dk);
-      out[i * k2 + Dk] = 0;
+      if (k2 != Dk) out[i * k2 + Dk] = 0;  // the pad column of an odd Dk
     }
     return out;
   }
