@@ -704,18 +704,20 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
       T* Un = record.u_new != nullptr ? record.u_new + t0 * Dv : U_buf;
       const In* b = beta + t0;
       const T* KS = Y + cq * ld;
-      convert_copy(V, c * Dv, Un);
       for (int64_t i = 0; i < c; ++i) {  // beta_i x_i, x_i = v_i - S k_i (kept for the backward where asked)
         T* u = Un + i * Dv;
+        const In* vi = V + i * Dv;
         const T* ks = KS + i * ld;
         const T bi = T(b[i]);
         if (record.x == nullptr) {
-          for (int64_t j = 0; j < Dv; ++j) u[j] = bi * (u[j] - ks[j]);
+#pragma omp simd
+          for (int64_t j = 0; j < Dv; ++j) u[j] = bi * (T(vi[j]) - ks[j]);
           continue;
         }
         T* x = record.x + (t0 + i) * Dv;
+#pragma omp simd
         for (int64_t j = 0; j < Dv; ++j) {
-          x[j] = u[j] - ks[j];
+          x[j] = T(vi[j]) - ks[j];
           u[j] = bi * x[j];
         }
       }
