@@ -249,10 +249,11 @@ BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS = 0, 1, 2
 # CPUs measured (MKL runs AVX2 code there; bench_cpu, "kernels": fp32 forward and forward + backward).
 FLOAT32_DEFAULT_PRODUCTS = FLOAT32_PRODUCTS
 # bfloat16 factors from this many positions on: below it the state's packing into pairs (Dk x Dv per chunk) outweighs
-# the few rows multiplied (bench_cpu_zen5.json at 3c96134, products_by_length, bfloat16 inputs, float32 / bfloat16
-# factors, 1 / 2 threads: D = 128 T = 2 0.89x / 0.95x, T = 8 0.97x / 1.02x, T = 16 1.07x / 1.10x; D = 64 T = 2
-# 0.90x / 0.94x, T = 16 1.02x / 1.02x, T = 1,024 1.42x / 1.33x).
-BFLOAT16_PRODUCTS_MIN_T = 16
+# the few rows multiplied (bench_cpu_zen5.json at 4c33034, products_by_length, bfloat16 inputs, time with float32
+# factors / with bfloat16 factors, 1 / 2 threads: D = 128 T = 2 0.98x / 0.98x, T = 4 1.00x / 0.99x, T = 8 1.06x /
+# 1.02x, T = 1,024 1.59x / 1.58x; D = 64 T = 2 1.03x / 1.01x, T = 8 1.09x / 1.05x. At 3c96134, before S^T's pairs
+# came from the update's registers, T = 2 was 0.89x / 0.95x and T = 8 0.97x / 1.02x at D = 128.)
+BFLOAT16_PRODUCTS_MIN_T = 8
 
 
 @torch.compiler.assume_constant_result
