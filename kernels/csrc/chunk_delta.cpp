@@ -857,7 +857,7 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const int64_t t0 = n * C, c = std::min(C, L - t0);
     const T* Q = rows_as(q + t0 * Dk, c * Dk, w.in);
     const T* K = rows_as(k + t0 * Dk, c * Dk, w.in + C * Dk);
-    const T* V = rows_as(v + t0 * Dv, c * Dv, w.in + 2 * C * Dk);
+    const T* V = beta == nullptr ? rows_as(v + t0 * Dv, c * Dv, w.in + 2 * C * Dk) : nullptr;  // U' of the sum rule
     const T* dO = rows_as(dout + t0 * Dv, c * Dv, w.in + 2 * C * Dk + C * Dv);
     const T* S = kept.entering + n * Dv * Dk;
     const T* U = beta != nullptr ? kept.u_new + t0 * Dv : V;
