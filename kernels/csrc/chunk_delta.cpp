@@ -100,6 +100,17 @@ enum Products : int64_t { kBlas = 0, kVectorFloat32 = 1, kVectorBfloat16 = 2 };
 #include <immintrin.h>
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// sum_j x_j y_j over n elements, summed in vector lanes (in the order the compiler's reduction picks: a serial sum is
+// one dependent add per element, which made the backward's row sums and the gated rule's <S, dS'> a sizeable share of
+// its time).
+template <typename T>
+inline T dot(int64_t n, const T* x, const T* y) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < n; ++j) acc += x[j] * y[j];
+  return acc;
+}
 // The first min(max(n, 0), 16) of 16 lanes.
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1);
@@ -809,12 +820,8 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
   unit_lower_transposed_back_substitution<T>(c, Dv, w.A, c, [b](int64_t i) { return b[i]; }, w.dR);
   // dV = diag(beta) dR;  dbeta = rowsum(dR * X)
   for (int64_t i = 0; i < c; ++i) {
-    T acc = 0;
-    for (int64_t j = 0; j < Dv; ++j) {
-      acc += w.dR[i * Dv + j] * X[i * Dv + j];
-      dV[i * Dv + j] = b[i] * w.dR[i * Dv + j];
-    }
-    db[i] = acc;
+    db[i] = dot(Dv, w.dR + i * Dv, X + i * Dv);
+    for (int64_t j = 0; j < Dv; ++j) dV[i * Dv + j] = b[i] * w.dR[i * Dv + j];
   }
   // dK -= dV S;  dS -= dV^T K
   gemm(false, false, c, Dk, Dv, T(-1), dV, Dv, S, Dk, T(1), dK, Dk);
@@ -825,13 +832,11 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
   // M = dA K:  dK += diag(beta) M,  dbeta += rowsum(M * K);  dK += dA^T diag(beta) K
   gemm(false, false, c, Dk, c, T(1), w.dA, c, K, Dk, T(0), w.M, Dk);
   for (int64_t i = 0; i < c; ++i) {
-    T acc = 0;
+    db[i] += dot(Dk, w.M + i * Dk, K + i * Dk);
     for (int64_t j = 0; j < Dk; ++j) {
-      acc += w.M[i * Dk + j] * K[i * Dk + j];
       dK[i * Dk + j] += b[i] * w.M[i * Dk + j];
       w.bK[i * Dk + j] = b[i] * K[i * Dk + j];
     }
-    db[i] += acc;
   }
   gemm(true, false, c, Dk, c, T(1), w.dA, c, w.bK, Dk, T(1), dK, Dk);
 }
@@ -1395,11 +1400,7 @@ void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, cons
 // Row sums of the elementwise product of two row-major [c, n] matrices: out[i] (+)= sum_j x_ij y_ij.
 template <typename T>
 inline void rowdot(int64_t c, int64_t n, const T* x, const T* y, T* out, bool add) {
-  for (int64_t i = 0; i < c; ++i) {
-    T acc = 0;
-    for (int64_t j = 0; j < n; ++j) acc += x[i * n + j] * y[i * n + j];
-    out[i] = add ? out[i] + acc : acc;
-  }
+  for (int64_t i = 0; i < c; ++i) out[i] = (add ? out[i] : T(0)) + dot(n, x + i * n, y + i * n);
 }
 
 // Gradients reaching O and S' (README: dU', dQ, dK's first terms, dS), with dgam collecting the decay's gradient.
@@ -1419,17 +1420,14 @@ void backward_outputs(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K,
   // U' dS' -> dK = diag(lambda) U' dS', dlambda_i = (U' dS')_i . k_i;  Gamma_c <S, dS'>
   T* UdS = w.M1.data();
   gemm(false, false, c, Dk, Dv, T(1), Un, Dv, dS, Dk, T(0), UdS, Dk);
-  T dlam_sum = 0, dGc = 0;
+  T dlam_sum = 0;
   for (int64_t i = 0; i < c; ++i) {
-    T acc = 0;
-    for (int64_t j = 0; j < Dk; ++j) {
-      acc += UdS[i * Dk + j] * K[i * Dk + j];
-      dK[i * Dk + j] = d.lambda[i] * UdS[i * Dk + j];
-    }
+    const T acc = dot(Dk, UdS + i * Dk, K + i * Dk);
+    for (int64_t j = 0; j < Dk; ++j) dK[i * Dk + j] = d.lambda[i] * UdS[i * Dk + j];
     dgam[i] = -d.lambda[i] * acc;
     dlam_sum += d.lambda[i] * acc;
   }
-  for (int64_t i = 0; i < Dv * Dk; ++i) dGc += S[i] * dS[i];
+  const T dGc = dot(Dv * Dk, S, dS);
   dgam[c - 1] += dlam_sum + d.Gamma[c - 1] * dGc;
   // dP = dO U'^T (lower); H = dP * P into w.dP's place later; dPD = dP * D
   gemm(false, true, c, c, Dv, T(1), dO, Dv, Un, Dv, T(0), w.dP.data(), c);
@@ -1437,12 +1435,8 @@ void backward_outputs(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K,
   T* dOS = w.M2.data();
   gemm(false, false, c, Dk, Dv, T(1), dO, Dv, S, Dk, T(0), dOS, Dk);
   for (int64_t i = 0; i < c; ++i) {
-    T acc = 0;
-    for (int64_t j = 0; j < Dk; ++j) {
-      acc += dOS[i * Dk + j] * Q[i * Dk + j];
-      dQ[i * Dk + j] = d.Gamma[i] * dOS[i * Dk + j];
-    }
-    dgam[i] += d.Gamma[i] * acc;
+    for (int64_t j = 0; j < Dk; ++j) dQ[i * Dk + j] = d.Gamma[i] * dOS[i * Dk + j];
+    dgam[i] += d.Gamma[i] * dot(Dk, dOS + i * Dk, Q + i * Dk);
   }
   // dS = Gamma_c dS' + dO^T diag(Gamma) Q
   for (int64_t i = 0; i < Dv * Dk; ++i) dS[i] *= d.Gamma[c - 1];
@@ -1485,6 +1479,7 @@ void backward_solve(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, c
   rowdot(c, Dv, w.dR.data(), w.X.data(), db, false);
   for (int64_t i = 0; i < c; ++i) {
     T acc = 0;  // dX_i . (K S^T)_i, with K S^T = (V - X) / Gamma written as Gamma (K S^T) = V - X
+#pragma omp simd reduction(+ : acc)
     for (int64_t j = 0; j < Dv; ++j) {
       dV[i * Dv + j] = b[i] * w.dR[i * Dv + j];
       acc += dV[i * Dv + j] * (V[i * Dv + j] - w.X[i * Dv + j]);
