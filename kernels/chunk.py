@@ -294,8 +294,16 @@ def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple
 
 
 def _bfloat16_io(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...]) -> bool:
-    """Whether q, k, v and the gates are all bfloat16: the C++ forward then reads them and writes o in bfloat16."""
+    """Whether q, k, v and the gates are all bfloat16: the C++ kernels then read them as they are."""
     return all(x.dtype == torch.bfloat16 for x in (q, k, v, *gates))
+
+
+def io_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...],
+             acc: torch.dtype) -> torch.dtype:
+    """The dtype in which the C++ chunk kernels (every rule) read q, k, v, the gates and the output gradient and write
+    o and the gradients: bfloat16 when q, k, v and the gates all are (widened chunk by chunk as they are read, each
+    output rounded once as it is written; the state and the sums float32), else `acc`."""
+    return torch.bfloat16 if _bfloat16_io(q, k, v, gates) else acc
 
 
 def _flat(x: Optional[torch.Tensor], acc: torch.dtype) -> Optional[torch.Tensor]:
@@ -344,8 +352,7 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
     if q.shape[2] == 1:
         return decode_cpu(q, k, v, gates, initial_state)
     acc = acc_dtype(q, k, v, initial_state, *gates)
-    # bfloat16 inputs go in as they are (the kernel widens them as it reads them) and o comes out in bfloat16
-    io = torch.bfloat16 if _bfloat16_io(q, k, v, gates) else acc
+    io = io_dtype(q, k, v, gates, acc)
     state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
     flat = [_flat(x, io) for x in (q, k, v, _op_beta(gates))]
     _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None, cpu_products(q, k, v, gates))
@@ -358,9 +365,7 @@ def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     beta = _op_beta(gates)
-    # bfloat16 inputs and output gradient go in as they are and the gradients come out in bfloat16 (the kernel widens
-    # as it reads and rounds as it writes; the states and sums float32)
-    io = torch.bfloat16 if _bfloat16_io(q, k, v, gates) else acc
+    io = io_dtype(q, k, v, gates, acc)
     flat = [_flat(x, io) for x in (q, k, v, beta)]
     s0 = q.new_zeros(B * H, Dv, Dk, dtype=acc) if initial_state is None else _flat(initial_state, acc)
     do = torch.zeros_like(flat[2]) if do is None else _flat(do, io)

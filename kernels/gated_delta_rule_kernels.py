@@ -83,12 +83,6 @@ cpu_kernel_status = _CPU_KERNEL.describe
 cpu_kernel_available = _CPU_KERNEL.available
 
 
-def _io_dtype(q, k, v, gates, acc: torch.dtype) -> torch.dtype:
-    """What the C++ kernel reads and writes: bfloat16 when q, k, v, beta and g all are (widened chunk by chunk as they
-    are read, o and the gradients rounded once as they are written; the state and sums float32), else `acc`."""
-    return torch.bfloat16 if chunk._bfloat16_io(q, k, v, gates) else acc
-
-
 def _float_products(flat) -> int:
     """The C++ kernel's products (``chunk.cpu_products``): float32 factors (the AVX-512 micro-kernel's where built, else
     the BLAS) for float32 and bfloat16 inputs, float64 through the BLAS."""
@@ -130,7 +124,7 @@ class GatedDeltaRuleChunks(ChunkRule):
         if q.shape[2] == 1 and chunk.cpu_kernel_available():  # a decode step: the delta rule's one-pass kernel, gated
             return chunk.decode_cpu(q, k, v, gates, initial_state)
         acc = acc_dtype(q, k, v, initial_state, *gates)
-        io = _io_dtype(q, k, v, gates, acc)
+        io = chunk.io_dtype(q, k, v, gates, acc)
         state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
         flat = [_flat(x, io) for x in (q, k, v, *gates)]
         _CPU_KERNEL.ops.gated_forward(*flat, state, chunk_size, o, _float_products(flat))
@@ -140,7 +134,7 @@ class GatedDeltaRuleChunks(ChunkRule):
         acc = acc_dtype(q, k, v, initial_state, *gates)
         B, H, T, Dk = q.shape
         Dv = v.shape[-1]
-        io = _io_dtype(q, k, v, gates, acc)
+        io = chunk.io_dtype(q, k, v, gates, acc)
         flat = [_flat(x, io) for x in (q, k, v, *gates)]
         s0 = q.new_zeros(B * H, Dv, Dk, dtype=acc) if initial_state is None else _flat(initial_state, acc)
         do = torch.zeros_like(flat[2]) if do is None else _flat(do, io)
