@@ -869,6 +869,19 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const T* V = beta == nullptr ? rows_as(v + t0 * Dv, c * Dv, w.in + 2 * C * Dk) : nullptr;  // U' of the sum rule
     const T* dO = rows_as(dout + t0 * Dv, c * Dv, w.in + 2 * C * Dk + C * Dv);
     const T* S = kept.entering + n * Dv * Dk;
+    if (n > 0) {  // the previous chunk's rows (the next to be read) on their way while this one computes
+      const int64_t p0 = t0 - C;
+      prefetch(kept.entering + (n - 1) * Dv * Dk, Dv * Dk);
+      prefetch(q + p0 * Dk, C * Dk);
+      prefetch(k + p0 * Dk, C * Dk);
+      prefetch(dout + p0 * Dv, C * Dv);
+      if (beta != nullptr) {
+        prefetch(kept.u_new + p0 * Dv, C * Dv);
+        prefetch(kept.x + p0 * Dv, C * Dv);
+      } else {
+        prefetch(v + p0 * Dv, C * Dv);
+      }
+    }
     const T* U = beta != nullptr ? kept.u_new + t0 * Dv : V;
     T* dQ = rows_for(dq + t0 * Dk, w.out);
     T* dK = rows_for(dk + t0 * Dk, w.out + C * Dk);
