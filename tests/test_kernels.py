@@ -291,9 +291,8 @@ def _spy_products(monkeypatch):
 )
 def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
     """bfloat16 inputs multiply with bfloat16 factors and float32 sums (the micro-kernel's vdpbf16ps; state, solve and
-    sums in float32) where the build has AVX-512 BF16, in the forward (their backward takes float32 factors), and
-    with bfloat16 factors forced on the backward too: outputs, final state and every gradient within the bfloat16
-    bound of the float64 step loop. Odd chunks (T = 21, 53, 77), chunks and heads that are no multiple of 16 (10,
+    sums in float32) where the build has AVX-512 BF16, forward and backward, and with float32 factors forced on the
+    backward: outputs, final state and every gradient within the bfloat16 bound of the float64 step loop. Odd chunks (T = 21, 53, 77), chunks and heads that are no multiple of 16 (10,
     20, 24, 40, 48) or odd (17, 19) pad the packed operands and mask the last columns; 80 and 128 columns run
     64-column blocks and a 16-column one. Measured on a Zen 5 CPU: o <= 3.6e-3 (the sum rule's 2.1e-3 is about its
     rounding to bfloat16 alone), final state <= 2.7e-3 (sum rule 6.8e-8), gradients <= 4.3e-3."""
@@ -305,11 +304,19 @@ def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
     got = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size)
     float32 = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in chunk.cpu_product_kinds() \
         else chunk.BLAS_PRODUCTS
-    assert chosen == [chunk.BFLOAT16_PRODUCTS, float32]  # forward, backward
+    assert chosen == [chunk.BFLOAT16_PRODUCTS] * 2  # forward, backward
     assert got["o"].dtype == torch.bfloat16 and got["final_state"].dtype == torch.float32
     assert_close(got, ref, TOL[torch.bfloat16])
-    monkeypatch.setattr(chunk, "cpu_products", lambda *a, **kw: chunk.BFLOAT16_PRODUCTS)
+    backward = chunk._backward_cpu
+
+    def backward_with_float32_factors(*args):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(chunk, "cpu_products", lambda *a, **kw: float32)
+            return backward(*args)
+
+    monkeypatch.setattr(chunk, "_backward_cpu", backward_with_float32_factors)
     assert_close(outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size), ref, TOL[torch.bfloat16])
+    assert chosen[2:] == [chunk.BFLOAT16_PRODUCTS]  # the forward's; the backward's forced
 
 
 @pytest.mark.parametrize("rule", ["delta", "sum"])
@@ -320,7 +327,9 @@ def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chu
     """The C++ backward of bfloat16 inputs takes q, k, v, beta and the output gradient as bfloat16 and writes bfloat16
     gradients: exactly the float32 backward of the widened inputs with its gradients rounded once (the kernel widens
     and rounds chunk by chunk; at B*H = 1 and 2 threads the value-column blocks sum their partial dq, dk and dbeta in
-    float32 before rounding). Ragged last chunks, odd Dk and Dv; the autograd path hands the op bfloat16 tensors."""
+    float32 before rounding), with float32 factors and with bfloat16 ones (read in place in its recomputation of the
+    forward, packed from float32 on the widened inputs). Ragged last chunks, odd Dk and Dv; the autograd path hands
+    the op bfloat16 tensors."""
     from fwp_kernels import chunk
 
     _cpp_kernel_or_skip()
@@ -330,9 +339,10 @@ def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chu
     v, do = (torch.randn(BH, T, Dv, generator=g).bfloat16() for _ in range(2))
     beta = torch.sigmoid(torch.randn(BH, T, generator=g)).bfloat16() if rule == "delta" else None
     s0, d_final = (0.1 * torch.randn(BH, Dv, Dk, generator=g) for _ in range(2))
-    products = chunk.cpu_products(q, k, v, () if beta is None else (beta,), backward=True)
+    gates = () if beta is None else (beta,)
+    kinds = {chunk.cpu_products(q, k, v, gates), chunk.cpu_products(q, k, v, gates, bfloat16_factors=False)}
 
-    def backward(dtype):
+    def backward(dtype, products):
         x = [None if t is None else t.to(dtype) for t in (q, k, v, beta)]
         dS = d_final.clone()
         grads = [torch.empty_like(t) for t in x[:3]] + [None if beta is None else torch.empty_like(x[3])]
@@ -340,10 +350,11 @@ def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chu
             *x, s0, chunk_size, do.to(dtype), dS, *grads, products))
         return [t for t in grads if t is not None] + [dS]
 
-    got, widened = backward(torch.bfloat16), backward(torch.float32)
-    assert all(t.dtype == torch.bfloat16 for t in got[:-1])
-    for a, b in zip(got, widened):
-        assert torch.equal(a, b.to(a.dtype))
+    for products in kinds:
+        got, widened = backward(torch.bfloat16, products), backward(torch.float32, products)
+        assert all(t.dtype == torch.bfloat16 for t in got[:-1])
+        for a, b in zip(got, widened):
+            assert torch.equal(a, b.to(a.dtype)), products
     calls = _spy_op_dtypes(monkeypatch, "chunk_backward")
     outputs_and_grads(rule, make_inputs(rule, B, H, T, Dk, Dv, torch.bfloat16, seed=T), mode="chunk",
                       chunk_size=chunk_size)
@@ -412,7 +423,7 @@ def test_products_follow_the_inputs_dtypes():
     bf16 = chunk.BFLOAT16_PRODUCTS if chunk.BFLOAT16_PRODUCTS in kinds else fp32
     b16 = x[torch.bfloat16]
     assert chunk.cpu_products(b16, b16, b16, (beta,)) == bf16 and chunk.cpu_products(b16, b16, b16, ()) == bf16
-    assert chunk.cpu_products(b16, b16, b16, (beta,), backward=True) == fp32
+    assert chunk.cpu_products(b16, b16, b16, (beta,), bfloat16_factors=False) == fp32
     short = b16[:, :, : T - 1]
     assert chunk.cpu_products(short, short, short, (beta[..., : T - 1],)) == fp32
     assert chunk.cpu_products(b16, b16, b16, (beta.float(),)) == fp32
@@ -719,7 +730,7 @@ def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, 
     s0 = inputs["initial_state"].float().reshape(B * H, Dv, Dk)
     do = torch.randn(B * H, T, Dv, generator=torch.Generator().manual_seed(1)).bfloat16()
     d_final = torch.randn(B * H, Dv, Dk, generator=torch.Generator().manual_seed(2))
-    ops, products = chunk._CPU_KERNEL.ops, chunk.cpu_products(*flat[:3], tuple(flat[3:]), backward=True)
+    ops, products = chunk._CPU_KERNEL.ops, chunk.cpu_products(*flat[:3], tuple(flat[3:]), bfloat16_factors=False)
 
     def forward_and_backward(dtype):
         x = [t.to(dtype) for t in flat]
