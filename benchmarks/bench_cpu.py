@@ -11,7 +11,7 @@ versions, machine, load average before and after), for each thread count side by
 2. ``kernels``: B=1 H=8 T=4096 D=64, forward and forward + backward of the delta and sum rules (C = 16, 32, 64 and
    ``mode="auto"``; the products as shipped: the kernel's own AVX-512 micro-kernel where built), the same fp32 calls
    with the BLAS's products (``*_auto_blas``: the kernel before its micro-kernel), bf16 inputs (``*_auto_bf16``:
-   as shipped, bfloat16 factors in the forward where the build has AVX-512 BF16; ``*_auto_bf16_in_fp32``: the same
+   as shipped, bfloat16 factors forward and backward where the build has AVX-512 BF16; ``*_auto_bf16_in_fp32``: the same
    inputs with float32 products throughout),
    and transformers' ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``);
    the gated delta rule (``gated_Cauto``; ``gated_auto_blas``; transformers' with the same g):

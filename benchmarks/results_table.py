@@ -209,7 +209,7 @@ def cpu_limit_rows(s: Source) -> List[Row]:
                    "`chunk_backward_flops` counts them)", both_share),
             "BLAS products " + both("{t:.1f} ms", t=fb["delta_auto_blas"]), "0.8 of the peak; faster"])
         rows.append([
-            "same, bf16 inputs: bfloat16 factors in the forward (float32 sums and state) vs the fp32 kernel",
+            "same, bf16 inputs: bfloat16 factors, forward and backward (float32 sums and state) vs the fp32 kernel",
             both("fwd {t:.2f} ms ({r:.2f}x), fwd+bwd {b:.1f} ms ({q:.2f}x)", True, t=fw["delta_auto_bf16"],
                  r=pdiv(fw["delta_Cauto"], fw["delta_auto_bf16"]), b=fb["delta_auto_bf16"],
                  q=pdiv(fb["delta_Cauto"], fb["delta_auto_bf16"])),
