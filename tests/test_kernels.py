@@ -720,8 +720,10 @@ def test_gated_delta_rule_with_zero_gate_is_the_delta_rule(dtype, mode):
 @pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 2, 53, 17, 19, 16)])
 def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
     """The C++ gated kernel takes bfloat16 q, k, v, beta, g (and dout) as they are and writes bfloat16 o and
-    gradients: exactly its float32 forward and backward of the widened inputs, each output rounded once (ragged last
-    chunks, odd Dk and Dv); the public function hands it bfloat16 and returns bfloat16."""
+    gradients: exactly its forward and backward of the widened inputs, each output rounded once, with float32 factors
+    and with bfloat16 ones (ragged last chunks, odd Dk and Dv); the public function hands it bfloat16, returns
+    bfloat16, and stays within the bfloat16 bound of the float64 step loop with the products it picks (bfloat16
+    factors where built)."""
     from fwp_kernels import chunk
 
     _cpp_kernel_or_skip()
@@ -730,9 +732,10 @@ def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, 
     s0 = inputs["initial_state"].float().reshape(B * H, Dv, Dk)
     do = torch.randn(B * H, T, Dv, generator=torch.Generator().manual_seed(1)).bfloat16()
     d_final = torch.randn(B * H, Dv, Dk, generator=torch.Generator().manual_seed(2))
-    ops, products = chunk._CPU_KERNEL.ops, chunk.cpu_products(*flat[:3], tuple(flat[3:]), bfloat16_factors=False)
+    ops, gates = chunk._CPU_KERNEL.ops, tuple(flat[3:])
+    kinds = {chunk.cpu_products(*flat[:3], gates), chunk.cpu_products(*flat[:3], gates, bfloat16_factors=False)}
 
-    def forward_and_backward(dtype):
+    def forward_and_backward(dtype, products):
         x = [t.to(dtype) for t in flat]
         S, o = s0.clone(), torch.empty_like(x[2])
         dS, grads = d_final.clone(), [torch.empty_like(t) for t in x]
@@ -740,13 +743,14 @@ def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, 
         _with_threads(threads, lambda: ops.gated_backward(*x, s0, chunk_size, do.to(dtype), dS, *grads, products))
         return [o, S, dS, *grads]
 
-    got, widened = forward_and_backward(torch.bfloat16), forward_and_backward(torch.float32)
-    for a, b in zip(got, widened):
-        assert torch.equal(a, b.to(a.dtype))
-    assert [t.dtype for t in got] == [torch.bfloat16] + [torch.float32] * 2 + [torch.bfloat16] * 5
+    for products in kinds:
+        got, widened = forward_and_backward(torch.bfloat16, products), forward_and_backward(torch.float32, products)
+        for a, b in zip(got, widened):
+            assert torch.equal(a, b.to(a.dtype)), products
+        assert [t.dtype for t in got] == [torch.bfloat16] + [torch.float32] * 2 + [torch.bfloat16] * 5
     calls = [_spy_op_dtypes(monkeypatch, op) for op in ("gated_forward", "gated_backward")]
-    outputs_and_grads("gated", make_inputs("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T), mode="chunk",
-                      chunk_size=chunk_size)
+    inputs, ref = case("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T)
+    assert_close(outputs_and_grads("gated", inputs, mode="chunk", chunk_size=chunk_size), ref, TOL[torch.bfloat16])
     bf16, f32 = torch.bfloat16, torch.float32
     assert calls[0] == [[bf16] * 5 + [f32, bf16]]  # q, k, v, beta, g, S, o
     assert calls[1] == [[bf16] * 5 + [f32, bf16, f32] + [bf16] * 5]  # ..., s0, dout, dS, their gradients
