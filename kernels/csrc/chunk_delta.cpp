@@ -148,7 +148,8 @@ struct Bfloat16Factors {
 // Rows 2p and 2p + 1 of a result, 16 columns each, as 16 bfloat16 pairs (rounded to nearest even; as pack_pairs).
 inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row);
 
-// The micro-kernel: C [MR, 16 NV] = alpha A B (+ C when accumulate), MR x NV float32 sums in registers, over `steps`
+// The micro-kernel: C [MR, 16 NV] = alpha A B + beta C (C not read when beta is 0), MR x NV float32 sums in registers,
+// over `steps`
 // steps of the inner dimension. Row r's step s of A is at A + r a_row + s a_step; B's step s is the row at B + s b_step
 // (F::kPerStep elements per column). The last 16 columns keep `lanes` of theirs (n not a multiple of 16). With
 // kPairs, the tile's rows (its first row even) are also written rounded to bfloat16 pairs of rows into `pairs`, in
@@ -156,7 +157,7 @@ inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row);
 // later product, formed while the results are still in registers.
 template <typename F, int MR, int NV, bool kPairs = false>
 inline void tile(int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
-                 const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
+                 const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta,
                  __mmask16 lanes, uint16_t* pairs = nullptr, int64_t pairs_ld = 0) {
   // every loop over r and v unrolled, so that the sums live in registers (left rolled, GCC kept acc on the stack and
   // the float32 forward took 16.1 instead of 8.8 ms at B1 H8 T4096 D64, C = 16, 1 thread)
@@ -176,14 +177,16 @@ inline void tile(int64_t steps, const typename F::Element* A, int64_t a_row, int
       for (int v = 0; v < NV; ++v) acc[r][v] = F::multiply_add(acc[r][v], a, b[v]);
     }
   }
-  const __m512 scale = _mm512_set1_ps(alpha);
+  const __m512 scale = _mm512_set1_ps(alpha), prior_scale = _mm512_set1_ps(beta);
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       const __mmask16 keep = v + 1 < NV ? 0xFFFF : lanes;
       float* c = C + r * ldc + 16 * v;
-      const __m512 prior = accumulate ? _mm512_maskz_loadu_ps(keep, c) : _mm512_setzero_ps();
+      __m512 prior = _mm512_setzero_ps();
+      if (beta != 0.f) prior = _mm512_maskz_loadu_ps(keep, c);
+      if (beta != 0.f && beta != 1.f) prior = _mm512_mul_ps(prior_scale, prior);
       acc[r][v] = _mm512_fmadd_ps(scale, acc[r][v], prior);
       _mm512_mask_storeu_ps(c, keep, acc[r][v]);
     }
@@ -201,12 +204,12 @@ inline void tile(int64_t steps, const typename F::Element* A, int64_t a_row, int
 template <typename F, int NV, bool kPairs, int R = 1>
 inline void tile_rows(int rows, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
                       const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc,
-                      bool accumulate, __mmask16 lanes, uint16_t* pairs, int64_t pairs_ld) {
+                      float beta, __mmask16 lanes, uint16_t* pairs, int64_t pairs_ld) {
   if constexpr (R < 8) {
     if (rows == R)
-      return tile<F, R, NV, kPairs>(steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+      return tile<F, R, NV, kPairs>(steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes, pairs,
                                     pairs_ld);
-    tile_rows<F, NV, kPairs, R + 1>(rows, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+    tile_rows<F, NV, kPairs, R + 1>(rows, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes, pairs,
                                     pairs_ld);
   }
 }
@@ -215,50 +218,50 @@ inline void tile_rows(int rows, int64_t steps, const typename F::Element* A, int
 // every tile starts at an even row (kPairs).
 template <typename F, int NV, bool kPairs>
 void tiles(int64_t m, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
-           const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
+           const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta,
            __mmask16 lanes, uint16_t* pairs, int64_t pairs_ld) {
   constexpr int MR = NV >= 3 ? 6 : 8;
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    tile<F, MR, NV, kPairs>(steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, accumulate, lanes,
+    tile<F, MR, NV, kPairs>(steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, beta, lanes,
                             pairs + i / 2 * pairs_ld, pairs_ld);
   if (i < m)
     tile_rows<F, NV, kPairs>(int(m - i), steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc,
-                             accumulate, lanes, pairs + i / 2 * pairs_ld, pairs_ld);
+                             beta, lanes, pairs + i / 2 * pairs_ld, pairs_ld);
 }
 
 // The 64-column block [j, j + w) of vector_gemm.
 template <typename F, bool kPairs>
 void column_block(int64_t m, int64_t w, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
-                  const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
+                  const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta,
                   uint16_t* pairs, int64_t pairs_ld) {
   const __mmask16 lanes = first_lanes(w - 16 * ((w - 1) / 16));
   switch ((w + 15) / 16) {
-    case 4: return tiles<F, 4, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+    case 4: return tiles<F, 4, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes, pairs,
                                        pairs_ld);
-    case 3: return tiles<F, 3, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+    case 3: return tiles<F, 3, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes, pairs,
                                        pairs_ld);
-    case 2: return tiles<F, 2, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes, pairs,
+    case 2: return tiles<F, 2, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes, pairs,
                                        pairs_ld);
-    default: return tiles<F, 1, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, accumulate, lanes,
+    default: return tiles<F, 1, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes,
                                         pairs, pairs_ld);
   }
 }
 
-// C [m, n] = alpha A B (+ C) in blocks of 64 columns, A and B as in tile; with `pairs`, C's rows also rounded to
+// C [m, n] = alpha A B + beta C in blocks of 64 columns, A and B as in tile; with `pairs`, C's rows also rounded to
 // bfloat16 pairs of rows there (tile's kPairs; pair row stride pairs_ld elements, 16-column groups written whole).
 template <typename F>
 void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
-                 const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, bool accumulate,
+                 const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta,
                  uint16_t* pairs = nullptr, int64_t pairs_ld = 0) {
   for (int64_t j = 0; j < n; j += 64) {
     const int64_t w = std::min<int64_t>(64, n - j);
     const typename F::Element* Bj = B + F::kPerStep * j;
     if (pairs != nullptr) {
-      column_block<F, true>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, pairs + 2 * j,
+      column_block<F, true>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, beta, pairs + 2 * j,
                             pairs_ld);
     } else {
-      column_block<F, false>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, accumulate, nullptr, 0);
+      column_block<F, false>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, beta, nullptr, 0);
     }
   }
 }
@@ -328,7 +331,7 @@ struct VectorGemm<Float32Factors> {
       Bk = t;
       b_step = n;
     }
-    vector_gemm<Float32Factors>(m, n, k, A, trans_a ? 1 : lda, trans_a ? lda : 1, Bk, b_step, alpha, C, ldc, beta != 0);
+    vector_gemm<Float32Factors>(m, n, k, A, trans_a ? 1 : lda, trans_a ? lda : 1, Bk, b_step, alpha, C, ldc, beta);
   }
 };
 
@@ -393,7 +396,7 @@ struct VectorGemm<Bfloat16Factors> {
       round_rows(m, k, A, lda, Ap, 2 * kp);
       a_row = 2 * kp, a_step = 2;
     }
-    vector_gemm<Bfloat16Factors>(m, n, kp, Ap, a_row, a_step, Bp, 2 * np, alpha, C, ldc, beta != 0);
+    vector_gemm<Bfloat16Factors>(m, n, kp, Ap, a_row, a_step, Bp, 2 * np, alpha, C, ldc, beta);
   }
 };
 #endif  // FWP_NATIVE_BF16
@@ -605,21 +608,21 @@ struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     // pair p of column Dv + i of K^T is pair p of row i of K: a transpose of 32-bit pairs
     transpose_into(c, k2 / 2, reinterpret_cast<const pair_bits*>(Kr), k2 / 2, reinterpret_cast<pair_bits*>(B) + Dv, np);
     if (Kr == Qr + cq * k2)  // stacked: one product
-      return vector_gemm<Bfloat16Factors>(rows, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, false);
-    if (cq > 0) vector_gemm<Bfloat16Factors>(cq, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, false);
+      return vector_gemm<Bfloat16Factors>(rows, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, 0.f);
+    if (cq > 0) vector_gemm<Bfloat16Factors>(cq, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, 0.f);
     if (rows > cq)
-      vector_gemm<Bfloat16Factors>(rows - cq, Dv + c, k2 / 2, Kr, k2, 2, B, 2 * np, 1.f, Y + cq * ld, ld, false);
+      vector_gemm<Bfloat16Factors>(rows - cq, Dv + c, k2 / 2, Kr, k2, 2, B, 2 * np, 1.f, Y + cq * ld, ld, 0.f);
   }
   void writes_and_reads(int64_t, int64_t, const float* Un) {
     const int64_t cp = (c + 1) / 2;
     pack_pairs(c, Dv, Un, Dv, U, nvp);
     // S^T += K^T U', S^T's pairs for the next chunk's first product written from the tiles' registers
-    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, true, B, 2 * np);
+    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, 1.f, B, 2 * np);
     state_in_B = true;
     if (cq == 0) return;
     float* O = Z + Dk * ld;
     round_rows(cq, c, O + Dv, ld, P, 2 * cp);
-    vector_gemm<Bfloat16Factors>(cq, Dv, cp, P, 2 * cp, 2, U, 2 * nvp, 1.f, O, ld, true);  // O += P U'
+    vector_gemm<Bfloat16Factors>(cq, Dv, cp, P, 2 * cp, 2, U, 2 * nvp, 1.f, O, ld, 1.f);  // O += P U'
   }
 
  private:
@@ -1408,9 +1411,7 @@ void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, cons
     // S <- Gamma_c S + U'^T diag(lambda) K
     for (int64_t i = 0; i < c; ++i)
       for (int64_t j = 0; j < Dk; ++j) w.Kl[i * Dk + j] = w.dec.lambda[i] * K[i * Dk + j];
-    const T decay = w.dec.Gamma[c - 1];
-    for (int64_t i = 0; i < Dv * Dk; ++i) S[i] *= decay;
-    gemm(true, false, Dv, Dk, c, T(1), Un, Dv, w.Kl.data(), Dk, T(1), S, Dk);
+    gemm(true, false, Dv, Dk, c, T(1), Un, Dv, w.Kl.data(), Dk, w.dec.Gamma[c - 1], S, Dk);  // the decay as C's scale
   }
 }
 
