@@ -14,7 +14,8 @@ versions, machine, load average before and after), for each thread count side by
    as shipped, bfloat16 factors forward and backward where the build has AVX-512 BF16; ``*_auto_bf16_in_fp32``: the same
    inputs with float32 products throughout),
    and transformers' ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``);
-   the gated delta rule (``gated_Cauto``; ``gated_auto_blas``; transformers' with the same g):
+   the gated delta rule (``gated_Cauto``; ``gated_auto_blas``; ``gated_auto_bf16`` and ``gated_auto_bf16_in_fp32`` as
+   for the delta rule; transformers' with the same g):
    ms, achieved GFLOP/s over the matmul peak of the factors' dtype (``bench_kernels.chunk_flops``; forward + backward
    with ``chunk_backward_flops``, over the fp32 peak), ratios to transformers', to the BLAS products and of bf16 to
    fp32, and thread scaling (1-thread time / 2-thread time).
@@ -128,8 +129,11 @@ def kernel_functions(T: int, hf) -> dict:
     # the gated delta rule (mode="auto": its C++ kernel) with decays a = exp(g) spread over (0.5, 1)
     gates = fp32 + [F.logsigmoid(torch.randn(1, 8, T, generator=torch.Generator().manual_seed(1)) + 2)
                     .requires_grad_()]
-    for name, kind in (("gated_Cauto", None), ("gated_auto_blas", chunk.BLAS_PRODUCTS)):
-        call = functools.partial(auto_call, "gated", gates, kind)
+    gates_bf16 = [x.detach().bfloat16().requires_grad_() for x in gates]
+    for name, x, kind in (("gated_Cauto", gates, None), ("gated_auto_blas", gates, chunk.BLAS_PRODUCTS),
+                          ("gated_auto_bf16", gates_bf16, None),
+                          ("gated_auto_bf16_in_fp32", gates_bf16, fp32_products)):
+        call = functools.partial(auto_call, "gated", x, kind)
         fns[name] = (call, fwd_bwd(call), None)
     if hf is not None:
         for name, x in (("delta_hf", fp32), ("gated_hf", gates)):

@@ -218,7 +218,7 @@ def cpu_limit_rows(s: Source) -> List[Row]:
             ">= 1.7x"])
         gated = {n: (scaled(s.pair(f"{k}.{n}.forward_timings.median", f"{k}.{n}.forward_timings.best"), 1e3),
                      scaled(s.pair(f"{k}.{n}.fwd_bwd_timings.median", f"{k}.{n}.fwd_bwd_timings.best"), 1e3))
-                 for n in ("gated_Cauto", "gated_auto_blas", "gated_hf")}
+                 for n in ("gated_Cauto", "gated_auto_blas", "gated_hf", "gated_auto_bf16")}
         rows.append([
             f"chunk gated delta rule, {shape}, fp32: the kernel's AVX-512 products vs the BLAS's",
             both("fwd {t:.2f} ms ({r:.2f}x faster; {h:.1f}x transformers'), fwd+bwd {b:.1f} ms ({q:.2f}x; {p:.1f}x)",
@@ -229,7 +229,11 @@ def cpu_limit_rows(s: Source) -> List[Row]:
             "BLAS products " + both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_auto_blas"][0],
                                     b=gated["gated_auto_blas"][1])
             + "; transformers' `torch_chunk_gated_delta_rule`, same g, "
-            + both("fwd {t:.1f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_hf"][0], b=gated["gated_hf"][1]),
+            + both("fwd {t:.1f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_hf"][0], b=gated["gated_hf"][1])
+            + "; bf16 inputs (bfloat16 factors) "
+            + both("fwd {t:.2f} ms ({r:.2f}x the fp32 kernel), fwd+bwd {b:.1f} ms ({q:.2f}x)",
+                   t=gated["gated_auto_bf16"][0], r=pdiv(gated["gated_Cauto"][0], gated["gated_auto_bf16"][0]),
+                   b=gated["gated_auto_bf16"][1], q=pdiv(gated["gated_Cauto"][1], gated["gated_auto_bf16"][1])),
             "faster"])
     return rows
 
