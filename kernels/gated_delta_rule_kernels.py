@@ -84,12 +84,13 @@ cpu_kernel_available = _CPU_KERNEL.available
 
 
 def _products(flat) -> int:
-    """The C++ kernel's products for the tensors it is handed (``chunk.cpu_products``, as for the delta rule): bfloat16
-    factors for bfloat16 inputs where built (error against the float64 step loop, 6 shapes by hand: o and gradients
-    within 3.8e-3, where float32 factors give 2.5e-3; by hand at B1 H8 T4096 D64, 1 thread, the forward 8% and the
-    backward 5% faster), float32 factors for float32, float64 through the BLAS."""
+    """The C++ kernel's products for the tensors it is handed (``chunk.cpu_products``): float32 factors for float32 and
+    bfloat16 inputs alike (the AVX-512 micro-kernel's where built, else the BLAS), float64 through the BLAS. bfloat16
+    factors gave this rule no speed in bench_cpu (``gated_auto_bf16`` against ``gated_auto_bf16_in_fp32``: 1.02x /
+    0.99x forward, 1.01x / 0.99x forward + backward at commit c13c878, 1 / 2 threads) for more error (o and gradients
+    within 3.8e-3 of the float64 step loop, 6 shapes by hand, where float32 factors give 2.5e-3)."""
     q, k, v, *gates = flat
-    return chunk.cpu_products(q, k, v, tuple(gates))
+    return chunk.cpu_products(q, k, v, tuple(gates), bfloat16_factors=False)
 
 
 class GatedIntra(NamedTuple):

@@ -722,8 +722,8 @@ def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, 
     """The C++ gated kernel takes bfloat16 q, k, v, beta, g (and dout) as they are and writes bfloat16 o and
     gradients: exactly its forward and backward of the widened inputs, each output rounded once, with float32 factors
     and with bfloat16 ones (ragged last chunks, odd Dk and Dv); the public function hands it bfloat16, returns
-    bfloat16, and stays within the bfloat16 bound of the float64 step loop with the products it picks (bfloat16
-    factors where built)."""
+    bfloat16, and stays within the bfloat16 bound of the float64 step loop with the products it picks (float32
+    factors)."""
     from fwp_kernels import chunk
 
     _cpp_kernel_or_skip()
