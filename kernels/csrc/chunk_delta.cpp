@@ -1385,19 +1385,21 @@ void solve_values(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, con
 }
 
 // One sequence: q, k [L, Dk], v [L, Dv], beta, g [L]; S [Dv, Dk]: initial state in, final state out. Writes o
-// [L, Dv] (unless nullptr) and, for the backward, the state entering each chunk and U' (unless nullptr).
+// [L, Dv] (unless nullptr) and what `record` asks for (the states entering the chunks, U', X = V - diag(Gamma) K S^T).
 template <typename T, typename Gemm, typename In>
 void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v, const In* beta,
-                 const In* g, T* S, In* o, T* entering, T* u_new, Work<T>& w, std::vector<T>& u_buf, const Gemm& gemm) {
+                 const In* g, T* S, In* o, const ForwardRecord<T>& record, Work<T>& w, std::vector<T>& u_buf,
+                 const Gemm& gemm) {
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
     const int64_t c = std::min(C, L - t0);
     const ChunkInputs<T> x(t0, c, Dk, Dv, o != nullptr ? q : nullptr, k, v, beta, g, (const In*)nullptr, w);
     const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b;
-    T* Un = u_new != nullptr ? u_new + t0 * Dv : u_buf.data();
-    if (entering != nullptr) std::memcpy(entering + n * Dv * Dk, S, sizeof(T) * Dv * Dk);
+    T* Un = record.u_new != nullptr ? record.u_new + t0 * Dv : u_buf.data();
+    if (record.entering != nullptr) std::memcpy(record.entering + n * Dv * Dk, S, sizeof(T) * Dv * Dk);
     w.dec.compute(c, x.g);
     build_KD(c, Dk, K, w, gemm);
     solve_values(c, Dk, Dv, K, V, b, S, Un, w, gemm);
+    if (record.x != nullptr) std::memcpy(record.x + t0 * Dv, w.X.data(), sizeof(T) * c * Dv);
     if (o != nullptr) {  // O = diag(Gamma) Q S^T + (tril(Q K^T) * D) U'
       T* O = rows_for(o + t0 * Dv, w.out.data());
       gemm(false, true, c, c, Dk, T(1), Q, Dk, K, Dk, T(0), w.P.data(), c);
@@ -1413,12 +1415,6 @@ void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, cons
       for (int64_t j = 0; j < Dk; ++j) w.Kl[i * Dk + j] = w.dec.lambda[i] * K[i * Dk + j];
     gemm(true, false, Dv, Dk, c, T(1), Un, Dv, w.Kl.data(), Dk, w.dec.Gamma[c - 1], S, Dk);  // the decay as C's scale
   }
-}
-
-// Row sums of the elementwise product of two row-major [c, n] matrices: out[i] (+)= sum_j x_ij y_ij.
-template <typename T>
-inline void rowdot(int64_t c, int64_t n, const T* x, const T* y, T* out, bool add) {
-  for (int64_t i = 0; i < c; ++i) out[i] = (add ? out[i] : T(0)) + dot(n, x + i * n, y + i * n);
 }
 
 // Gradients reaching O and S' (README: dU', dQ, dK's first terms, dS), with dgam collecting the decay's gradient.
@@ -1486,21 +1482,21 @@ void backward_decay_products(int64_t c, int64_t Dk, const T* Q, const T* K, T* d
   gemm(true, false, c, Dk, c, T(1), w.dA.data(), c, K, Dk, T(1), dK, Dk);
 }
 
-// Through the solve (I + A) U' = diag(beta) X, X = V - diag(Gamma) K S^T (w.X recomputed), w.dR = dU' on entry:
+// Through the solve (I + A) U' = diag(beta) X, X = V - diag(Gamma) K S^T (kept by the forward), w.dR = dU' on entry:
 // dR = (I + A)^-T dU', dX = diag(beta) dR = dV, dbeta = rowsum(dR * X) + rowsum(dA * KD), dA = -strictly_lower(dR
 // U'^T); dK -= diag(Gamma) dX S, dS -= dX^T diag(Gamma) K, dgam_i -= Gamma_i dX_i . (K S^T)_i.
 template <typename T, typename Gemm>
-void backward_solve(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, const T* b, const T* Un,
+void backward_solve(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, const T* X, const T* b, const T* Un,
                     const T* S, T* dS, T* dK, T* dV, T* db, T* dgam, Work<T>& w, const Gemm& gemm) {
   const Decays<T>& d = w.dec;
   unit_lower_transposed_back_substitution<T>(c, Dv, w.KD.data(), c, [b](int64_t i) { return b[i]; }, w.dR.data());
-  rowdot(c, Dv, w.dR.data(), w.X.data(), db, false);
   for (int64_t i = 0; i < c; ++i) {
+    db[i] = dot(Dv, w.dR.data() + i * Dv, X + i * Dv);
     T acc = 0;  // dX_i . (K S^T)_i, with K S^T = (V - X) / Gamma written as Gamma (K S^T) = V - X
 #pragma omp simd reduction(+ : acc)
     for (int64_t j = 0; j < Dv; ++j) {
       dV[i * Dv + j] = b[i] * w.dR[i * Dv + j];
-      acc += dV[i * Dv + j] * (V[i * Dv + j] - w.X[i * Dv + j]);
+      acc += dV[i * Dv + j] * (V[i * Dv + j] - X[i * Dv + j]);
     }
     dgam[i] -= acc;
   }
@@ -1526,31 +1522,27 @@ void backward_solve(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, c
   }
 }
 
-// The backward of one sequence, chunks from last to first, from the states entering the chunks and U' of
-// forward_seq. dS: the final state's gradient in, the initial state's out.
+// The backward of one sequence, chunks from last to first, from what forward_seq kept (`kept`: the states entering
+// the chunks, U' and X). dS: the final state's gradient in, the initial state's out.
 template <typename T, typename Gemm, typename In>
 void backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
-                  const In* beta, const In* g, const T* entering, const T* u_new, const In* dout, T* dS, In* dq, In* dk,
+                  const In* beta, const In* g, const ForwardRecord<T>& kept, const In* dout, T* dS, In* dq, In* dk,
                   In* dv, In* dbeta, In* dg, Work<T>& w, std::vector<T>& dgam, const Gemm& gemm) {
   const int64_t N = (L + C - 1) / C;
   for (int64_t n = N - 1; n >= 0; --n) {
     const int64_t t0 = n * C, c = std::min(C, L - t0);
     const ChunkInputs<T> x(t0, c, Dk, Dv, q, k, v, beta, g, dout, w);
-    const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b, *Un = u_new + t0 * Dv;
+    const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b, *Un = kept.u_new + t0 * Dv;
     T* dQ = rows_for(dq + t0 * Dk, w.out.data());
     T* dK = rows_for(dk + t0 * Dk, w.out.data() + C * Dk);
     T* dV = rows_for(dv + t0 * Dv, w.out.data() + 2 * C * Dk);
     T* db = rows_for(dbeta + t0, w.out.data() + 2 * C * Dk + C * Dv);
     T* dgs = rows_for(dg + t0, w.out.data() + 2 * C * Dk + C * Dv + C);
-    const T* S = entering + n * Dv * Dk;
+    const T* S = kept.entering + n * Dv * Dk;
     w.dec.compute(c, x.g);
     build_KD(c, Dk, K, w, gemm);
     backward_outputs(c, Dk, Dv, Q, K, Un, x.dO, S, dS, dQ, dK, dgam.data(), w, gemm);
-    // X = V - diag(Gamma) K S^T, recomputed into w.X (solve_values' first half, U' already known)
-    gemm(false, true, c, Dv, Dk, T(1), K, Dk, S, Dk, T(0), w.X.data(), Dv);
-    for (int64_t i = 0; i < c; ++i)
-      for (int64_t j = 0; j < Dv; ++j) w.X[i * Dv + j] = V[i * Dv + j] - w.dec.Gamma[i] * w.X[i * Dv + j];
-    backward_solve(c, Dk, Dv, K, V, b, Un, S, dS, dK, dV, db, dgam.data(), w, gemm);
+    backward_solve(c, Dk, Dv, K, V, kept.x + t0 * Dv, b, Un, S, dS, dK, dV, db, dgam.data(), w, gemm);
     backward_decay_products(c, Dk, Q, K, dQ, dK, dgam.data(), w, gemm);
     T acc = 0;  // gamma = cumsum(g): dg_j = sum_{i >= j} dgamma_i
     for (int64_t i = c - 1; i >= 0; --i) dgs[i] = acc += dgam[i];
@@ -1603,7 +1595,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
           forward_seq<T>(s.L, s.Dk, s.Dv, s.C, q.data_ptr<In>() + bh * s.L * s.Dk, k.data_ptr<In>() + bh * s.L * s.Dk,
                          v.data_ptr<In>() + bh * s.L * s.Dv, beta.data_ptr<In>() + bh * s.L,
                          g.data_ptr<In>() + bh * s.L, S.data_ptr<T>() + bh * s.Dv * s.Dk,
-                         o.data_ptr<In>() + bh * s.L * s.Dv, nullptr, nullptr, w, u_buf, gemm);
+                         o.data_ptr<In>() + bh * s.L * s.Dv, ForwardRecord<T>{}, w, u_buf, gemm);
         }
       });
     });
@@ -1628,15 +1620,16 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
     with_products<T>(products, [&](const auto& gemm) {
       parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
         Work<T> w(s.C, s.Dk, s.Dv);
-        std::vector<T> entering(s.N * s.Dv * s.Dk), state(s.Dv * s.Dk), u_new(s.L * s.Dv), dgam(s.C);
+        std::vector<T> entering(s.N * s.Dv * s.Dk), state(s.Dv * s.Dk), values(2 * s.L * s.Dv), dgam(s.C);
+        const ForwardRecord<T> kept{entering.data(), values.data(), values.data() + s.L * s.Dv};  // U', then X
         for (int64_t bh = begin; bh < end; ++bh) {
           const int64_t ok = bh * s.L * s.Dk, ov = bh * s.L * s.Dv, ob = bh * s.L, os = bh * s.Dv * s.Dk;
           const In *qs = q.data_ptr<In>() + ok, *ks = k.data_ptr<In>() + ok, *vs = v.data_ptr<In>() + ov;
           const In *bs = beta.data_ptr<In>() + ob, *gs = g.data_ptr<In>() + ob;
           std::memcpy(state.data(), s0.data_ptr<T>() + os, sizeof(T) * s.Dv * s.Dk);
-          forward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, state.data(), (In*)nullptr, entering.data(),
-                         u_new.data(), w, u_new, gemm);
-          backward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, entering.data(), u_new.data(),
+          forward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, state.data(), (In*)nullptr, kept, w, values,
+                         gemm);
+          backward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, kept,
                           dout.data_ptr<In>() + ov, dS.data_ptr<T>() + os, dq.data_ptr<In>() + ok,
                           dk.data_ptr<In>() + ok, dv.data_ptr<In>() + ov, dbeta.data_ptr<In>() + ob,
                           dg.data_ptr<In>() + ob, w, dgam, gemm);
