@@ -95,12 +95,6 @@ struct BlasGemm {
 // Which policy a call of the ops asks for (their `products` argument).
 enum Products : int64_t { kBlas = 0, kVectorFloat32 = 1, kVectorBfloat16 = 2 };
 
-#if defined(__AVX512F__)
-#define FWP_VECTOR_PRODUCTS 1
-#include <immintrin.h>
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 // sum_j x_j y_j over n elements, summed in vector lanes (in the order the compiler's reduction picks: a serial sum is
 // one dependent add per element, which made the backward's row sums and the gated rule's <S, dS'> a sizeable share of
 // its time).
@@ -111,6 +105,13 @@ inline T dot(int64_t n, const T* x, const T* y) {
   for (int64_t j = 0; j < n; ++j) acc += x[j] * y[j];
   return acc;
 }
+
+#if defined(__AVX512F__)
+#define FWP_VECTOR_PRODUCTS 1
+#include <immintrin.h>
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 // The first min(max(n, 0), 16) of 16 lanes.
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1);
