@@ -418,6 +418,21 @@ void with_products(int64_t products, const F& f) {
   f(BlasGemm<T>());
 }
 
+// Runs f(In(), gemm) for the inputs' dtype In (float64, float32 or bfloat16) and the Gemm policy that `products` names,
+// for T = at::opmath_type<In>: the dtype of the states, sums and products' results (float32 for bfloat16).
+template <typename F>
+void dispatch_products(at::ScalarType dtype, int64_t products, const F& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "fwp_chunk", [&] {
+    with_products<at::opmath_type<scalar_t>>(products, [&](const auto& gemm) { f(scalar_t(), gemm); });
+  });
+}
+
+// An optional tensor's data as In*, nullptr when absent.
+template <typename In>
+In* optional_data(const std::optional<at::Tensor>& x) {
+  return x.has_value() ? x->data_ptr<In>() : nullptr;
+}
+
 // The kinds of products this build has, a bit per Products value.
 int64_t product_kinds() {
   int64_t kinds = 1 << kBlas;
@@ -1072,7 +1087,7 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, C = shapes.C, N = shapes.N;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   for (auto* x : {&k, &v}) check(*x, q, "input");
-  TORCH_CHECK(S.device().is_cpu() && S.is_contiguous() && S.scalar_type() == (bf16 ? at::kFloat : q.scalar_type()),
+  TORCH_CHECK(S.device().is_cpu() && S.is_contiguous() && S.scalar_type() == at::toOpMathType(q.scalar_type()),
               "fwp_chunk: S must be a contiguous CPU tensor of q's dtype (float32 for bfloat16 q)");
   TORCH_CHECK(v.size(0) == BH && v.size(1) == L && S.size(0) == BH && S.size(1) == Dv && S.size(2) == Dk,
               "fwp_chunk: inconsistent shapes");
@@ -1095,28 +1110,26 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
   // the states entering the chunks and U' are kept only by the backward's own call, which splits by itself
   const int64_t nb = o.has_value() && !entering.has_value() && !u_new.has_value() ? value_blocks(BH, L, Dv) : 1;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_forward", [&] {
-    using In = scalar_t;
-    using T = at::opmath_type<In>;  // float for bfloat16
-    auto ptr = [](const std::optional<at::Tensor>& x) { return x.has_value() ? x->data_ptr<In>() : nullptr; };
-    with_products<T>(products, [&](const auto& gemm) {
-      if (nb > 1) {
-        return forward_value_blocks<T>(shapes, nb, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), ptr(beta),
-                                       S.data_ptr<T>(), o->data_ptr<In>(), gemm);
+  dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
+    using In = decltype(in);
+    using T = at::opmath_type<In>;
+    In* const beta_p = optional_data<In>(beta);
+    if (nb > 1) {
+      return forward_value_blocks<T>(shapes, nb, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), beta_p,
+                                     S.data_ptr<T>(), o->data_ptr<In>(), gemm);
+    }
+    for_sequences(BH, [&](int64_t begin, int64_t end) {
+      std::vector<T> work(chunk_workspace(C, Dk, Dv));
+      T *entering_p = optional_data<T>(entering), *u_new_p = optional_data<T>(u_new);
+      In* o_p = optional_data<In>(o);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        chunk_forward_seq<T>(L, Dk, Dv, C, q.data_ptr<In>() + bh * L * Dk, k.data_ptr<In>() + bh * L * Dk,
+                             v.data_ptr<In>() + bh * L * Dv, beta_p != nullptr ? beta_p + bh * L : nullptr,
+                             S.data_ptr<T>() + bh * Dv * Dk, o_p != nullptr ? o_p + bh * L * Dv : nullptr,
+                             ForwardRecord<T>{entering_p != nullptr ? entering_p + bh * N * Dv * Dk : nullptr,
+                                              u_new_p != nullptr ? u_new_p + bh * L * Dv : nullptr},
+                             work.data(), gemm);
       }
-      for_sequences(BH, [&](int64_t begin, int64_t end) {
-        std::vector<T> work(chunk_workspace(C, Dk, Dv));
-        T* entering_p = entering.has_value() ? entering->data_ptr<T>() : nullptr;
-        T* u_new_p = u_new.has_value() ? u_new->data_ptr<T>() : nullptr;
-        for (int64_t bh = begin; bh < end; ++bh) {
-          chunk_forward_seq<T>(L, Dk, Dv, C, q.data_ptr<In>() + bh * L * Dk, k.data_ptr<In>() + bh * L * Dk,
-                               v.data_ptr<In>() + bh * L * Dv, beta.has_value() ? ptr(beta) + bh * L : nullptr,
-                               S.data_ptr<T>() + bh * Dv * Dk, o.has_value() ? ptr(o) + bh * L * Dv : nullptr,
-                               ForwardRecord<T>{entering_p != nullptr ? entering_p + bh * N * Dv * Dk : nullptr,
-                                                u_new_p != nullptr ? u_new_p + bh * L * Dv : nullptr},
-                               work.data(), gemm);
-        }
-      });
     });
   });
 }
@@ -1154,10 +1167,9 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& dv, const std::optional<at::Tensor>& dbeta, int64_t products) {
   const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
   const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv;
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
   for (auto* x : {&k, &v, &dout, &dq, &dk, &dv}) check(*x, q, "input");
   for (auto* x : {&s0, &dS})
-    TORCH_CHECK(x->device().is_cpu() && x->is_contiguous() && x->scalar_type() == (bf16 ? at::kFloat : q.scalar_type()),
+    TORCH_CHECK(x->device().is_cpu() && x->is_contiguous() && x->scalar_type() == at::toOpMathType(q.scalar_type()),
                 "fwp_chunk: s0 and dS must be contiguous CPU tensors of q's dtype (float32 for bfloat16 q)");
   TORCH_CHECK(v.size(0) == BH && v.size(1) == L && s0.numel() == BH * Dv * Dk && dS.numel() == BH * Dv * Dk &&
                   dout.sizes() == v.sizes() && dv.sizes() == v.sizes() && dq.sizes() == q.sizes() &&
@@ -1170,21 +1182,18 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
   const int64_t nb = value_blocks(BH, L, Dv);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_backward", [&] {
-    using In = scalar_t;
-    using T = at::opmath_type<In>;  // float for bfloat16
-    auto ptr = [](const std::optional<at::Tensor>& x) { return x.has_value() ? x->data_ptr<In>() : nullptr; };
-    with_products<T>(products, [&](const auto& gemm) {
-      if (nb > 1) {
-        return backward_value_blocks<T>(shapes, nb, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), ptr(beta),
-                                        s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(), dq, dk,
-                                        dv.data_ptr<In>(), dbeta, gemm);
-      }
-      for_sequences(BH, [&](int64_t begin, int64_t end) {
-        backward_sequences<T>(shapes, begin, end, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), ptr(beta),
-                              s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(), dq.data_ptr<In>(),
-                              dk.data_ptr<In>(), dv.data_ptr<In>(), ptr(dbeta), gemm);
-      });
+  dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
+    using In = decltype(in);
+    using T = at::opmath_type<In>;
+    if (nb > 1) {
+      return backward_value_blocks<T>(shapes, nb, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(),
+                                      optional_data<In>(beta), s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(),
+                                      dq, dk, dv.data_ptr<In>(), dbeta, gemm);
+    }
+    for_sequences(BH, [&](int64_t begin, int64_t end) {
+      backward_sequences<T>(shapes, begin, end, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(),
+                            optional_data<In>(beta), s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(),
+                            dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(), optional_data<In>(dbeta), gemm);
     });
   });
 }
@@ -1572,7 +1581,7 @@ Shapes shapes(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size) {
   const int64_t C = std::min(chunk_size, std::max<int64_t>(L, 1));
   TORCH_CHECK(std::max({L * std::max(Dk, Dv), C * C, Dv * Dk}) < std::numeric_limits<int>::max(),
               "fwp_chunk.gated: sizes exceed the 32-bit BLAS interface");
-  const at::ScalarType in = q.scalar_type(), state = in == at::kBFloat16 ? at::kFloat : in;
+  const at::ScalarType in = q.scalar_type(), state = at::toOpMathType(in);
   return {BH, L, Dk, Dv, C, (L + C - 1) / C, in, state};
 }
 
@@ -1585,20 +1594,18 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   for (auto* x : {&v, &o}) check(*x, s.in, s.BH * s.L * s.Dv, "v / o");
   for (auto* x : {&beta, &g}) check(*x, s.in, s.BH * s.L, "beta / g");
   check(S, s.state, s.BH * s.Dv * s.Dk, "S");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "gated_forward", [&] {
-    using In = scalar_t;
+  dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
+    using In = decltype(in);
     using T = at::opmath_type<In>;
-    with_products<T>(products, [&](const auto& gemm) {
-      parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
-        Work<T> w(s.C, s.Dk, s.Dv);
-        std::vector<T> u_buf(s.C * s.Dv);
-        for (int64_t bh = begin; bh < end; ++bh) {
-          forward_seq<T>(s.L, s.Dk, s.Dv, s.C, q.data_ptr<In>() + bh * s.L * s.Dk, k.data_ptr<In>() + bh * s.L * s.Dk,
-                         v.data_ptr<In>() + bh * s.L * s.Dv, beta.data_ptr<In>() + bh * s.L,
-                         g.data_ptr<In>() + bh * s.L, S.data_ptr<T>() + bh * s.Dv * s.Dk,
-                         o.data_ptr<In>() + bh * s.L * s.Dv, ForwardRecord<T>{}, w, u_buf, gemm);
-        }
-      });
+    parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
+      Work<T> w(s.C, s.Dk, s.Dv);
+      std::vector<T> u_buf(s.C * s.Dv);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        forward_seq<T>(s.L, s.Dk, s.Dv, s.C, q.data_ptr<In>() + bh * s.L * s.Dk, k.data_ptr<In>() + bh * s.L * s.Dk,
+                       v.data_ptr<In>() + bh * s.L * s.Dv, beta.data_ptr<In>() + bh * s.L, g.data_ptr<In>() + bh * s.L,
+                       S.data_ptr<T>() + bh * s.Dv * s.Dk, o.data_ptr<In>() + bh * s.L * s.Dv, ForwardRecord<T>{}, w,
+                       u_buf, gemm);
+      }
     });
   });
 }
@@ -1615,27 +1622,23 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   for (auto* x : {&v, &dout, &dv}) check(*x, s.in, s.BH * s.L * s.Dv, "v / dout / dv");
   for (auto* x : {&beta, &g, &dbeta, &dg}) check(*x, s.in, s.BH * s.L, "beta / g / dbeta / dg");
   for (auto* x : {&s0, &dS}) check(*x, s.state, s.BH * s.Dv * s.Dk, "s0 / dS");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "gated_backward", [&] {
-    using In = scalar_t;
+  dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
+    using In = decltype(in);
     using T = at::opmath_type<In>;
-    with_products<T>(products, [&](const auto& gemm) {
-      parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
-        Work<T> w(s.C, s.Dk, s.Dv);
-        std::vector<T> entering(s.N * s.Dv * s.Dk), state(s.Dv * s.Dk), values(2 * s.L * s.Dv), dgam(s.C);
-        const ForwardRecord<T> kept{entering.data(), values.data(), values.data() + s.L * s.Dv};  // U', then X
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t ok = bh * s.L * s.Dk, ov = bh * s.L * s.Dv, ob = bh * s.L, os = bh * s.Dv * s.Dk;
-          const In *qs = q.data_ptr<In>() + ok, *ks = k.data_ptr<In>() + ok, *vs = v.data_ptr<In>() + ov;
-          const In *bs = beta.data_ptr<In>() + ob, *gs = g.data_ptr<In>() + ob;
-          std::memcpy(state.data(), s0.data_ptr<T>() + os, sizeof(T) * s.Dv * s.Dk);
-          forward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, state.data(), (In*)nullptr, kept, w, values,
-                         gemm);
-          backward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, kept,
-                          dout.data_ptr<In>() + ov, dS.data_ptr<T>() + os, dq.data_ptr<In>() + ok,
-                          dk.data_ptr<In>() + ok, dv.data_ptr<In>() + ov, dbeta.data_ptr<In>() + ob,
-                          dg.data_ptr<In>() + ob, w, dgam, gemm);
-        }
-      });
+    parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
+      Work<T> w(s.C, s.Dk, s.Dv);
+      std::vector<T> entering(s.N * s.Dv * s.Dk), state(s.Dv * s.Dk), values(2 * s.L * s.Dv), dgam(s.C);
+      const ForwardRecord<T> kept{entering.data(), values.data(), values.data() + s.L * s.Dv};  // U', then X
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t ok = bh * s.L * s.Dk, ov = bh * s.L * s.Dv, ob = bh * s.L, os = bh * s.Dv * s.Dk;
+        const In *qs = q.data_ptr<In>() + ok, *ks = k.data_ptr<In>() + ok, *vs = v.data_ptr<In>() + ov;
+        const In *bs = beta.data_ptr<In>() + ob, *gs = g.data_ptr<In>() + ob;
+        std::memcpy(state.data(), s0.data_ptr<T>() + os, sizeof(T) * s.Dv * s.Dk);
+        forward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, state.data(), (In*)nullptr, kept, w, values, gemm);
+        backward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, kept, dout.data_ptr<In>() + ov,
+                        dS.data_ptr<T>() + os, dq.data_ptr<In>() + ok, dk.data_ptr<In>() + ok, dv.data_ptr<In>() + ov,
+                        dbeta.data_ptr<In>() + ob, dg.data_ptr<In>() + ob, w, dgam, gemm);
+      }
     });
   });
 }
