@@ -161,3 +161,22 @@ def test_builds_of_two_sources_load_in_one_process(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     names = run.stdout.split()
     assert len(names) == 2 and names[0] != names[1] and all(n.startswith("fwp_dense_") for n in names), names
+
+
+@pytest.mark.parametrize("stem", ["chunk_delta", "rfwp_scan", "decode_linear"])
+@pytest.mark.parametrize("arch", ["x86-64", "x86-64-v3"])
+def test_kernels_compile_for_cpus_without_avx512(stem, arch):
+    """Each C++ source compiles for x86-64 CPUs without AVX-512 (the baseline and AVX2), not only for the building
+    CPU's -march=native: its AVX-512 code sits behind __AVX512F__ and the rest must stand without it (a helper placed
+    inside that section broke these builds once). Syntax and templates checked, nothing linked."""
+    import platform
+    import subprocess
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or missing_toolchain() is not None:
+        pytest.skip("an x86-64 C++ toolchain is needed")
+    includes = [f"-I{path}" for path in torch.utils.cpp_extension.include_paths()]
+    # -std=c++20 as torch's extension builder compiles them
+    command = [cpp_build.compiler(), "-std=c++20", "-fsyntax-only", "-fopenmp", f"-march={arch}",
+               "-DFWP_OP_NAMESPACE=check", *includes, str(cpp_build.CSRC_DIR / f"{stem}.cpp")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
