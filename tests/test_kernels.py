@@ -290,12 +290,13 @@ def _spy_products(monkeypatch):
      (1, 2, 130, 128, 128, 32), (2, 1, 200, 24, 80, 48), (1, 2, 90, 40, 24, 20), (1, 2, 53, 17, 19, 16)],
 )
 def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
-    """bfloat16 inputs multiply with bfloat16 factors and float32 sums (the micro-kernel's vdpbf16ps; state, solve and
-    sums in float32) where the build has AVX-512 BF16, forward and backward, and with float32 factors forced on the
-    backward: outputs, final state and every gradient within the bfloat16 bound of the float64 step loop. Odd chunks (T = 21, 53, 77), chunks and heads that are no multiple of 16 (10,
-    20, 24, 40, 48) or odd (17, 19) pad the packed operands and mask the last columns; 80 and 128 columns run
-    64-column blocks and a 16-column one. Measured on a Zen 5 CPU: o <= 3.6e-3 (the sum rule's 2.1e-3 is about its
-    rounding to bfloat16 alone), final state <= 2.7e-3 (sum rule 6.8e-8), gradients <= 4.3e-3."""
+    """bfloat16 inputs multiply with bfloat16 factors and float32 sums (the micro-kernel's vdpbf16ps; state, solve
+    and sums in float32) where the build has AVX-512 BF16, forward and backward, and with float32 factors forced on
+    the backward: outputs, final state and every gradient within the bfloat16 bound of the float64 step loop. Odd
+    chunks (T = 21, 53, 77), chunks and heads that are no multiple of 16 (10, 20, 24, 40, 48) or odd (17, 19) pad
+    the packed operands and mask the last columns; 80 and 128 columns run 64-column blocks and a 16-column one.
+    Measured on a Zen 5 CPU: o <= 3.6e-3 (the sum rule's 2.1e-3 is about its rounding to bfloat16 alone), final
+    state <= 2.7e-3 (sum rule 6.8e-8), gradients <= 4.3e-3."""
     from fwp_kernels import chunk
 
     _products_or_skip(chunk.BFLOAT16_PRODUCTS)

@@ -150,9 +150,9 @@ struct Bfloat16Factors {
 inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row);
 
 // The micro-kernel: C [MR, 16 NV] = alpha A B + beta C (C not read when beta is 0), MR x NV float32 sums in registers,
-// over `steps` steps of the inner dimension. Row r's step s of A is at A + r a_row + s a_step; B's step s is the row
-// at B + s b_step (F::kPerStep elements per column). The last 16 columns keep `lanes` of theirs (n not a multiple of 16). With
-// kPairs, the tile's rows (its first row even) are also written rounded to bfloat16 pairs of rows into `pairs`, in
+// over `steps` steps of the inner dimension. Row r's step s of A is at A + r a_row + s a_step; B's step s is the row at
+// B + s b_step (F::kPerStep elements per column). The last 16 columns keep `lanes` of theirs (n not a multiple of 16).
+// With kPairs, the tile's rows (its first row even) are also written rounded to bfloat16 pairs of rows into `pairs`, in
 // pack_pairs' layout (pair row stride pairs_ld elements, zero past the last row and column): the packed operand of a
 // later product, formed while the results are still in registers.
 template <typename F, int MR, int NV, bool kPairs = false>
