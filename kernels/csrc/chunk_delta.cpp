@@ -668,6 +668,28 @@ inline void prefetch(const E* x, int64_t n) {
   for (int64_t b = 0; b < n * int64_t(sizeof(E)); b += 64) __builtin_prefetch(bytes + b, kWrite);
 }
 
+// Rows [start, start + count) of the chunk a loop reads after the current one (the next in a forward, the previous in a
+// backward; count 0 past the ends), asked for a few streams at each stage of the current chunk rather than all at its
+// start (against that, by hand, B1 H8 T4096 D64, 1 and 2 threads, caches flushed before each call: forward 7-14%
+// faster in float32 and bfloat16, backward 3-13%, the gated rule's forward 12-13% and backward 6-7%).
+struct RowsAhead {
+  int64_t start, count;
+  // x [L, width]: the chunk's rows
+  template <bool kWrite = false, typename E>
+  void fetch(const E* x, int64_t width) const { prefetch<kWrite>(x + start * width, count * width); }
+  // x [N, size]: one entry per chunk of C positions (the states entering them)
+  template <typename E>
+  void fetch_chunk(const E* x, int64_t C, int64_t size) const { prefetch(x + start / C * size, count > 0 ? size : 0); }
+};
+inline RowsAhead next_chunk(int64_t t0, int64_t C, int64_t L) {
+  const int64_t t1 = std::min(t0 + C, L);
+  return {t1, std::min(C, L - t1)};
+}
+inline RowsAhead previous_chunk(int64_t t0, int64_t C) {
+  const int64_t p0 = std::max<int64_t>(t0 - C, 0);
+  return {p0, t0 - p0};
+}
+
 // What a forward keeps of one sequence for its backward, each nullptr where not kept: the state entering each chunk
 // (`entering` [N, Dv, Dk]), and for the delta rule the new values U' (`u_new` [L, Dv]) and X = V - K S^T of each
 // chunk (`x` [L, Dv]: what dbeta needs, so that the backward does not multiply K S^T again).
@@ -708,19 +730,15 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
     // Without outputs to write (the backward's recomputation of the states) only the keys are stacked.
     const int64_t cq = o != nullptr ? c : 0;
     products.load(q + t0 * Dk, k + t0 * Dk, cq, c);
-    if (t0 + C < L) {  // the next chunk's inputs on their way to the cache while this one computes
-      const int64_t c1 = std::min(C, L - t0 - C);
-      if (cq > 0) prefetch(q + (t0 + C) * Dk, c1 * Dk);
-      prefetch(k + (t0 + C) * Dk, c1 * Dk);
-      prefetch(v + (t0 + C) * Dv, c1 * Dv);
-      if (o != nullptr) prefetch<true>(o + (t0 + C) * Dv, c1 * Dv);
-    }
+    const RowsAhead next = next_chunk(t0, C, L);
+    if (cq > 0) next.fetch(q, Dk);
 
     // [Q; K] [S^T | K^T]: Q S^T is what the state entering the chunk returns for each query (eq. 25 with W = S)
     // (the sum rule needs neither K S^T nor K K^T: only the Q rows)
     const int64_t rows = cq + (beta != nullptr ? c : 0);
     T* Y = Z + Dk * ld;  // [Q S^T | Q K^T] then [K S^T | K K^T]
     products.states_and_keys(rows, c, Y);
+    next.fetch(k, Dk);
     T* P = Y + Dv;  // tril(Q K^T), diagonal included: position i reads the writes of positions j <= i
     for (int64_t i = 0; i < cq; ++i) std::fill(P + i * ld + i + 1, P + i * ld + c, T(0));
 
@@ -757,9 +775,11 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
       unit_lower_forward_substitution<T>(c, Dv, KS + Dv, ld, [b](int64_t i) { return T(b[i]); }, Un);
       U = Un;
     }
+    next.fetch(v, Dv);
     // [S^T; O] += [K^T; P] U': the chunk's writes (S^T <- S^T + K^T U') and their reads (O = Q S^T + P U')
     products.writes_and_reads(cq, c, U);
     for (int64_t i = 0; i < cq; ++i) convert_copy(Y + i * ld, Dv, o + (t0 + i) * Dv);
+    if (o != nullptr) next.fetch<true>(o, Dv);
   }
   for (int64_t i = 0; i < Dv; ++i)
     for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] = St[j * ld + i];
@@ -887,19 +907,10 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const T* V = beta == nullptr ? rows_as(v + t0 * Dv, c * Dv, w.in + 2 * C * Dk) : nullptr;  // U' of the sum rule
     const T* dO = rows_as(dout + t0 * Dv, c * Dv, w.in + 2 * C * Dk + C * Dv);
     const T* S = kept.entering + n * Dv * Dk;
-    if (n > 0) {  // the previous chunk's rows (the next to be read) on their way while this one computes
-      const int64_t p0 = t0 - C;
-      prefetch(kept.entering + (n - 1) * Dv * Dk, Dv * Dk);
-      prefetch(q + p0 * Dk, C * Dk);
-      prefetch(k + p0 * Dk, C * Dk);
-      prefetch(dout + p0 * Dv, C * Dv);
-      if (beta != nullptr) {
-        prefetch(kept.u_new + p0 * Dv, C * Dv);
-        prefetch(kept.x + p0 * Dv, C * Dv);
-      } else {
-        prefetch(v + p0 * Dv, C * Dv);
-      }
-    }
+    // the previous chunk's rows and state (read next) on their way while this one computes, a few at each stage
+    const RowsAhead previous = previous_chunk(t0, C);
+    previous.fetch(q, Dk);
+    previous.fetch(k, Dk);
     const T* U = beta != nullptr ? kept.u_new + t0 * Dv : V;
     T* dQ = rows_for(dq + t0 * Dk, w.out);
     T* dK = rows_for(dk + t0 * Dk, w.out + C * Dk);
@@ -913,6 +924,8 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     T* dU = beta != nullptr ? w.dR : dV;
     gemm(false, true, c, Dv, Dk, T(1), K, Dk, dS, Dk, T(0), dU, Dv);
     gemm(true, false, c, Dv, c, T(1), w.P, c, dO, Dv, T(1), dU, Dv);
+    previous.fetch(dout, Dv);
+    previous.fetch_chunk(kept.entering, C, Dv * Dk);
     // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
     gemm(false, false, c, Dk, Dv, T(1), U, Dv, dS, Dk, T(0), dK, Dk);
     // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q;  dS = dS' + dO^T Q
@@ -920,9 +933,15 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     for (int64_t i = 0; i < c; ++i) std::fill(w.dP + i * c + i + 1, w.dP + (i + 1) * c, T(0));
     gemm(false, false, c, Dk, Dv, T(1), dO, Dv, S, Dk, T(0), dQ, Dk);
     gemm(false, false, c, Dk, c, T(1), w.dP, c, K, Dk, T(1), dQ, Dk);
+    if (beta != nullptr) {
+      previous.fetch(kept.u_new, Dv);
+    } else {
+      previous.fetch(v, Dv);
+    }
     gemm(true, false, c, Dk, c, T(1), w.dP, c, Q, Dk, T(1), dK, Dk);
     gemm(true, false, Dv, Dk, c, T(1), dO, Dv, Q, Dk, T(1), dS, Dk);
     if (beta != nullptr) {
+      previous.fetch(kept.x, Dv);
       T* db = rows_for(dbeta + t0, w.out + 2 * C * Dk + C * Dv);
       const T* b = rows_as(beta + t0, c, w.in + 2 * C * (Dk + Dv));
       delta_rule_chunk_backward(c, Dk, Dv, K, kept.x + t0 * Dv, b, S, w, dS, dK, dV, db, gemm);
@@ -1405,9 +1424,13 @@ void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, cons
     const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b;
     T* Un = record.u_new != nullptr ? record.u_new + t0 * Dv : u_buf.data();
     if (record.entering != nullptr) std::memcpy(record.entering + n * Dv * Dk, S, sizeof(T) * Dv * Dk);
+    const RowsAhead next = next_chunk(t0, C, L);
+    if (o != nullptr) next.fetch(q, Dk);
     w.dec.compute(c, x.g);
     build_KD(c, Dk, K, w, gemm);
+    next.fetch(k, Dk);
     solve_values(c, Dk, Dv, K, V, b, S, Un, w, gemm);
+    next.fetch(v, Dv);
     if (record.x != nullptr) std::memcpy(record.x + t0 * Dv, w.X.data(), sizeof(T) * c * Dv);
     if (o != nullptr) {  // O = diag(Gamma) Q S^T + (tril(Q K^T) * D) U'
       T* O = rows_for(o + t0 * Dv, w.out.data());
@@ -1418,6 +1441,7 @@ void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, cons
         for (int64_t j = 0; j < Dv; ++j) O[i * Dv + j] *= w.dec.Gamma[i];
       gemm(false, false, c, Dv, c, T(1), w.P.data(), c, Un, Dv, T(1), O, Dv);
       store_rows(O, c * Dv, o + t0 * Dv);
+      next.fetch<true>(o, Dv);
     }
     // S <- Gamma_c S + U'^T diag(lambda) K
     for (int64_t i = 0; i < c; ++i)
@@ -1548,10 +1572,19 @@ void backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, con
     T* db = rows_for(dbeta + t0, w.out.data() + 2 * C * Dk + C * Dv);
     T* dgs = rows_for(dg + t0, w.out.data() + 2 * C * Dk + C * Dv + C);
     const T* S = kept.entering + n * Dv * Dk;
+    // the previous chunk's rows and state (read next) on their way while this one computes, a few at each stage
+    const RowsAhead previous = previous_chunk(t0, C);
+    previous.fetch(q, Dk);
+    previous.fetch(k, Dk);
     w.dec.compute(c, x.g);
     build_KD(c, Dk, K, w, gemm);
+    previous.fetch(dout, Dv);
+    previous.fetch_chunk(kept.entering, C, Dv * Dk);
     backward_outputs(c, Dk, Dv, Q, K, Un, x.dO, S, dS, dQ, dK, dgam.data(), w, gemm);
+    previous.fetch(kept.u_new, Dv);
+    previous.fetch(v, Dv);
     backward_solve(c, Dk, Dv, K, V, kept.x + t0 * Dv, b, Un, S, dS, dK, dV, db, dgam.data(), w, gemm);
+    previous.fetch(kept.x, Dv);
     backward_decay_products(c, Dk, Q, K, dQ, dK, dgam.data(), w, gemm);
     T acc = 0;  // gamma = cumsum(g): dg_j = sum_{i >= j} dgamma_i
     for (int64_t i = c - 1; i >= 0; --i) dgs[i] = acc += dgam[i];
