@@ -34,7 +34,12 @@ versions, machine, load average before and after), for each thread count side by
    forced to each kind: fp32 inputs through the BLAS and the micro-kernel, bf16 inputs with float32 and bfloat16
    factors.
 
-Times are medians over the rounds (best beside them in the file); every function runs once per round.
+Times are medians over the rounds (best beside them in the file); every function runs once per round. The kernel rows
+(2.) are timed warm, each call right after an untimed one of the same row: its inputs in the cache as after the layer
+that wrote them, the same for every row. (Before 2026-11-28 each row found the cache as the row before it left it: the
+fp32 ``*_Cauto`` rows ran warm after the C = 64 rows on the same inputs, the bf16 rows cold after fp32 ones, which made
+bf16 look 10-15% slower against fp32 than either state alone; by hand, 2 threads, bf16 / fp32 forward 1.85-1.90x warm,
+1.6x in that order.)
 """
 from __future__ import annotations
 
@@ -165,8 +170,8 @@ def kernels(size: dict, hf, peak: dict) -> dict:
     to float32."""
     fns = kernel_functions(size["T"], hf)
     with torch.no_grad():
-        fwd = timings({name: f[0] for name, f in fns.items()}, size["repeats"])
-    both = timings({name: f[1] for name, f in fns.items()}, size["repeats"])
+        fwd = timings({name: f[0] for name, f in fns.items()}, size["repeats"], warm=True)
+    both = timings({name: f[1] for name, f in fns.items()}, size["repeats"], warm=True)
     out = {}
     for name, (_, _, flops) in fns.items():
         row = {"forward_ms": median_ms(fwd[name]), "fwd_bwd_ms": median_ms(both[name]),

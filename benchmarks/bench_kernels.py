@@ -136,15 +136,18 @@ def torch_path(fn):
     return run
 
 
-def timings(fns: dict, repeats: int) -> dict:
+def timings(fns: dict, repeats: int, warm: bool = False) -> dict:
     """Wall time of each function over `repeats` rounds as ``{"best", "median", "all"}``, measured round-robin (every
     function once per round, after one warm-up call each) so that changes in the machine's load hit every kernel
-    alike."""
+    alike. `warm`: each timed call right after an untimed call of the same function, so that every function starts
+    with its own inputs in the cache (else a call finds them where the calls before it in the round left them)."""
     for fn in fns.values():
         fn()  # warm-up
     times = {name: [] for name in fns}
     for r in range(repeats):
         for name, fn in fns.items():
+            if warm:
+                fn()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
