@@ -72,7 +72,7 @@ def sizes(quick: bool) -> dict:
     if quick:
         return {"matmul": 256, "bandwidth_mb": 16, "T": 256, "prefill_T": 128, "table_T": 128, "repeats": 2,
                 "linear": (64, 128), "lengths": (2, 16)}
-    return {"matmul": 2048, "bandwidth_mb": 512, "T": 4096, "prefill_T": 2048, "table_T": 2048, "repeats": 5,
+    return {"matmul": 2048, "bandwidth_mb": 512, "T": 4096, "prefill_T": 2048, "table_T": 2048, "repeats": 9,
             "linear": (5632, 2048), "lengths": (2, 4, 8, 16, 64, 256, 1024)}
 
 
