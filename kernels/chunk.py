@@ -248,12 +248,18 @@ BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS = 0, 1, 2
 # float32 inputs take the micro-kernel where it is built: faster than MKL's sgemm at the chunk loops' sizes on the AMD
 # CPUs measured (MKL runs AVX2 code there; bench_cpu, "kernels": fp32 forward and forward + backward).
 FLOAT32_DEFAULT_PRODUCTS = FLOAT32_PRODUCTS
-# bfloat16 factors from this many positions on: below it the state's packing into pairs (Dk x Dv per chunk) outweighs
-# the few rows multiplied (bench_cpu_zen5.json at 4c33034, products_by_length, bfloat16 inputs, time with float32
-# factors / with bfloat16 factors, 1 / 2 threads: D = 128 T = 2 0.98x / 0.98x, T = 4 1.00x / 0.99x, T = 8 1.06x /
-# 1.02x, T = 1,024 1.59x / 1.58x; D = 64 T = 2 1.03x / 1.01x, T = 8 1.09x / 1.05x. At 3c96134, before S^T's pairs
-# came from the update's registers, T = 2 was 0.89x / 0.95x and T = 8 0.97x / 1.02x at D = 128.)
-BFLOAT16_PRODUCTS_MIN_T = 8
+# bfloat16 factors from this many positions on, by head width (up to 64 wide, wider): below it the state's packing into
+# pairs (Dk x Dv per chunk) outweighs the few rows multiplied. bench_cpu_zen5.json at ce9bee2, products_by_length,
+# bfloat16 inputs, time with float32 factors / with bfloat16 factors, 1 / 2 threads: D = 64 T = 4 1.00x / 0.99x, T = 8
+# 1.03x / 1.03x, T = 16 1.10x / 1.06x; D = 128 T = 8 0.90x / 0.91x, T = 16 1.00x / 1.00x, T = 1,024 1.65x / 1.62x (at
+# 4c33034 D = 128 T = 8 was 1.06x / 1.02x, at 3648aca 0.97-1.10x over both widths: 8 for both until ce9bee2).
+BFLOAT16_PRODUCTS_MIN_T = {64: 8, None: 16}
+
+
+def bfloat16_products_min_t(head_dim: int) -> int:
+    """The positions from which bfloat16 inputs take bfloat16 factors, for heads `head_dim` wide
+    (``BFLOAT16_PRODUCTS_MIN_T``)."""
+    return BFLOAT16_PRODUCTS_MIN_T[64] if head_dim <= 64 else BFLOAT16_PRODUCTS_MIN_T[None]
 
 
 @torch.compiler.assume_constant_result
@@ -279,7 +285,7 @@ def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple
                  bfloat16_factors: bool = True) -> int:
     """How the C++ chunk kernel computes the products for these inputs (forward and backward alike): with bfloat16
     factors when q, k, v and the gates are all bfloat16, the build has AVX-512 BF16, there are at least
-    ``BFLOAT16_PRODUCTS_MIN_T`` positions and `bfloat16_factors` (float32 sums, state and substitutions; the state,
+    ``bfloat16_products_min_t`` positions and `bfloat16_factors` (float32 sums, state and substitutions; the state,
     U' and the gradients rounded only as factors of a product, as fla's kernels multiply on a GPU); else float32 with
     ``FLOAT32_DEFAULT_PRODUCTS`` where built; else (float64, float16, mixed) the BLAS. The backward of bfloat16 inputs
     took float32 factors until its products shed their per-chunk transposes and re-multiplications: with bfloat16
@@ -287,7 +293,7 @@ def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple
     step loop where float32 factors give 2.4e-3 (``tests/test_kernels.py::test_bfloat16_products``)."""
     kinds = cpu_product_kinds()
     dtypes = {x.dtype for x in (q, k, v, *gates)}
-    long_enough = q.shape[-2] >= BFLOAT16_PRODUCTS_MIN_T
+    long_enough = q.shape[-2] >= bfloat16_products_min_t(max(q.shape[-1], v.shape[-1]))
     if _bfloat16_io(q, k, v, gates) and BFLOAT16_PRODUCTS in kinds and bfloat16_factors and long_enough:
         return BFLOAT16_PRODUCTS
     if dtypes <= {torch.float32, torch.bfloat16, torch.float16} and FLOAT32_DEFAULT_PRODUCTS in kinds:

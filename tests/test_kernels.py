@@ -411,13 +411,17 @@ def test_float32_products_agree_with_the_blas(rule, B, H, T, Dk, Dv, chunk_size,
 
 
 def test_products_follow_the_inputs_dtypes():
-    """bfloat16 factors only for q, k, v and beta all bfloat16 and at least BFLOAT16_PRODUCTS_MIN_T positions; float64
-    always the BLAS."""
+    """bfloat16 factors only for q, k, v and beta all bfloat16 and at least bfloat16_products_min_t positions for the
+    head width; float64 always the BLAS."""
     from fwp_kernels import chunk
 
     _cpp_kernel_or_skip()
     kinds = chunk.cpu_product_kinds()
-    T = chunk.BFLOAT16_PRODUCTS_MIN_T
+    T = chunk.bfloat16_products_min_t(8)
+    wide = torch.zeros(1, 1, T, 128, dtype=torch.bfloat16)  # wider heads: more positions before bfloat16 factors
+    assert chunk.bfloat16_products_min_t(128) > T
+    assert chunk.cpu_products(wide, wide, wide, (torch.zeros(1, 1, T, dtype=torch.bfloat16),)) == (
+        chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in kinds else chunk.BLAS_PRODUCTS)
     x = {d: torch.zeros(1, 1, T, 8, dtype=d) for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
     beta = torch.zeros(1, 1, T, dtype=torch.bfloat16)
     fp32 = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in kinds else chunk.BLAS_PRODUCTS
