@@ -462,7 +462,9 @@ class CpuAutoChoice(NamedTuple):
 # C=64 4.8 / 22.5; D = 128 C=16 11.2 / 51.1, C=32 10.6 / 49.8, C=64 13.1 / 57.1; 2 threads: D = 64 C=16 1.7 / 9.4,
 # C=32 1.9 / 10.3, C=64 2.3 / 12.2; D = 128 C=16 5.5 / 29.7, C=32 5.6 / 27.8, C=64 6.7 / 30.7. The rows stand (the
 # bench's sum of the two picks 16 for width 64 and 32 for width 128 at both thread counts; session 44's runs picked 16
-# or 32 for width 128 by 1-3%, and one before the transposed operands were vectorized picked 64). The gated delta
+# or 32 for width 128 by 1-3%, and one before the transposed operands were vectorized picked 64; session 47's runs
+# picked 16 or 32 for width 128 at 1 thread by 1-2%, 32 in the kept one at ce9bee2; the gated rule below, which
+# takes the same rows, is 10% slower at 16). The gated delta
 # rule's kernel (the same products) takes the same rows (it kept the caller's 64 before): by hand, interleaved, B*H = 8,
 # fp32, forward / forward + backward ms, C = 16, 32, 64, 1 thread: D = 64 (T = 4096) 11.7 / 50.7, 11.3 / 53.9,
 # 13.6 / 60.2; D = 128 (T = 2048) 18.0 / 77.0, 15.7 / 69.2, 16.8 / 72.4; 2 threads: D = 64 7.0 / 30.1, 6.8 / 31.4,
