@@ -826,8 +826,54 @@ inline void store_rows(const T* buf, int64_t n, Out* x) {
   if constexpr (!std::is_same_v<Out, T>) convert_copy(buf, n, x);
 }
 
+// A backward's (or the gated forward's) chunk of inputs as T, positions [t0, t0 + c): each in place, or widened into
+// `buf` (rows_as; size(C, Dk, Dv) elements), nullptr where the caller passes none (k always given).
+template <typename T>
+struct ChunkInputs {
+  const T *Q, *K, *V, *b, *g, *dO;
+  static int64_t size(int64_t C, int64_t Dk, int64_t Dv) { return 2 * C * (Dk + Dv + 1); }
+  template <typename In>
+  ChunkInputs(int64_t t0, int64_t c, int64_t C, int64_t Dk, int64_t Dv, const In* q, const In* k, const In* v,
+              const In* beta, const In* gs, const In* dout, T* buf) {
+    Q = q != nullptr ? rows_as(q + t0 * Dk, c * Dk, buf) : nullptr;
+    K = rows_as(k + t0 * Dk, c * Dk, buf + C * Dk);
+    V = v != nullptr ? rows_as(v + t0 * Dv, c * Dv, buf + 2 * C * Dk) : nullptr;
+    dO = dout != nullptr ? rows_as(dout + t0 * Dv, c * Dv, buf + 2 * C * Dk + C * Dv) : nullptr;
+    b = beta != nullptr ? rows_as(beta + t0, c, buf + 2 * C * (Dk + Dv)) : nullptr;
+    g = gs != nullptr ? rows_as(gs + t0, c, buf + 2 * C * (Dk + Dv) + C) : nullptr;
+  }
+};
+
+// Where a backward computes its chunk's gradients, positions [t0, t0 + c): in the outputs themselves, or in `buf`
+// (rows_for; size(C, Dk, Dv) elements), rounded into the outputs by store; nullptr where the caller passes none.
+template <typename T, typename Out>
+struct ChunkGradients {
+  int64_t t0, c, Dk, Dv;
+  Out *dq, *dk, *dv, *dbeta, *dg;
+  T *dQ, *dK, *dV, *db, *dgs;
+  static int64_t size(int64_t C, int64_t Dk, int64_t Dv) { return 2 * C * (Dk + 1) + C * Dv; }
+  ChunkGradients(int64_t t0, int64_t c, int64_t C, int64_t Dk, int64_t Dv, Out* dq, Out* dk, Out* dv, Out* dbeta,
+                 Out* dg, T* buf)
+      : t0(t0), c(c), Dk(Dk), Dv(Dv), dq(dq + t0 * Dk), dk(dk + t0 * Dk), dv(dv + t0 * Dv),
+        dbeta(dbeta != nullptr ? dbeta + t0 : nullptr), dg(dg != nullptr ? dg + t0 : nullptr) {
+    dQ = rows_for(this->dq, buf);
+    dK = rows_for(this->dk, buf + C * Dk);
+    dV = rows_for(this->dv, buf + 2 * C * Dk);
+    db = this->dbeta != nullptr ? rows_for(this->dbeta, buf + 2 * C * Dk + C * Dv) : nullptr;
+    dgs = this->dg != nullptr ? rows_for(this->dg, buf + 2 * C * Dk + C * Dv + C) : nullptr;
+  }
+  void store() const {
+    store_rows(dQ, c * Dk, dq);
+    store_rows(dK, c * Dk, dk);
+    store_rows(dV, c * Dv, dv);
+    if (db != nullptr) store_rows(db, c, dbeta);
+    if (dgs != nullptr) store_rows(dgs, c, dg);
+  }
+};
+
 inline int64_t chunk_backward_workspace(int64_t C, int64_t Dk, int64_t Dv) {
-  return 4 * C * C + 7 * C * Dk + 5 * C * Dv + 2 * C;
+  return 4 * C * C + 3 * C * Dk + 2 * C * Dv + ChunkInputs<float>::size(C, Dk, Dv) +
+         ChunkGradients<float, float>::size(C, Dk, Dv);
 }
 
 // The buffers of one chunk's backward (chunk_backward_seq), in a workspace of chunk_backward_workspace(C, Dk, Dv).
@@ -842,11 +888,11 @@ struct BackwardBuffers {
   T* bK;   // diag(beta) K                                   [c, Dk]
   T* Kt;   // K^T, for tril(Q K^T) and K K^T                 [Dk, c]
   T* Ut;   // U'^T, for dP and dA                            [Dv, c]
-  T* in;   // Q, K, V, dO and beta widened to T (bfloat16 inputs)
-  T* out;  // dQ, dK, dV and dbeta before they are rounded (bfloat16 outputs)
+  T* in;   // the chunk's inputs widened to T (ChunkInputs; bfloat16 inputs)
+  T* out;  // its gradients before they are rounded (ChunkGradients; bfloat16 outputs)
   BackwardBuffers(T* work, int64_t C, int64_t Dk, int64_t Dv)
       : P(work), A(P + C * C), dP(A + C * C), dA(dP + C * C), dR(dA + C * C), M(dR + C * Dv),
-        bK(M + C * Dk), Kt(bK + C * Dk), Ut(Kt + C * Dk), in(Ut + C * Dv), out(in + 2 * C * (Dk + Dv) + C) {}
+        bK(M + C * Dk), Kt(bK + C * Dk), Ut(Kt + C * Dk), in(Ut + C * Dv), out(in + ChunkInputs<T>::size(C, Dk, Dv)) {}
 };
 
 // The delta rule's part of a chunk's backward (after the products that the sum rule shares), with dU' in dR and X
@@ -902,19 +948,17 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
   const int64_t N = (L + C - 1) / C;
   for (int64_t n = N - 1; n >= 0; --n) {
     const int64_t t0 = n * C, c = std::min(C, L - t0);
-    const T* Q = rows_as(q + t0 * Dk, c * Dk, w.in);
-    const T* K = rows_as(k + t0 * Dk, c * Dk, w.in + C * Dk);
-    const T* V = beta == nullptr ? rows_as(v + t0 * Dv, c * Dv, w.in + 2 * C * Dk) : nullptr;  // U' of the sum rule
-    const T* dO = rows_as(dout + t0 * Dv, c * Dv, w.in + 2 * C * Dk + C * Dv);
+    // (V only for the sum rule, where it is U')
+    const ChunkInputs<T> x(t0, c, C, Dk, Dv, q, k, beta == nullptr ? v : nullptr, beta, (const In*)nullptr, dout, w.in);
+    const T *Q = x.Q, *K = x.K, *dO = x.dO;
+    const ChunkGradients<T, Out> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, (Out*)nullptr, w.out);
+    T *dQ = d.dQ, *dK = d.dK, *dV = d.dV;
     const T* S = kept.entering + n * Dv * Dk;
     // the previous chunk's rows and state (read next) on their way while this one computes, a few at each stage
     const RowsAhead previous = previous_chunk(t0, C);
     previous.fetch(q, Dk);
     previous.fetch(k, Dk);
-    const T* U = beta != nullptr ? kept.u_new + t0 * Dv : V;
-    T* dQ = rows_for(dq + t0 * Dk, w.out);
-    T* dK = rows_for(dk + t0 * Dk, w.out + C * Dk);
-    T* dV = rows_for(dv + t0 * Dv, w.out + 2 * C * Dk);
+    const T* U = beta != nullptr ? kept.u_new + t0 * Dv : x.V;
 
     transpose(c, Dk, K, Dk, w.Kt, c);
     transpose(c, Dv, U, Dv, w.Ut, c);
@@ -942,14 +986,9 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     gemm(true, false, Dv, Dk, c, T(1), dO, Dv, Q, Dk, T(1), dS, Dk);
     if (beta != nullptr) {
       previous.fetch(kept.x, Dv);
-      T* db = rows_for(dbeta + t0, w.out + 2 * C * Dk + C * Dv);
-      const T* b = rows_as(beta + t0, c, w.in + 2 * C * (Dk + Dv));
-      delta_rule_chunk_backward(c, Dk, Dv, K, kept.x + t0 * Dv, b, S, w, dS, dK, dV, db, gemm);
-      store_rows(db, c, dbeta + t0);
+      delta_rule_chunk_backward(c, Dk, Dv, K, kept.x + t0 * Dv, x.b, S, w, dS, dK, dV, d.db, gemm);
     }
-    store_rows(dQ, c * Dk, dq + t0 * Dk);
-    store_rows(dK, c * Dk, dk + t0 * Dk);
-    store_rows(dV, c * Dv, dv + t0 * Dv);
+    d.store();
   }
 }
 
@@ -1360,31 +1399,12 @@ struct Decays {
 // Per-chunk buffers of forward and backward, [c, c] and [c, D] matrices at the chunk length C.
 template <typename T>
 struct Work {
-  int64_t C;
   Decays<T> dec;
   std::vector<T> P, KD, dP, dA, X, dR, Kl, M1, M2;
   std::vector<T> in, out;  // a chunk's inputs widened to T and its outputs before rounding (bfloat16 inputs)
   Work(int64_t C, int64_t Dk, int64_t Dv)
-      : C(C), dec(C), P(C * C), KD(C * C), dP(C * C), dA(C * C), X(C * Dv), dR(C * Dv), Kl(C * Dk), M1(C * Dk),
-        M2(C * Dk), in(2 * C * (Dk + Dv + 1)), out(2 * C * (Dk + 1) + C * Dv) {}
-};
-
-// A chunk's rows of the inputs as T (in place, or widened into w.in: rows_as), positions [t0, t0 + c).
-template <typename T>
-struct ChunkInputs {
-  const T *Q, *K, *V, *b, *g, *dO;
-  template <typename In>
-  ChunkInputs(int64_t t0, int64_t c, int64_t Dk, int64_t Dv, const In* q, const In* k, const In* v, const In* beta,
-              const In* gs, const In* dout, Work<T>& w) {
-    const int64_t C = w.C;
-    T* buf = w.in.data();
-    Q = q != nullptr ? rows_as(q + t0 * Dk, c * Dk, buf) : nullptr;
-    K = rows_as(k + t0 * Dk, c * Dk, buf + C * Dk);
-    V = rows_as(v + t0 * Dv, c * Dv, buf + 2 * C * Dk);
-    dO = dout != nullptr ? rows_as(dout + t0 * Dv, c * Dv, buf + 2 * C * Dk + C * Dv) : nullptr;
-    b = rows_as(beta + t0, c, buf + 2 * C * (Dk + Dv));
-    g = rows_as(gs + t0, c, buf + 2 * C * (Dk + Dv) + C);
-  }
+      : dec(C), P(C * C), KD(C * C), dP(C * C), dA(C * C), X(C * Dv), dR(C * Dv), Kl(C * Dk), M1(C * Dk),
+        M2(C * Dk), in(ChunkInputs<T>::size(C, Dk, Dv)), out(ChunkGradients<T, T>::size(C, Dk, Dv)) {}
 };
 
 // KD = strictly_lower(K K^T * D); A = diag(beta) KD is applied as the substitutions read it.
@@ -1420,7 +1440,8 @@ void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, cons
                  const Gemm& gemm) {
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
     const int64_t c = std::min(C, L - t0);
-    const ChunkInputs<T> x(t0, c, Dk, Dv, o != nullptr ? q : nullptr, k, v, beta, g, (const In*)nullptr, w);
+    const ChunkInputs<T> x(t0, c, C, Dk, Dv, o != nullptr ? q : nullptr, k, v, beta, g, (const In*)nullptr,
+                           w.in.data());
     const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b;
     T* Un = record.u_new != nullptr ? record.u_new + t0 * Dv : u_buf.data();
     if (record.entering != nullptr) std::memcpy(record.entering + n * Dv * Dk, S, sizeof(T) * Dv * Dk);
@@ -1564,13 +1585,10 @@ void backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, con
   const int64_t N = (L + C - 1) / C;
   for (int64_t n = N - 1; n >= 0; --n) {
     const int64_t t0 = n * C, c = std::min(C, L - t0);
-    const ChunkInputs<T> x(t0, c, Dk, Dv, q, k, v, beta, g, dout, w);
+    const ChunkInputs<T> x(t0, c, C, Dk, Dv, q, k, v, beta, g, dout, w.in.data());
     const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b, *Un = kept.u_new + t0 * Dv;
-    T* dQ = rows_for(dq + t0 * Dk, w.out.data());
-    T* dK = rows_for(dk + t0 * Dk, w.out.data() + C * Dk);
-    T* dV = rows_for(dv + t0 * Dv, w.out.data() + 2 * C * Dk);
-    T* db = rows_for(dbeta + t0, w.out.data() + 2 * C * Dk + C * Dv);
-    T* dgs = rows_for(dg + t0, w.out.data() + 2 * C * Dk + C * Dv + C);
+    const ChunkGradients<T, In> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, dg, w.out.data());
+    T *dQ = d.dQ, *dK = d.dK, *dV = d.dV, *db = d.db, *dgs = d.dgs;
     const T* S = kept.entering + n * Dv * Dk;
     // the previous chunk's rows and state (read next) on their way while this one computes, a few at each stage
     const RowsAhead previous = previous_chunk(t0, C);
@@ -1588,11 +1606,7 @@ void backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, con
     backward_decay_products(c, Dk, Q, K, dQ, dK, dgam.data(), w, gemm);
     T acc = 0;  // gamma = cumsum(g): dg_j = sum_{i >= j} dgamma_i
     for (int64_t i = c - 1; i >= 0; --i) dgs[i] = acc += dgam[i];
-    store_rows(dQ, c * Dk, dq + t0 * Dk);
-    store_rows(dK, c * Dk, dk + t0 * Dk);
-    store_rows(dV, c * Dv, dv + t0 * Dv);
-    store_rows(db, c, dbeta + t0);
-    store_rows(dgs, c, dg + t0);
+    d.store();
   }
 }
 
