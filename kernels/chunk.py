@@ -248,18 +248,16 @@ BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS = 0, 1, 2
 # float32 inputs take the micro-kernel where it is built: faster than MKL's sgemm at the chunk loops' sizes on the AMD
 # CPUs measured (MKL runs AVX2 code there; bench_cpu, "kernels": fp32 forward and forward + backward).
 FLOAT32_DEFAULT_PRODUCTS = FLOAT32_PRODUCTS
-# bfloat16 factors from this many positions on, by head width (up to 64 wide, wider): below it the state's packing into
-# pairs (Dk x Dv per chunk) outweighs the few rows multiplied. bench_cpu_zen5.json at ce9bee2, products_by_length,
-# bfloat16 inputs, time with float32 factors / with bfloat16 factors, 1 / 2 threads: D = 64 T = 4 1.00x / 0.99x, T = 8
-# 1.03x / 1.03x, T = 16 1.10x / 1.06x; D = 128 T = 8 0.90x / 0.91x, T = 16 1.00x / 1.00x, T = 1,024 1.65x / 1.62x (at
-# 4c33034 D = 128 T = 8 was 1.06x / 1.02x, at 3648aca 0.97-1.10x over both widths: 8 for both until ce9bee2).
-BFLOAT16_PRODUCTS_MIN_T = {64: 8, None: 16}
 
 
 def bfloat16_products_min_t(head_dim: int) -> int:
-    """The positions from which bfloat16 inputs take bfloat16 factors, for heads `head_dim` wide
-    (``BFLOAT16_PRODUCTS_MIN_T``)."""
-    return BFLOAT16_PRODUCTS_MIN_T[64] if head_dim <= 64 else BFLOAT16_PRODUCTS_MIN_T[None]
+    """The positions from which bfloat16 inputs take bfloat16 factors, for heads `head_dim` (max(Dk, Dv)) wide: 8 up to
+    64, 16 above. Below it the state's packing into pairs (Dk x Dv per chunk) outweighs the few rows multiplied
+    (bench_cpu_zen5.json at ce9bee2, products_by_length, bfloat16 inputs, time with float32 factors / with bfloat16
+    factors, 1 / 2 threads: D = 64 T = 4 1.00x / 0.99x, T = 8 1.03x / 1.03x, T = 16 1.10x / 1.06x; D = 128 T = 8
+    0.90x / 0.91x, T = 16 1.00x / 1.00x, T = 1,024 1.65x / 1.62x; at 4c33034 D = 128 T = 8 was 1.06x / 1.02x, at
+    3648aca 0.97-1.10x over both widths: 8 for both until ce9bee2)."""
+    return 8 if head_dim <= 64 else 16
 
 
 @torch.compiler.assume_constant_result
