@@ -37,9 +37,9 @@ versions, machine, load average before and after), for each thread count side by
 Times are medians over the rounds (best beside them in the file); every function runs once per round. The kernel rows
 (2.) are timed warm, each call right after an untimed one of the same row: its inputs in the cache as after the layer
 that wrote them, the same for every row. (Before 2026-11-28 each row found the cache as the row before it left it: the
-fp32 ``*_Cauto`` rows ran warm after the C = 64 rows on the same inputs, the bf16 rows cold after fp32 ones, which made
-bf16 look 10-15% slower against fp32 than either state alone; by hand, 2 threads, bf16 / fp32 forward 1.85-1.90x warm,
-1.6x in that order.)
+fp32 ``*_Cauto`` rows ran warm after the C = 64 rows on the same inputs, the bf16 rows cold after fp32 ones, which
+lowered the bf16 / fp32 forward ratio by 5-15%: 1.72x / 1.60x at 1 / 2 threads in that order, 1.64-1.86x warm in
+the runs of 2026-11-28.)
 """
 from __future__ import annotations
 
