@@ -24,9 +24,14 @@ Vocabulary-sized products of the Fast Weight Layers (dense.py; Clark et al. 2022
 
     dense_linear(x, weight, bias=None)                                  # x W^T + b, oneDNN on CPU
     linear_cross_entropy_input_gradient(x, weight, bias, target, scale=None)   # scale (softmax(x W^T + b) - onehot) W
+
+A decode step's other per-token ops in one C++ pass each, where ``cpu_ops_apply(*tensors)`` (CPU inference)::
+
+    short_conv_step(x, cache, weight)                  # one position of a depthwise causal convolution
+    normalize_rows(x, weight, eps, mean_square)        # RMSNorm (mean_square) or L2 normalisation of each row
 """
 from .delta_rule_kernels import delta_rule
-from .dense import dense_linear, linear_cross_entropy_input_gradient
+from .dense import cpu_ops_apply, dense_linear, linear_cross_entropy_input_gradient, normalize_rows, short_conv_step
 from .dispatch import MODES
 from .fast_rnn_scan_kernels import fast_rnn_scan
 from .gated_delta_rule_kernels import gated_delta_rule
@@ -43,5 +48,8 @@ __all__ = [
     "recurrent_delta_rule",
     "dense_linear",
     "linear_cross_entropy_input_gradient",
+    "cpu_ops_apply",
+    "short_conv_step",
+    "normalize_rows",
     "MODES",
 ]

@@ -20,7 +20,7 @@ the input's dtype; two things make them cheap on CPU:
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,49 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     else:
         return F.linear(x, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def cpu_ops_apply(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether ``short_conv_step`` and ``normalize_rows`` may run on `tensors` (None entries skipped): the C++ kernel
+    is built, they are CPU tensors of one dtype (float32, bfloat16 or float64), outside autograd, autocast and
+    ``torch.compile``'s tracing (the ops have no backward and no fake kernel)."""
+    present = [t for t in tensors if t is not None]
+    dtype = present[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float64) or torch.compiler.is_compiling():
+        return False
+    if any(t.device.type != "cpu" or t.dtype != dtype for t in present) or torch.is_autocast_enabled("cpu"):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    return _CPU_KERNEL.available()
+
+
+def short_conv_step(
+    x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One position of a depthwise causal convolution (``csrc/decode_linear.cpp``), where ``cpu_ops_apply``:
+    ``y[b, c] = sum_i weight[c, i] [cache[b, c, :], x[b, c]]_i`` in float32 (float64 for float64).
+
+    Args:
+        x: ``[B, C]``; cache: ``[B, C, K - 1]``, the K - 1 inputs before x; weight: ``[C, K]``.
+    Returns:
+        ``(y [B, C], new_cache [B, C, K - 1])``: the cache's last K - 2 inputs, then x.
+    """
+    cache = cache.contiguous()
+    y, new_cache = torch.empty_like(x), torch.empty_like(cache)
+    _CPU_KERNEL.ops.short_conv_step(x.contiguous(), cache, weight.contiguous(), y, new_cache)
+    return y, new_cache
+
+
+def normalize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, mean_square: bool) -> torch.Tensor:
+    """Each row of ``x [*, D]`` over its last dimension in one pass (``csrc/decode_linear.cpp``), where
+    ``cpu_ops_apply``: ``x / sqrt(mean(x^2) + eps) * weight`` (`mean_square`: RMSNorm, weight ``[D]``) or ``x /
+    sqrt(sum(x^2) + eps)`` (L2; weight None), computed in float32 (float64 too, as ``x.float()`` would) -> ``[*, D]`` in
+    x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    _CPU_KERNEL.ops.normalize_rows(rows, weight, float(eps), mean_square, out)
+    return out.view(x.shape)
 
 
 def linear_cross_entropy_input_gradient(

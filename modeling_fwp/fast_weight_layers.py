@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fwp_kernels import delta_rule, dense_linear, gated_delta_rule, linear_attention
+from fwp_kernels import cpu_ops_apply, delta_rule, dense_linear, gated_delta_rule, linear_attention
+from fwp_kernels import normalize_rows, short_conv_step
 from torch import nn
 from transformers import initialization as init
 
@@ -69,6 +70,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops_apply(x, self.weight):  # inference on CPU: the same arithmetic in one pass (9 torch ops)
+            return normalize_rows(x, self.weight, self.eps, mean_square=True)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
@@ -95,6 +98,9 @@ class CausalConv1d(nn.Conv1d):
         x = x.transpose(1, 2)  # [B, C, T]
         cache = x.new_zeros(B, C, width) if cache is None else cache.to(x.dtype)
         if token_mask is None:
+            if T == 1 and cpu_ops_apply(x, cache, self.weight):  # a decode step on CPU: one pass, not six ops
+                y, cache = short_conv_step(x.view(B, C), cache, self.weight.view(C, -1))
+                return y.view(B, 1, C), cache
             window = torch.cat([cache, x], dim=-1)  # [B, C, K - 1 + T]
             if T == 1:  # a decode step: one weighted sum per channel (a conv1d call costs ~10x more here, measured)
                 acc = torch.promote_types(x.dtype, torch.float32)  # float32 sums for bf16, float64 stays float64
@@ -116,6 +122,8 @@ class CausalConv1d(nn.Conv1d):
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(|x|^2 + eps)`` over the last dimension, computed in float32."""
+    if cpu_ops_apply(x):  # inference on CPU: the same arithmetic in one pass
+        return normalize_rows(x, None, eps, mean_square=False)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -176,3 +176,91 @@ def test_bfloat16_matmul_widens_where_the_cpu_has_no_bfloat16_matmul(monkeypatch
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     step = expected.abs().clamp_min(1e-3) * 2.0 ** -7
     assert ((got.view(24, -1).double() - expected).abs() <= step + 1e-4).all()
+
+
+def conv_step_by_definition(x, cache, weight):
+    """y[b, c] = sum_i w[c, i] [cache[b, c, :], x[b, c]]_i in float64; the new cache drops the oldest input."""
+    window = torch.cat([cache, x[..., None]], dim=-1).double()
+    return (window * weight.double()).sum(-1), window[..., 1:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("B,C,K", [(1, 37, 4), (3, 5, 2), (2, 16, 3)])
+def test_short_conv_step_matches_its_definition(dtype, B, C, K):
+    """csrc/decode_linear.cpp's short_conv_step: float32 sums (float64 for float64) against float64, the result
+    rounded once; the new cache is the window's last K - 1 inputs exactly; the inputs are not written."""
+    if not dense.cpu_ops_apply(torch.zeros(1)):
+        pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
+    gen = torch.Generator().manual_seed(B * C * K)
+    x, cache, weight = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((B, C), (B, C, K - 1), (C, K)))
+    before = (x.clone(), cache.clone())
+    y, new_cache = dense.short_conv_step(x, cache, weight)
+    expected, expected_cache = conv_step_by_definition(x, cache, weight)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+    assert y.dtype == dtype and torch.equal(new_cache.double(), expected_cache)
+    assert torch.equal(x, before[0]) and torch.equal(cache, before[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("mean_square", [True, False])
+def test_normalize_rows_matches_its_definition(dtype, mean_square):
+    """normalize_rows: RMSNorm (times a gain) or L2 normalisation of each row over the last dimension, computed in
+    float32 for every dtype (as modeling_fwp's ``x.float()``), against float64 from the float32-rounded inputs."""
+    if not dense.cpu_ops_apply(torch.zeros(1)):
+        pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
+    gen = torch.Generator().manual_seed(int(mean_square))
+    x = (torch.randn(2, 3, 5, 33, generator=gen) * 3).to(dtype)
+    weight = torch.randn(33, generator=gen).to(dtype) if mean_square else None
+    got = dense.normalize_rows(x, weight, 1e-6, mean_square)
+    xf = x.float().double()
+    squares = xf.pow(2).mean(-1, keepdim=True) if mean_square else xf.pow(2).sum(-1, keepdim=True)
+    expected = xf / torch.sqrt(squares + 1e-6) * (1 if weight is None else weight.float().double())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+
+
+def test_cpu_ops_apply_only_to_cpu_inference_in_one_supported_dtype():
+    """The decode-step ops run outside autograd, autocast and tracing, on CPU tensors of one dtype (float32, bfloat16,
+    float64); everything else keeps torch's differentiable code."""
+    if not dense._CPU_KERNEL.available():
+        pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
+    x, w = torch.randn(2, 4), torch.randn(4)
+    assert dense.cpu_ops_apply(x, w) and dense.cpu_ops_apply(x.double(), None)
+    assert not dense.cpu_ops_apply(x, w.double())  # mixed dtypes
+    assert not dense.cpu_ops_apply(x.half(), w.half())
+    assert not dense.cpu_ops_apply(x, w.requires_grad_())
+    with torch.no_grad():
+        assert dense.cpu_ops_apply(x, w)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not dense.cpu_ops_apply(x, w)
+
+
+def test_layers_take_the_decode_ops_outside_autograd_only(monkeypatch):
+    """CausalConv1d's decode step, RMSNorm and l2_normalize: under no_grad the C++ ops (counted), with autograd
+    torch's code; the same values within float32 rounding, gradients still flow."""
+    from modeling_fwp import fast_weight_layers
+    from modeling_fwp.fast_weight_layers import CausalConv1d, RMSNorm, l2_normalize
+
+    if not dense._CPU_KERNEL.available():
+        pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
+    calls = []
+    for name in ("short_conv_step", "normalize_rows"):
+        op = getattr(fast_weight_layers, name)
+        counted = lambda *args, _op=op, _name=name: calls.append(_name) or _op(*args)  # noqa: E731
+        monkeypatch.setattr(fast_weight_layers, name, counted)
+    torch.manual_seed(0)
+    conv, norm = CausalConv1d(24, 4), RMSNorm(24)
+    torch.nn.init.normal_(norm.weight)
+    x, cache = torch.randn(2, 1, 24, requires_grad=True), torch.randn(2, 24, 3)
+    tracked = (conv(x, cache), norm(x), l2_normalize(x))
+    (tracked[0][0].sum() + tracked[1].sum() + tracked[2].sum()).backward()
+    assert x.grad is not None and conv.weight.grad is not None and norm.weight.grad is not None and not calls
+    with torch.no_grad():
+        untracked = (conv(x, cache), norm(x), l2_normalize(x))
+    assert calls == ["short_conv_step", "normalize_rows", "normalize_rows"]
+    torch.testing.assert_close(untracked[0][0], tracked[0][0].detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(untracked[0][1], tracked[0][1])
+    for got, want in zip(untracked[1:], tracked[1:]):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)

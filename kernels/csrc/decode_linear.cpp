@@ -9,13 +9,21 @@
 // bfloat16 W is widened to float32 on the fly (a shift: bf16 is the upper half of a float32), or multiplied in pairs
 // by AVX-512 BF16's dot product where the CPU has it, and accumulates in float32, the output rounded to bfloat16
 // once, as oneDNN's bf16 matmul does.
+//
+// The other per-token ops of a decode step live here too (short_conv_step, normalize_rows): each is a few KB of work
+// that torch runs as 5-9 small ops at 3-5 us each, a few hundred us per layer of a 1.3B Delta Net in all; here one
+// pass each, with the same float32 (float64 for float64) arithmetic as modeling_fwp's torch code.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 #include <vector>
 
@@ -155,10 +163,88 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
     }));
 }
 
+void check_cpu_contiguous(const char* op, std::initializer_list<const at::Tensor*> tensors, at::ScalarType dtype) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == dtype, "fwp_dense.", op,
+                ": contiguous CPU tensors of one dtype expected");
+  }
+}
+
+// One position of a depthwise causal convolution of width K per channel (modeling_fwp's CausalConv1d):
+// y[b, c] = sum_i weight[c, i] window[b, c, i], window = [cache[b, c, :], x[b, c]] (the K - 1 inputs before, then
+// this one), sums in order i = 0..K-1 in float32 (float64 for float64); new_cache = window[..., 1:].
+// x [B, C], cache [B, C, K - 1], weight [C, K], y [B, C], new_cache [B, C, K - 1]; one dtype, contiguous.
+void short_conv_step(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& weight, const at::Tensor& y,
+                     const at::Tensor& new_cache) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(0) == x.size(1) && weight.size(1) >= 2,
+              "fwp_dense.short_conv_step: x must be [B, C] and weight [C, K] with K >= 2");
+  const int64_t B = x.size(0), C = x.size(1), K = weight.size(1);
+  for (const at::Tensor* t : {&cache, &new_cache}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == C && t->size(2) == K - 1,
+                "fwp_dense.short_conv_step: cache and new_cache must be [B, C, K - 1]");
+  }
+  TORCH_CHECK(y.sizes() == x.sizes(), "fwp_dense.short_conv_step: y must be [B, C]");
+  check_cpu_contiguous("short_conv_step", {&x, &cache, &weight, &y, &new_cache}, x.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "short_conv_step", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *cp = cache.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t *yp = y.data_ptr<scalar_t>(), *np = new_cache.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < B * C; ++r) {  // a few thousand channels: one thread
+      const scalar_t* before = cp + r * (K - 1);
+      const scalar_t* w = wp + (r % C) * K;
+      acc_t s = 0;
+      for (int64_t i = 0; i < K - 1; ++i) s += static_cast<acc_t>(before[i]) * static_cast<acc_t>(w[i]);
+      s += static_cast<acc_t>(xp[r]) * static_cast<acc_t>(w[K - 1]);
+      yp[r] = static_cast<scalar_t>(s);
+      for (int64_t i = 0; i + 1 < K - 1; ++i) np[r * (K - 1) + i] = before[i + 1];
+      np[r * (K - 1) + K - 2] = xp[r];
+    }
+  });
+}
+
+// Each row of x [N, D] scaled to unit RMS (mean_square: x / sqrt(mean(x^2) + eps), times weight [D] if given:
+// RMSNorm) or unit L2 norm (x / sqrt(sum(x^2) + eps)), in float32 for every dtype (float64 inputs rounded to float32
+// first, as modeling_fwp's x.float() does), rounded once into out.
+void normalize_rows(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps, bool mean_square,
+                    const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes(), "fwp_dense.normalize_rows: x and out must be [N, D]");
+  const int64_t N = x.size(0), D = x.size(1);
+  check_cpu_contiguous("normalize_rows", {&x, &out}, x.scalar_type());
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->numel() == D && weight->is_contiguous(), "fwp_dense.normalize_rows: weight must be [D]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "normalize_rows", [&] {
+    using acc_t = float;
+    const at::Tensor gain = weight.has_value() ? weight->to(at::kFloat).contiguous()
+                                               : at::Tensor();
+    const acc_t* g = weight.has_value() ? gain.data_ptr<acc_t>() : nullptr;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, D)), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const scalar_t* row = xp + n * D;
+        acc_t squares = 0;
+        for (int64_t j = 0; j < D; ++j) squares += static_cast<acc_t>(row[j]) * static_cast<acc_t>(row[j]);
+        const acc_t scale = 1 / std::sqrt((mean_square ? squares / D : squares) + static_cast<acc_t>(eps));
+        for (int64_t j = 0; j < D; ++j) {
+          const acc_t normed = static_cast<acc_t>(row[j]) * scale;
+          op[n * D + j] = static_cast<scalar_t>(g ? normed * g[j] : normed);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("short_conv_step(Tensor x, Tensor cache, Tensor weight, Tensor(a!) y, Tensor(b!) new_cache) -> ()");
+  m.def("normalize_rows(Tensor x, Tensor? weight, float eps, bool mean_square, Tensor(a!) out) -> ()");
 }
 
-FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) { m.impl("linear_rows", &linear_rows); }
+FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
+  m.impl("linear_rows", &linear_rows);
+  m.impl("short_conv_step", &short_conv_step);
+  m.impl("normalize_rows", &normalize_rows);
+}
