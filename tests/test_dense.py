@@ -248,7 +248,7 @@ def test_layers_take_the_decode_ops_outside_autograd_only(monkeypatch):
     calls = []
     for name in ("short_conv_step", "normalize_rows"):
         op = getattr(fast_weight_layers, name)
-        counted = lambda *args, _op=op, _name=name: calls.append(_name) or _op(*args)  # noqa: E731
+        counted = lambda *args, _op=op, _name=name, **kwargs: calls.append(_name) or _op(*args, **kwargs)  # noqa: E731
         monkeypatch.setattr(fast_weight_layers, name, counted)
     torch.manual_seed(0)
     conv, norm = CausalConv1d(24, 4), RMSNorm(24)
