@@ -23,6 +23,7 @@ padded positions, which write nothing). One module per recurrence: ``<function>_
 Vocabulary-sized products of the Fast Weight Layers (dense.py; Clark et al. 2022)::
 
     dense_linear(x, weight, bias=None)                                  # x W^T + b, oneDNN on CPU
+    dense_linears(x, weights)                          # (x W_1^T, x W_2^T, ...): a decode step's one pass over all
     linear_cross_entropy_input_gradient(x, weight, bias, target, scale=None)   # scale (softmax(x W^T + b) - onehot) W
 
 A decode step's other per-token ops in one C++ pass each, where ``cpu_ops_apply(*tensors)`` (CPU inference)::
@@ -31,7 +32,9 @@ A decode step's other per-token ops in one C++ pass each, where ``cpu_ops_apply(
     normalize_rows(x, weight, eps, mean_square)        # RMSNorm (mean_square) or L2 normalisation of each row
 """
 from .delta_rule_kernels import delta_rule
-from .dense import cpu_ops_apply, dense_linear, linear_cross_entropy_input_gradient, normalize_rows, short_conv_step
+from .dense import (
+    cpu_ops_apply, dense_linear, dense_linears, linear_cross_entropy_input_gradient, normalize_rows, short_conv_step,
+)
 from .dispatch import MODES
 from .fast_rnn_scan_kernels import fast_rnn_scan
 from .gated_delta_rule_kernels import gated_delta_rule
@@ -47,6 +50,7 @@ __all__ = [
     "fast_rnn_scan",
     "recurrent_delta_rule",
     "dense_linear",
+    "dense_linears",
     "linear_cross_entropy_input_gradient",
     "cpu_ops_apply",
     "short_conv_step",

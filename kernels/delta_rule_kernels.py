@@ -17,11 +17,11 @@ from typing import Optional, Tuple
 import torch
 
 from .chunk import (
-    ChunkFastWeightFunction,
     ChunkRule,
     Intra,
     auto_mode,
     bmm,
+    chunk_fast_weights,
     chunk_kernel_finder,
     run_outer_product_rule,
     unit_lower_inverse,
@@ -153,7 +153,7 @@ def delta_rule_chunk(
         o ``[B, H, T, Dv]`` in q's dtype, and the final state ``[B, H, Dv, Dk]`` (float32; float64 for
         float64 inputs) or None.
     """
-    o, final = ChunkFastWeightFunction.apply(DELTA_RULE_CHUNKS, chunk_size, q, k, v, initial_state, beta)
+    o, final = chunk_fast_weights(DELTA_RULE_CHUNKS, chunk_size, q, k, v, initial_state, beta)
     return o, (final if output_final_state else None)
 
 

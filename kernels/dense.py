@@ -20,7 +20,7 @@ the input's dtype; two things make them cheap on CPU:
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -153,6 +153,27 @@ def normalize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, 
     out = torch.empty_like(rows)
     _CPU_KERNEL.ops.normalize_rows(rows, weight, float(eps), mean_square, out)
     return out.view(x.shape)
+
+
+def dense_linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """``tuple(dense_linear(x, w) for w in weights)``, no biases: where the weight-streaming kernel runs (up to
+    ``STREAMING_MAX_ROWS`` rows of x, CPU inference, contiguous weights in x's dtype), one pass over all the weights
+    (``linear_rows_grouped``: one call and one wait for the threads, not one per weight; the same sums).
+
+    Args:
+        x: ``[*, K]``; weights: ``[N_g, K]`` each.
+    Returns:
+        ``[*, N_g]`` for each weight (where grouped: views of one ``[*, sum N_g]`` tensor).
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    grouped = (rows.shape[0] <= STREAMING_MAX_ROWS and not torch.compiler.is_compiling()
+               and all(w.is_contiguous() and _cpu_inference(x, w, None) for w in weights) and _CPU_KERNEL.available())
+    if not grouped:
+        return tuple(dense_linear(x, w) for w in weights)
+    sizes = [w.shape[0] for w in weights]
+    out = rows.new_empty(rows.shape[0], sum(sizes))
+    _CPU_KERNEL.ops.linear_rows_grouped(rows.contiguous(), list(weights), out)
+    return out.view(*x.shape[:-1], -1).split(sizes, dim=-1)
 
 
 def linear_cross_entropy_input_gradient(

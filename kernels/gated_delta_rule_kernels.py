@@ -22,10 +22,10 @@ import torch
 
 from . import chunk
 from .chunk import (
-    ChunkFastWeightFunction,
     ChunkRule,
     _flat,
     bmm,
+    chunk_fast_weights,
     chunk_kernel_finder,
     run_outer_product_rule,
     compiled_forward_buffers,
@@ -265,7 +265,7 @@ def gated_delta_rule_chunk(
         o ``[B, H, T, Dv]`` in q's dtype, and the final state ``[B, H, Dv, Dk]`` (float32; float64 for
         float64 inputs) or None.
     """
-    o, final = ChunkFastWeightFunction.apply(GATED_DELTA_RULE_CHUNKS, chunk_size, q, k, v, initial_state, beta, g)
+    o, final = chunk_fast_weights(GATED_DELTA_RULE_CHUNKS, chunk_size, q, k, v, initial_state, beta, g)
     return o, (final if output_final_state else None)
 
 

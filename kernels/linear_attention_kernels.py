@@ -14,11 +14,11 @@ from typing import Optional, Tuple
 import torch
 
 from .chunk import (
-    ChunkFastWeightFunction,
     ChunkRule,
     Intra,
     auto_mode,
     bmm,
+    chunk_fast_weights,
     chunk_kernel_finder,
     run_outer_product_rule,
 )
@@ -109,7 +109,7 @@ def linear_attention_chunk(
     decode = q.shape[2] == 1 and SUM_RULE_CHUNKS.compiled(q, acc_dtype(q, k, v, initial_state))
     if q.shape[2] <= chunk_size and not decode:
         return linear_attention_one_chunk(q, k, v, initial_state, output_final_state)
-    o, final = ChunkFastWeightFunction.apply(SUM_RULE_CHUNKS, chunk_size, q, k, v, initial_state)
+    o, final = chunk_fast_weights(SUM_RULE_CHUNKS, chunk_size, q, k, v, initial_state)
     return o, (final if output_final_state else None)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fwp_kernels import cpu_ops_apply, delta_rule, dense_linear, gated_delta_rule, linear_attention
+from fwp_kernels import cpu_ops_apply, delta_rule, dense_linear, dense_linears, gated_delta_rule, linear_attention
 from fwp_kernels import normalize_rows, short_conv_step
 from torch import nn
 from transformers import initialization as init
@@ -60,6 +60,18 @@ class Linear(nn.Linear):
         return dense_linear(input, self.weight, self.bias)
 
 
+def project(x: torch.Tensor, *layers: nn.Linear) -> Tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)`` for projections of one input (a layer's q, k, v, beta). Outside
+    autograd, where all are this file's bias-free ``Linear`` that no hook or wrapper (PEFT, accelerate) has touched:
+    one ``fwp_kernels.dense_linears`` call, which streams all their weights in one pass in a decode step."""
+    weights = [layer.weight for layer in layers]
+    tracked = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    if not tracked and all(type(layer) is Linear and layer.bias is None and "forward" not in layer.__dict__
+                           and not (layer._forward_hooks or layer._forward_pre_hooks) for layer in layers):
+        return dense_linears(x, weights)
+    return tuple(layer(x) for layer in layers)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, ``x / sqrt(mean(x^2) + eps) * w``, computed in float32 (weight
     only, no bias; Zhang and Sennrich 2019)."""
@@ -99,7 +111,7 @@ class CausalConv1d(nn.Conv1d):
         cache = x.new_zeros(B, C, width) if cache is None else cache.to(x.dtype)
         if token_mask is None:
             if T == 1 and cpu_ops_apply(x, cache, self.weight):  # a decode step on CPU: one pass, not six ops
-                y, cache = short_conv_step(x.view(B, C), cache, self.weight.view(C, -1))
+                y, cache = short_conv_step(x.reshape(B, C), cache, self.weight.view(C, -1))
                 return y.view(B, 1, C), cache
             window = torch.cat([cache, x], dim=-1)  # [B, C, K - 1 + T]
             if T == 1:  # a decode step: one weighted sum per channel (a conv1d call costs ~10x more here, measured)
@@ -191,10 +203,12 @@ class FastWeightLinearAttention(nn.Module):
 
     def _project(
         self, hidden_states: torch.Tensor, state: Dict[str, torch.Tensor], token_mask: Optional[torch.Tensor]
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Dict[str, torch.Tensor]]:
         """q, k ``[B, H, T, head_dim]`` and v ``[B, Hv, T, Dv]`` (eq. 4), through the short convolution when there
-        is one; returns the convolution's new cache entries as well."""
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        is one, and ``W_beta x [B, T, Hv]`` (None for the sum rule); returns the convolution's new cache entries as
+        well."""
+        beta_proj = () if self.beta_proj is None else (self.beta_proj,)
+        q, k, v, *beta_logits = project(hidden_states, self.q_proj, self.k_proj, self.v_proj, *beta_proj)
         conv_states = {}
         if self.short_conv_size:
             q, conv_states["conv_q"] = self.q_conv1d(q, state.get("conv_q"), token_mask)
@@ -203,7 +217,7 @@ class FastWeightLinearAttention(nn.Module):
         if self.value_activation == "silu":
             v = F.silu(v)
         return (split_heads(q, self.num_heads), split_heads(k, self.num_heads), split_heads(v, self.num_value_heads),
-                conv_states)
+                beta_logits[0] if beta_logits else None, conv_states)
 
     def _query_key_features(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """phi(q), phi(k), then the optional L2 normalisation and query scaling; q and k repeated for grouped value
@@ -219,12 +233,12 @@ class FastWeightLinearAttention(nn.Module):
             q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         return q, k
 
-    def _beta(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
-        """``beta [B, Hv, T] = sigmoid(W_beta x)`` (eq. 21), doubled with ``allow_neg_eigval``; None for the sum
-        rule."""
-        if self.beta_proj is None:
+    def _beta(self, beta_logits: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``beta [B, Hv, T] = sigmoid(W_beta x)`` (eq. 21) from ``W_beta x [B, T, Hv]``, doubled with
+        ``allow_neg_eigval``; None for the sum rule."""
+        if beta_logits is None:
             return None
-        beta = torch.sigmoid(self.beta_proj(hidden_states)).transpose(1, 2)
+        beta = torch.sigmoid(beta_logits).transpose(1, 2)
         return beta * 2.0 if self.allow_neg_eigval else beta
 
     def _recurrence(
@@ -262,9 +276,9 @@ class FastWeightLinearAttention(nn.Module):
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         state = state or {}
-        q, k, v, conv_states = self._project(hidden_states, state, token_mask)
+        q, k, v, beta_logits, conv_states = self._project(hidden_states, state, token_mask)
         q, k = self._query_key_features(q, k)
-        beta = self._beta(hidden_states)
+        beta = self._beta(beta_logits)
         if token_mask is not None:
             # Padded positions write nothing: phi(k) = 0 (and beta = 0) makes the update vanish.
             mask = token_mask.to(k.dtype)[:, None, :]

@@ -30,7 +30,7 @@ from .configuration_fwp import (
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS, Linear, RMSNorm
+from .fast_weight_layers import FAST_WEIGHT_LAYERS, Linear, RMSNorm, project
 from .feature_maps import FeatureMap
 from .pretrained import StatefulPreTrainedModel, logits_to_keep_index
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
@@ -51,7 +51,8 @@ class FeedForward(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
-            inner = self.act(self.gate_proj(hidden_states)) * self.up_proj(hidden_states)
+            gate, up = project(hidden_states, self.gate_proj, self.up_proj)
+            inner = self.act(gate) * up
         else:
             inner = self.act(self.up_proj(hidden_states))
         return self.down_proj(self.dropout(inner))

@@ -264,3 +264,60 @@ def test_layers_take_the_decode_ops_outside_autograd_only(monkeypatch):
     assert torch.equal(untracked[0][1], tracked[0][1])
     for got, want in zip(untracked[1:], tracked[1:]):
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_dense_linears_one_pass_equals_one_call_per_weight(dtype, rows):
+    """dense_linears: up to STREAMING_MAX_ROWS rows, one grouped pass (``linear_rows_grouped``) that gives each
+    weight's dense_linear bit for bit (weights of 7, 50 and 1 rows: task ranges across their borders); three rows:
+    one dense_linear per weight (the matmul)."""
+    _streaming_kernel()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, 64, generator=gen).to(dtype)
+    weights = [torch.randn(n, 64, generator=gen).to(dtype) for n in (7, 50, 1)]
+    with torch.no_grad():
+        got = dense.dense_linears(x, weights)
+        expected = [dense_linear(x, w) for w in weights]
+    assert [g.shape for g in got] == [(rows, 1, 7), (rows, 1, 50), (rows, 1, 1)]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_grouped_streaming_refuses_bad_shapes_and_dtypes():
+    _streaming_kernel()
+    op = dense._CPU_KERNEL.ops.linear_rows_grouped
+    x, weights = torch.randn(1, 8), [torch.randn(5, 8), torch.randn(3, 8)]
+    with pytest.raises(RuntimeError, match="every weight"):
+        op(x, [weights[0], torch.randn(3, 7)], torch.empty(1, 8))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(x, [weights[0], weights[1].double()], torch.empty(1, 8))
+    with pytest.raises(RuntimeError, match="out"):
+        op(x, weights, torch.empty(1, 7))
+
+
+def test_projections_share_one_pass_only_outside_autograd_and_untouched(monkeypatch):
+    """modeling_fwp's ``project``: untracked bias-free Linears go through dense_linears (counted); a hook, a bias or
+    autograd keep each module's own call, so hooks fire and gradients flow."""
+    from modeling_fwp import fast_weight_layers
+    from modeling_fwp.fast_weight_layers import Linear, project
+
+    grouped = []
+    real = fast_weight_layers.dense_linears
+    monkeypatch.setattr(fast_weight_layers, "dense_linears", lambda x, ws: grouped.append(len(ws)) or real(x, ws))
+    layers = [Linear(16, n, bias=False) for n in (4, 6)]
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        together, one_by_one = project(x, *layers), [layer(x) for layer in layers]
+    assert grouped == [2] and all(torch.equal(a, b) for a, b in zip(together, one_by_one))
+    hooked = []
+    handle = layers[1].register_forward_hook(lambda *args: hooked.append(1))
+    with torch.no_grad():
+        project(x, *layers)
+    handle.remove()
+    assert hooked == [1] and grouped == [2]
+    out = project(x, *layers)  # autograd
+    sum(o.sum() for o in out).backward()
+    assert grouped == [2] and all(layer.weight.grad is not None for layer in layers)
+    with torch.no_grad():
+        project(x, Linear(16, 3, bias=True), layers[0])
+    assert grouped == [2]

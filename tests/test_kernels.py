@@ -672,6 +672,30 @@ def test_decode_step_matches_step_loop(rule, threads, dtype, state):
         assert torch.equal(inputs["initial_state"].detach(), before)
 
 
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_untracked_decode_step_skips_the_autograd_function(rule, dtype):
+    """T = 1 outside autograd (a decode step of generate) goes to the one-pass kernel without the autograd Function
+    (``chunk.chunk_fast_weights``; checked by making the Function fail), bfloat16 inputs as they are (the op widens
+    them): output and state against the float64 step loop, and bit for bit the widened float32 inputs' result."""
+    from fwp_kernels import chunk
+
+    if not chunk.cpu_kernel_available():
+        pytest.skip("the C++ chunk kernel is not built")
+    made = make_inputs(rule, 2, 3, 1, 32, 24, dtype, seed=9)
+    inputs = {n: None if x is None else x.detach() for n, x in made.items()}
+    ref = reference(rule, inputs)
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(chunk.ChunkFastWeightFunction, "apply", lambda *args: pytest.fail("the Function ran"))
+        o, final = run(rule, inputs, mode="auto")
+        widened = {n: x if x is None or n == "initial_state" else x.float() for n, x in inputs.items()}
+        o32, final32 = run(rule, widened, mode="auto")
+    assert o.dtype == dtype and final.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close({"o": o, "final_state": final}, {"o": ref["o"], "final_state": ref["final_state"]}, TOL[dtype])
+    if dtype == torch.bfloat16:
+        assert torch.equal(o, o32.to(dtype)) and torch.equal(final, final32)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The gated delta rule against the equation, and against the delta rule at g = 0
 

@@ -1332,9 +1332,22 @@ void decode_rows(int64_t r0, int64_t r1, int64_t Dv, int64_t Dk, const T* q, con
   }
 }
 
+std::optional<at::Tensor> widened(const std::optional<at::Tensor>& x) {
+  return x.has_value() ? std::optional<at::Tensor>(x->to(at::kFloat)) : std::nullopt;
+}
+
+// q, k, v, beta, g and o in one dtype: float32 or float64 with the states S, S_out in it too, or bfloat16 with float32
+// states (the inputs, a few KB, widened here and o rounded once: five fewer small ops for the caller).
 void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& beta,
                  const std::optional<at::Tensor>& g, const std::optional<at::Tensor>& S, const at::Tensor& S_out,
                  const at::Tensor& o) {
+  if (q.scalar_type() == at::kBFloat16) {
+    for (auto* x : {&k, &v, &o}) check(*x, q, "input");
+    const at::Tensor o_acc = o.new_empty(o.sizes(), o.options().dtype(at::kFloat));
+    decode_step(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), widened(beta), widened(g), S, S_out, o_acc);
+    o.copy_(o_acc);
+    return;
+  }
   TORCH_CHECK(q.dim() == 2 && k.sizes() == q.sizes() && v.dim() == 2 && v.size(0) == q.size(0),
               "fwp_chunk.decode_step: q, k must be [BH, Dk] and v [BH, Dv]");
   const int64_t BH = q.size(0), Dk = q.size(1), Dv = v.size(1);

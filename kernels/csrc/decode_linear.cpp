@@ -118,13 +118,34 @@ inline float row_dot(int64_t K, const W* w, const float* xs, const W* xw) {
 }
 
 // Rows n0..n1 of the output for every row of x: xs [M, K] float32 (xw: the same in W's dtype), W [N, K], bias [N] or
-// null, out [M, N].
+// null, out [M, ldo] (column n of out is W's row n).
 template <typename W>
-void output_rows(int64_t n0, int64_t n1, int64_t M, int64_t K, int64_t N, const float* xs, const W* xw, const W* w,
+void output_rows(int64_t n0, int64_t n1, int64_t M, int64_t K, int64_t ldo, const float* xs, const W* xw, const W* w,
                  const W* bias, W* out) {
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m)  // the row of W stays in L1 for the other rows of x
-      out[m * N + n] = static_cast<W>(row_dot<W>(K, w + n * K, xs + m * K, xw + m * K) + (bias ? widen(bias[n]) : 0.f));
+      out[m * ldo + n] =
+          static_cast<W>(row_dot<W>(K, w + n * K, xs + m * K, xw + m * K) + (bias ? widen(bias[n]) : 0.f));
+}
+
+// Rows of W (about 256 KB of weights) per parallel task: enough work to pay for a thread, many tasks for balance.
+inline int64_t rows_per_task(int64_t K, int64_t element_size) {
+  return std::max<int64_t>(4, (256 << 10) / std::max<int64_t>(1, K * element_size));
+}
+
+// linear_rows_grouped's pass: the stacked rows n0..n1 of all weights, each range within one weight by output_rows.
+template <typename W>
+void stacked_rows(at::TensorList weights, const std::vector<int64_t>& first_row, int64_t M, int64_t K,
+                  const at::Tensor& xs, const at::Tensor& x, const at::Tensor& out) {
+  const int64_t N = first_row.back();
+  at::parallel_for(0, N, rows_per_task(K, sizeof(W)), [&](int64_t n0, int64_t n1) {
+    for (size_t g = 0; g < weights.size(); ++g) {
+      const int64_t lo = std::max(n0, first_row[g]), hi = std::min(n1, first_row[g + 1]);
+      if (lo >= hi) continue;
+      output_rows<W>(lo - first_row[g], hi - first_row[g], M, K, N, xs.data_ptr<float>(), x.data_ptr<W>(),
+                     weights[g].data_ptr<W>(), nullptr, out.data_ptr<W>() + first_row[g]);
+    }
+  });
 }
 
 // x [M, K], weight [N, K], bias [N] or None, out [M, N]; one dtype (float32 or bfloat16), contiguous.
@@ -143,8 +164,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
                 "fwp_dense.linear_rows: bias must be [N] in the weight's dtype");
   }
   const at::Tensor xs = x.to(at::kFloat).contiguous();  // a few KB: widened once
-  // about 256 KB of weights per task: enough work to pay for a thread, many tasks for load balance
-  const int64_t grain = std::max<int64_t>(4, (256 << 10) / std::max<int64_t>(1, K * weight.element_size()));
+  const int64_t grain = rows_per_task(K, weight.element_size());
   AT_DISPATCH_SWITCH(weight.scalar_type(), "linear_rows",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -161,6 +181,30 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
                        out.data_ptr<W>());
       });
     }));
+}
+
+// x [M, K] against weights W_1 .. W_G ([N_g, K], no bias; e.g. a layer's q, k, v and beta projections of one
+// input): out [M, N_1 + ... + N_G], W_g's outputs in its columns N_1 + ... + N_{g-1} onwards. One parallel pass over
+// the rows of all weights (one op call and one wait for the threads instead of G).
+void linear_rows_grouped(const at::Tensor& x, at::TensorList weights, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && !weights.empty(), "fwp_dense.linear_rows_grouped: x must be [M, K], with weights");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> first_row{0};  // of each weight in the stacked rows; the total last
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "fwp_dense.linear_rows_grouped: every weight must be [N_g, K]");
+    TORCH_CHECK(w.is_contiguous() && w.device().is_cpu() && w.scalar_type() == x.scalar_type(),
+                "fwp_dense.linear_rows_grouped: contiguous CPU tensors of one dtype expected");
+    first_row.push_back(first_row.back() + w.size(0));
+  }
+  const int64_t N = first_row.back();
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N,
+              "fwp_dense.linear_rows_grouped: out must be [M, sum of the weights' rows]");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.device().is_cpu() && out.scalar_type() == x.scalar_type(),
+              "fwp_dense.linear_rows_grouped: contiguous CPU tensors of one dtype expected");
+  const at::Tensor xs = x.to(at::kFloat).contiguous();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "linear_rows_grouped",
+    AT_DISPATCH_CASE(at::kFloat, [&] { stacked_rows<float>(weights, first_row, M, K, xs, x, out); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { stacked_rows<c10::BFloat16>(weights, first_row, M, K, xs, x, out); }));
 }
 
 void check_cpu_contiguous(const char* op, std::initializer_list<const at::Tensor*> tensors, at::ScalarType dtype) {
@@ -239,12 +283,14 @@ void normalize_rows(const at::Tensor& x, const std::optional<at::Tensor>& weight
 
 FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_rows_grouped(Tensor x, Tensor[] weights, Tensor(a!) out) -> ()");
   m.def("short_conv_step(Tensor x, Tensor cache, Tensor weight, Tensor(a!) y, Tensor(b!) new_cache) -> ()");
   m.def("normalize_rows(Tensor x, Tensor? weight, float eps, bool mean_square, Tensor(a!) out) -> ()");
 }
 
 FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("linear_rows", &linear_rows);
+  m.impl("linear_rows_grouped", &linear_rows_grouped);
   m.impl("short_conv_step", &short_conv_step);
   m.impl("normalize_rows", &normalize_rows);
 }
