@@ -214,6 +214,26 @@ void check_cpu_contiguous(const char* op, std::initializer_list<const at::Tensor
   }
 }
 
+// short_conv_step's loop over the B x C channels (a few thousand: one thread), of width kWidth (0: `width`).
+template <typename T, typename Acc, int64_t kWidth>
+void conv_channels(int64_t B, int64_t C, int64_t width, const T* x, const T* cache, const T* weight, T* y,
+                   T* new_cache) {
+  const int64_t K = kWidth > 0 ? kWidth : width;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t r = b * C + c;
+      const T* before = cache + r * (K - 1);
+      const T* w = weight + c * K;
+      Acc s = 0;
+      for (int64_t i = 0; i < K - 1; ++i) s += static_cast<Acc>(before[i]) * static_cast<Acc>(w[i]);
+      s += static_cast<Acc>(x[r]) * static_cast<Acc>(w[K - 1]);
+      y[r] = static_cast<T>(s);
+      for (int64_t i = 0; i + 1 < K - 1; ++i) new_cache[r * (K - 1) + i] = before[i + 1];
+      new_cache[r * (K - 1) + K - 2] = x[r];
+    }
+  }
+}
+
 // One position of a depthwise causal convolution of width K per channel (modeling_fwp's CausalConv1d):
 // y[b, c] = sum_i weight[c, i] window[b, c, i], window = [cache[b, c, :], x[b, c]] (the K - 1 inputs before, then
 // this one), sums in order i = 0..K-1 in float32 (float64 for float64); new_cache = window[..., 1:].
@@ -233,17 +253,25 @@ void short_conv_step(const at::Tensor& x, const at::Tensor& cache, const at::Ten
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t *xp = x.data_ptr<scalar_t>(), *cp = cache.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
     scalar_t *yp = y.data_ptr<scalar_t>(), *np = new_cache.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < B * C; ++r) {  // a few thousand channels: one thread
-      const scalar_t* before = cp + r * (K - 1);
-      const scalar_t* w = wp + (r % C) * K;
-      acc_t s = 0;
-      for (int64_t i = 0; i < K - 1; ++i) s += static_cast<acc_t>(before[i]) * static_cast<acc_t>(w[i]);
-      s += static_cast<acc_t>(xp[r]) * static_cast<acc_t>(w[K - 1]);
-      yp[r] = static_cast<scalar_t>(s);
-      for (int64_t i = 0; i + 1 < K - 1; ++i) np[r * (K - 1) + i] = before[i + 1];
-      np[r * (K - 1) + K - 2] = xp[r];
+    if (K == 4) {  // flash-linear-attention's width: a constant, so that the compiler unrolls the window
+      conv_channels<scalar_t, acc_t, 4>(B, C, 4, xp, cp, wp, yp, np);
+    } else {
+      conv_channels<scalar_t, acc_t, 0>(B, C, K, xp, cp, wp, yp, np);
     }
   });
+}
+
+// One row of normalize_rows: float32 sums of squares (vector sums), then each element scaled and rounded once.
+template <typename T>
+void normalize_row(int64_t D, const T* row, const float* gain, float eps, bool mean_square, T* out) {
+  float squares = 0;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t j = 0; j < D; ++j) squares += static_cast<float>(row[j]) * static_cast<float>(row[j]);
+  const float scale = 1 / std::sqrt((mean_square ? squares / D : squares) + eps);
+  for (int64_t j = 0; j < D; ++j) {
+    const float normed = static_cast<float>(row[j]) * scale;
+    out[j] = static_cast<T>(gain ? normed * gain[j] : normed);
+  }
 }
 
 // Each row of x [N, D] scaled to unit RMS (mean_square: x / sqrt(mean(x^2) + eps), times weight [D] if given:
@@ -258,23 +286,12 @@ void normalize_rows(const at::Tensor& x, const std::optional<at::Tensor>& weight
     TORCH_CHECK(weight->numel() == D && weight->is_contiguous(), "fwp_dense.normalize_rows: weight must be [D]");
   }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "normalize_rows", [&] {
-    using acc_t = float;
-    const at::Tensor gain = weight.has_value() ? weight->to(at::kFloat).contiguous()
-                                               : at::Tensor();
-    const acc_t* g = weight.has_value() ? gain.data_ptr<acc_t>() : nullptr;
+    const at::Tensor gain = weight.has_value() ? weight->to(at::kFloat).contiguous() : at::Tensor();
+    const float* g = weight.has_value() ? gain.data_ptr<float>() : nullptr;
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, D)), [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const scalar_t* row = xp + n * D;
-        acc_t squares = 0;
-        for (int64_t j = 0; j < D; ++j) squares += static_cast<acc_t>(row[j]) * static_cast<acc_t>(row[j]);
-        const acc_t scale = 1 / std::sqrt((mean_square ? squares / D : squares) + static_cast<acc_t>(eps));
-        for (int64_t j = 0; j < D; ++j) {
-          const acc_t normed = static_cast<acc_t>(row[j]) * scale;
-          op[n * D + j] = static_cast<scalar_t>(g ? normed * g[j] : normed);
-        }
-      }
+      for (int64_t n = n0; n < n1; ++n) normalize_row(D, xp + n * D, g, static_cast<float>(eps), mean_square, op + n * D);
     });
   });
 }
