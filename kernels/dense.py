@@ -79,14 +79,14 @@ def onednn_matmul_supports(dtype: torch.dtype) -> bool:
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     """Whether ``x W^T + b`` may leave F.linear: CPU float32 / bfloat16 in one dtype, outside autograd and autocast
     (which casts F.linear's inputs)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.numel() == 0:
+    if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or x.numel() == 0:
         return False
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
     if torch.is_autocast_enabled("cpu"):
         return False
-    tensors = (x, weight) if bias is None else (x, weight, bias)
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad)))
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -112,18 +112,20 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+_CPU_OPS_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
 def cpu_ops_apply(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether ``short_conv_step`` and ``normalize_rows`` may run on `tensors` (None entries skipped): the C++ kernel
-    is built, they are CPU tensors of one dtype (float32, bfloat16 or float64), outside autograd, autocast and
-    ``torch.compile``'s tracing (the ops have no backward and no fake kernel)."""
-    present = [t for t in tensors if t is not None]
-    dtype = present[0].dtype
-    if dtype not in (torch.float32, torch.bfloat16, torch.float64) or torch.compiler.is_compiling():
+    """Whether ``short_conv_step`` and ``normalize_rows`` may run on `tensors` (the first a tensor; None entries
+    skipped): the C++ kernel is built, they are CPU tensors of one dtype (float32, bfloat16 or float64), outside
+    autograd, autocast and ``torch.compile``'s tracing (the ops have no backward and no fake kernel)."""
+    dtype = tensors[0].dtype
+    if dtype not in _CPU_OPS_DTYPES or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
         return False
-    if any(t.device.type != "cpu" or t.dtype != dtype for t in present) or torch.is_autocast_enabled("cpu"):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
-        return False
+    tracked = torch.is_grad_enabled()
+    for t in tensors:  # a plain loop: this runs several times per layer and token (1.1 vs 2.5 us with any())
+        if t is not None and (not t.is_cpu or t.dtype != dtype or (tracked and t.requires_grad)):
+            return False
     return _CPU_KERNEL.available()
 
 
