@@ -8,7 +8,8 @@ For each dtype and thread count, measured side by side in one process (round-rob
 - ``ours``: the model as shipped: its projections are ``modeling_fwp.fast_weight_layers.Linear``, whose inference
   forward streams the weights once for a decode step (``fwp_kernels.dense_linear``: csrc/decode_linear.cpp) and
   takes oneDNN's matmul for a prefill;
-- ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run);
+- ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run) for
+  every projection, the ones that share one streaming pass in ``ours`` (a layer's q, k, v, beta; gate and up) too;
 - with ``--batch_size 2`` (a decode step of two sequences: two rows per projection), also ``one_row_streaming``: the
   model as shipped with ``fwp_kernels.dense.STREAMING_MAX_ROWS = 1`` (oneDNN's matmul from two rows, the setting
   before 2026-11-26), against the shipped 2 (the weight-streaming kernel for one and two rows).
@@ -67,12 +68,14 @@ def variant(name: str):
         finally:
             dense.STREAMING_MAX_ROWS = shipped
         return
-    own = fast_weight_layers.Linear.forward
+    own, grouped = fast_weight_layers.Linear.forward, fast_weight_layers.dense_linears
     fast_weight_layers.Linear.forward = torch.nn.Linear.forward
+    # the projections that share one streaming pass (fast_weight_layers.project) run F.linear one by one too
+    fast_weight_layers.dense_linears = lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights)
     try:
         yield
     finally:
-        fast_weight_layers.Linear.forward = own
+        fast_weight_layers.Linear.forward, fast_weight_layers.dense_linears = own, grouped
 
 
 def machine_peaks(dtype: torch.dtype, quick: bool) -> dict:
