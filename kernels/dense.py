@@ -159,8 +159,10 @@ def normalize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, 
 
 def dense_linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     """``tuple(dense_linear(x, w) for w in weights)``, no biases: where the weight-streaming kernel runs (up to
-    ``STREAMING_MAX_ROWS`` rows of x, CPU inference, contiguous weights in x's dtype), one pass over all the weights
-    (``linear_rows_grouped``: one call and one wait for the threads, not one per weight; the same sums).
+    ``STREAMING_MAX_ROWS`` rows of x, CPU inference, contiguous weights in x's dtype) for bfloat16, one pass over all
+    the weights (``linear_rows_grouped``: one call and one wait for the threads, not one per weight; the same sums).
+    float32 keeps one call per weight: its grouped pass decoded the 1.3B Delta Net about 3% slower (126 -> 130 ms per
+    token at 2 threads, three A/B runs in one process each, by hand, 2026-11-28), where bfloat16 gained 0.2-0.5 ms.
 
     Args:
         x: ``[*, K]``; weights: ``[N_g, K]`` each.
@@ -168,7 +170,7 @@ def dense_linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Tuple[tor
         ``[*, N_g]`` for each weight (where grouped: views of one ``[*, sum N_g]`` tensor).
     """
     rows = x.reshape(-1, x.shape[-1])
-    grouped = (rows.shape[0] <= STREAMING_MAX_ROWS and not torch.compiler.is_compiling()
+    grouped = (x.dtype == torch.bfloat16 and rows.shape[0] <= STREAMING_MAX_ROWS and not torch.compiler.is_compiling()
                and all(w.is_contiguous() and _cpu_inference(x, w, None) for w in weights) and _CPU_KERNEL.available())
     if not grouped:
         return tuple(dense_linear(x, w) for w in weights)

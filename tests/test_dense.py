@@ -269,18 +269,29 @@ def test_layers_take_the_decode_ops_outside_autograd_only(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_dense_linears_one_pass_equals_one_call_per_weight(dtype, rows):
-    """dense_linears: up to STREAMING_MAX_ROWS rows, one grouped pass (``linear_rows_grouped``) that gives each
-    weight's dense_linear bit for bit (weights of 7, 50 and 1 rows: task ranges across their borders); three rows:
-    one dense_linear per weight (the matmul)."""
+    """dense_linears: up to STREAMING_MAX_ROWS rows of bfloat16, one grouped pass (``linear_rows_grouped``; float32
+    takes it through the op directly) that gives each weight's dense_linear bit for bit (weights of 7, 50 and 1 rows:
+    task ranges across their borders); three rows: one dense_linear per weight (the matmul)."""
     _streaming_kernel()
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 1, 64, generator=gen).to(dtype)
     weights = [torch.randn(n, 64, generator=gen).to(dtype) for n in (7, 50, 1)]
+    calls = []
+    op = dense._CPU_KERNEL.ops.linear_rows_grouped
     with torch.no_grad():
-        got = dense.dense_linears(x, weights)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dense._CPU_KERNEL, "ops", type("Ops", (), {
+                "linear_rows_grouped": staticmethod(lambda *args: calls.append(1) or op(*args)),
+                "linear_rows": staticmethod(dense._CPU_KERNEL.ops.linear_rows)}))
+            got = dense.dense_linears(x, weights)
         expected = [dense_linear(x, w) for w in weights]
+        stacked = torch.empty(rows, 58, dtype=dtype)
+        op(x.view(rows, 64), weights, stacked)
+    assert len(calls) == (1 if dtype == torch.bfloat16 and rows <= dense.STREAMING_MAX_ROWS else 0)
     assert [g.shape for g in got] == [(rows, 1, 7), (rows, 1, 50), (rows, 1, 1)]
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    if rows <= dense.STREAMING_MAX_ROWS:  # the op itself, both dtypes, against one streaming call per weight
+        assert torch.equal(stacked, torch.cat([e.view(rows, -1) for e in expected], dim=-1))
 
 
 def test_grouped_streaming_refuses_bad_shapes_and_dtypes():
@@ -304,8 +315,8 @@ def test_projections_share_one_pass_only_outside_autograd_and_untouched(monkeypa
     grouped = []
     real = fast_weight_layers.dense_linears
     monkeypatch.setattr(fast_weight_layers, "dense_linears", lambda x, ws: grouped.append(len(ws)) or real(x, ws))
-    layers = [Linear(16, n, bias=False) for n in (4, 6)]
-    x = torch.randn(1, 1, 16)
+    layers = [Linear(16, n, bias=False).to(torch.bfloat16) for n in (4, 6)]
+    x = torch.randn(1, 1, 16, dtype=torch.bfloat16)
     with torch.no_grad():
         together, one_by_one = project(x, *layers), [layer(x) for layer in layers]
     assert grouped == [2] and all(torch.equal(a, b) for a, b in zip(together, one_by_one))
@@ -319,5 +330,5 @@ def test_projections_share_one_pass_only_outside_autograd_and_untouched(monkeypa
     sum(o.sum() for o in out).backward()
     assert grouped == [2] and all(layer.weight.grad is not None for layer in layers)
     with torch.no_grad():
-        project(x, Linear(16, 3, bias=True), layers[0])
+        project(x, Linear(16, 3, bias=True).to(torch.bfloat16), layers[0])
     assert grouped == [2]
