@@ -63,7 +63,7 @@ class Linear(nn.Linear):
 def project(x: torch.Tensor, *layers: nn.Linear) -> Tuple[torch.Tensor, ...]:
     """``tuple(layer(x) for layer in layers)`` for projections of one input (a layer's q, k, v, beta). Outside
     autograd, where all are this file's bias-free ``Linear`` that no hook or wrapper (PEFT, accelerate) has touched:
-    one ``fwp_kernels.dense_linears`` call, which streams all their weights in one pass in a decode step."""
+    one ``fwp_kernels.dense_linears`` call, which streams all their weights in one pass in a bfloat16 decode step."""
     weights = [layer.weight for layer in layers]
     tracked = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
     if not tracked and all(type(layer) is Linear and layer.bias is None and "forward" not in layer.__dict__
