@@ -12,7 +12,8 @@
 //
 // The other per-token ops of a decode step live here too (short_conv_step, normalize_rows): each is a few KB of work
 // that torch runs as 5-9 small ops at 3-5 us each, a few hundred us per layer of a 1.3B Delta Net in all; here one
-// pass each, with the same float32 (float64 for float64) arithmetic as modeling_fwp's torch code.
+// pass each, with the same arithmetic as modeling_fwp's torch code (float32 sums; the convolution float64 for
+// float64, the norms float32 for every dtype, as their x.float()).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -148,6 +149,13 @@ void stacked_rows(at::TensorList weights, const std::vector<int64_t>& first_row,
   });
 }
 
+void check_cpu_contiguous(const char* op, std::initializer_list<const at::Tensor*> tensors, at::ScalarType dtype) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == dtype, "fwp_dense.", op,
+                ": contiguous CPU tensors of one dtype expected");
+  }
+}
+
 // x [M, K], weight [N, K], bias [N] or None, out [M, N]; one dtype (float32 or bfloat16), contiguous.
 void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                  const at::Tensor& out) {
@@ -155,10 +163,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
               "fwp_dense.linear_rows: x must be [M, K] and weight [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N, "fwp_dense.linear_rows: out must be [M, N]");
-  for (const at::Tensor* t : {&x, &weight, &out}) {
-    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == weight.scalar_type(),
-                "fwp_dense.linear_rows: contiguous CPU tensors of one dtype expected");
-  }
+  check_cpu_contiguous("linear_rows", {&x, &weight, &out}, weight.scalar_type());
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == weight.scalar_type(),
                 "fwp_dense.linear_rows: bias must be [N] in the weight's dtype");
@@ -192,26 +197,17 @@ void linear_rows_grouped(const at::Tensor& x, at::TensorList weights, const at::
   std::vector<int64_t> first_row{0};  // of each weight in the stacked rows; the total last
   for (const at::Tensor& w : weights) {
     TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "fwp_dense.linear_rows_grouped: every weight must be [N_g, K]");
-    TORCH_CHECK(w.is_contiguous() && w.device().is_cpu() && w.scalar_type() == x.scalar_type(),
-                "fwp_dense.linear_rows_grouped: contiguous CPU tensors of one dtype expected");
+    check_cpu_contiguous("linear_rows_grouped", {&w}, x.scalar_type());
     first_row.push_back(first_row.back() + w.size(0));
   }
   const int64_t N = first_row.back();
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N,
               "fwp_dense.linear_rows_grouped: out must be [M, sum of the weights' rows]");
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.device().is_cpu() && out.scalar_type() == x.scalar_type(),
-              "fwp_dense.linear_rows_grouped: contiguous CPU tensors of one dtype expected");
+  check_cpu_contiguous("linear_rows_grouped", {&x, &out}, x.scalar_type());
   const at::Tensor xs = x.to(at::kFloat).contiguous();
   AT_DISPATCH_SWITCH(x.scalar_type(), "linear_rows_grouped",
     AT_DISPATCH_CASE(at::kFloat, [&] { stacked_rows<float>(weights, first_row, M, K, xs, x, out); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] { stacked_rows<c10::BFloat16>(weights, first_row, M, K, xs, x, out); }));
-}
-
-void check_cpu_contiguous(const char* op, std::initializer_list<const at::Tensor*> tensors, at::ScalarType dtype) {
-  for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == dtype, "fwp_dense.", op,
-                ": contiguous CPU tensors of one dtype expected");
-  }
 }
 
 // short_conv_step's loop over the B x C channels (a few thousand: one thread), of width kWidth (0: `width`).
@@ -291,7 +287,9 @@ void normalize_rows(const at::Tensor& x, const std::optional<at::Tensor>& weight
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, D)), [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) normalize_row(D, xp + n * D, g, static_cast<float>(eps), mean_square, op + n * D);
+      for (int64_t n = n0; n < n1; ++n) {
+        normalize_row(D, xp + n * D, g, static_cast<float>(eps), mean_square, op + n * D);
+      }
     });
   });
 }
