@@ -77,9 +77,12 @@ def onednn_matmul_supports(dtype: torch.dtype) -> bool:
 
 
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether ``x W^T + b`` may leave F.linear: CPU float32 / bfloat16 in one dtype, outside autograd and autocast
-    (which casts F.linear's inputs)."""
+    """Whether ``x W^T + b`` may leave F.linear: CPU float32 / bfloat16 in one dtype, outside autograd, autocast
+    (which casts F.linear's inputs) and ``torch.compile``'s tracing (the streaming ops have no fake kernel, and
+    inductor lowers oneDNN's linear only for frozen weights: it lowers F.linear itself)."""
     if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or x.numel() == 0:
+        return False
+    if torch.compiler.is_compiling():
         return False
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
@@ -99,7 +102,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     streaming = rows.shape[0] <= STREAMING_MAX_ROWS and weight.is_contiguous()
-    if streaming and not torch.compiler.is_compiling() and _CPU_KERNEL.available():  # (no fake kernel to trace)
+    if streaming and _CPU_KERNEL.available():
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
     elif onednn_matmul_supports(x.dtype):
@@ -170,7 +173,7 @@ def dense_linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Tuple[tor
         ``[*, N_g]`` for each weight (where grouped: views of one ``[*, sum N_g]`` tensor).
     """
     rows = x.reshape(-1, x.shape[-1])
-    grouped = (x.dtype == torch.bfloat16 and rows.shape[0] <= STREAMING_MAX_ROWS and not torch.compiler.is_compiling()
+    grouped = (x.dtype == torch.bfloat16 and rows.shape[0] <= STREAMING_MAX_ROWS
                and all(w.is_contiguous() and _cpu_inference(x, w, None) for w in weights) and _CPU_KERNEL.available())
     if not grouped:
         return tuple(dense_linear(x, w) for w in weights)

@@ -110,3 +110,22 @@ def test_generate_compiles_decoding_with_a_compile_config(family):
     out = model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache, compile_config=config)
     assert torch.equal(out, eager)
     assert 1 <= counter.graphs <= 2  # the first decode step, then one with a symbolic token count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_graph_holds_no_op_inductor_cannot_lower(dtype):
+    """Outside autograd the eager CPU path leaves F.linear for the streaming kernel or oneDNN's linear; a traced graph
+    must hold aten's linear instead: inductor lowers ``mkldnn._linear_pointwise`` only for frozen weights (it raised a
+    LoweringException for every ``torch.compile``d inference forward) and the dense C++ ops have no fake kernel (the
+    chunk kernels have one and stay)."""
+    model = BUILDERS["DeltaNetConfig"]().to(dtype)
+    ids = random_ids(1, 5)
+    counter = GraphCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter.backend)
+    with torch.no_grad():
+        for tokens in (ids, ids[:, :1]):  # prefill and a one-token step (the streaming kernel's rows)
+            torch.testing.assert_close(compiled(input_ids=tokens).logits, model(input_ids=tokens).logits)
+    targets = {str(node.target) for graph in counter.captured for node in graph.graph.nodes
+               if node.op == "call_function"}
+    assert not [t for t in targets if "mkldnn" in t or "fwp_dense" in t], targets
+    assert any("linear" in t for t in targets), targets
