@@ -77,12 +77,9 @@ def onednn_matmul_supports(dtype: torch.dtype) -> bool:
 
 
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether ``x W^T + b`` may leave F.linear: CPU float32 / bfloat16 in one dtype, outside autograd, autocast
-    (which casts F.linear's inputs) and ``torch.compile``'s tracing (the streaming ops have no fake kernel, and
-    inductor lowers oneDNN's linear only for frozen weights: it lowers F.linear itself)."""
+    """Whether ``x W^T + b`` may leave F.linear: CPU float32 / bfloat16 in one dtype, outside autograd and autocast
+    (which casts F.linear's inputs)."""
     if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or x.numel() == 0:
-        return False
-    if torch.compiler.is_compiling():
         return False
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
@@ -105,7 +102,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if streaming and _CPU_KERNEL.available():
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
-    elif onednn_matmul_supports(x.dtype):
+    # (compiled, F.linear: inductor lowers it itself; its lowering of oneDNN's linear takes frozen weights only)
+    elif onednn_matmul_supports(x.dtype) and not torch.compiler.is_compiling():
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
     elif x.dtype == torch.bfloat16:  # widened: the CPU has no bfloat16 matmul (BF16_WIDEN_NOTE)
         widened_bias = None if bias is None else bias.float()
@@ -121,9 +119,11 @@ _CPU_OPS_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 def cpu_ops_apply(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether ``short_conv_step`` and ``normalize_rows`` may run on `tensors` (the first a tensor; None entries
     skipped): the C++ kernel is built, they are CPU tensors of one dtype (float32, bfloat16 or float64), outside
-    autograd, autocast and ``torch.compile``'s tracing (the ops have no backward and no fake kernel)."""
+    autograd and autocast (the ops have no backward). ``torch.compile`` traces them as they are: ops that only write
+    their ``out`` arguments get torch's generated fake kernel, and a compiled decode step calls them without Python
+    between them."""
     dtype = tensors[0].dtype
-    if dtype not in _CPU_OPS_DTYPES or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+    if dtype not in _CPU_OPS_DTYPES or torch.is_autocast_enabled("cpu"):
         return False
     tracked = torch.is_grad_enabled()
     for t in tensors:  # a plain loop: this runs several times per layer and token (1.1 vs 2.5 us with any())

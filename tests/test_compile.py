@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import CompileConfig
 
+from fwp_kernels import dense
 from modeling_fwp.cache_fwp import FastWeightCache
 from modeling_fwp.configuration_fwp import FastWeightConfig
 from modeling_fwp.families import FAMILIES
@@ -113,19 +114,35 @@ def test_generate_compiles_decoding_with_a_compile_config(family):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_inference_graph_holds_no_op_inductor_cannot_lower(dtype):
-    """Outside autograd the eager CPU path leaves F.linear for the streaming kernel or oneDNN's linear; a traced graph
-    must hold aten's linear instead: inductor lowers ``mkldnn._linear_pointwise`` only for frozen weights (it raised a
-    LoweringException for every ``torch.compile``d inference forward) and the dense C++ ops have no fake kernel (the
-    chunk kernels have one and stay)."""
+def test_inference_graph_keeps_the_streaming_kernels_and_leaves_onednn_to_inductor(dtype):
+    """Outside autograd on CPU the eager path leaves F.linear for oneDNN's linear (many rows) or the C++ streaming
+    kernels (a decode step's rows). A traced graph holds aten's linear instead of oneDNN's, which inductor lowers only
+    for frozen weights, and keeps the C++ ops (they only write their ``out`` arguments: torch generates their fake
+    kernels), so that a compiled decode step runs them without Python between them."""
     model = BUILDERS["DeltaNetConfig"]().to(dtype)
     ids = random_ids(1, 5)
-    counter = GraphCounter()
-    compiled = torch.compile(model, fullgraph=True, backend=counter.backend)
-    with torch.no_grad():
-        for tokens in (ids, ids[:, :1]):  # prefill and a one-token step (the streaming kernel's rows)
+    targets = {}
+    for name, tokens in (("prefill", ids), ("decode", ids[:, :1])):
+        counter = GraphCounter()
+        compiled = torch.compile(model, fullgraph=True, backend=counter.backend)
+        with torch.no_grad():
             torch.testing.assert_close(compiled(input_ids=tokens).logits, model(input_ids=tokens).logits)
-    targets = {str(node.target) for graph in counter.captured for node in graph.graph.nodes
-               if node.op == "call_function"}
-    assert not [t for t in targets if "mkldnn" in t or "fwp_dense" in t], targets
-    assert any("linear" in t for t in targets), targets
+        targets[name] = {str(node.target) for graph in counter.captured for node in graph.graph.nodes
+                         if node.op == "call_function"}
+        torch._dynamo.reset()
+    assert not [t for t in targets["prefill"] | targets["decode"] if "mkldnn" in t], targets
+    assert any("linear" in t and "fwp_" not in t for t in targets["prefill"]), targets["prefill"]
+    if dense.cpu_ops_apply(ids.float().to(dtype)):  # the C++ kernel is built
+        assert any("fwp_dense" in t and "linear_rows" in t for t in targets["decode"]), targets["decode"]
+
+
+def test_inductor_compiles_an_inference_forward_and_decode_step():
+    """inductor itself (not a test backend) on a no-grad forward and a one-token step: the same logits as eager.
+    Its lowering of oneDNN's linear raised a LoweringException for every compiled inference forward on CPU."""
+    model = tiny_model(num_hidden_layers=1)
+    ids = random_ids(1, 5)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for tokens in (ids, ids[:, :1]):
+            torch.testing.assert_close(compiled(input_ids=tokens).logits, model(input_ids=tokens).logits,
+                                       rtol=1e-5, atol=1e-5)
