@@ -10,6 +10,8 @@ For each dtype and thread count, measured side by side in one process (round-rob
   takes oneDNN's matmul for a prefill;
 - ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run) for
   every projection, the ones that share one streaming pass in ``ours`` (a layer's q, k, v, beta; gate and up) too;
+- with ``--compile``, also ``compiled``: the model as shipped under ``torch.compile`` (inductor, compiled once per
+  thread count, not timed), decode steps only: the same C++ kernels without Python between them;
 - with ``--batch_size 2`` (a decode step of two sequences: two rows per projection), also ``one_row_streaming``: the
   model as shipped with ``fwp_kernels.dense.STREAMING_MAX_ROWS = 1`` (oneDNN's matmul from two rows, the setting
   before 2026-11-26), against the shipped 2 (the weight-streaming kernel for one and two rows).
@@ -25,6 +27,7 @@ model's dtype).
     python benchmarks/bench_decode.py                 # about 10 minutes on an idle 2-core CPU, 8 GB of memory
     python benchmarks/bench_decode.py --quick         # a toy model, seconds: checks that it runs
     python benchmarks/bench_decode.py --batch_size 2 --prefill 128   # -> bench_decode_batch2.json, a few minutes
+    python benchmarks/bench_decode.py --compile       # and the compiled decode (+4 compiles of about a minute)
 
 Writes benchmarks/results/bench_decode.json (``--out``) with the command, versions and load average.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import sys
 import time
@@ -109,13 +113,26 @@ def prefill_flops(model, T: int) -> float:
     return 2 * weights * T + config.num_hidden_layers * chunk_flops("delta", 1, config.num_attention_heads, T, D, D, C)
 
 
+def warm_up(compiled, tokens: torch.Tensor, cache) -> float:
+    """Seconds to compile: three decode steps of `compiled` (the first step, then the one with a symbolic token count)
+    on a copy of `cache`."""
+    cache = copy.deepcopy(cache)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        out = compiled(tokens, use_cache=True, **{CACHE_ARGUMENT: cache})
+        cache, tokens = output_cache(out), out.logits[:, -1:].argmax(-1)
+    return time.perf_counter() - t0
+
+
 @torch.inference_mode()
-def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_size: int = 1) -> dict:
+def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_size: int = 1,
+            compiled=None) -> dict:
     """The variants at the current thread count, `batch_size` sequences: prefill tokens/s, decode ms/token (per step
-    of the batch) after `context`, their bounds."""
+    of the batch) after `context`, their bounds; with `compiled` (the model under ``torch.compile``) its decode too."""
     dtype = next(model.parameters()).dtype
     peak = machine_peaks(dtype, quick)
     variants = VARIANTS if batch_size == 1 else BATCH_VARIANTS
+    decoders = {**{name: model for name in variants}, **({"compiled": compiled} if compiled is not None else {})}
     ids = torch.randint(3, model.config.vocab_size, (batch_size, max(prefill, context)),
                         generator=torch.Generator().manual_seed(0))
     prefill_fns = {}
@@ -126,23 +143,27 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
         prefill_fns[name] = run
     prefill_t = timings(prefill_fns, 1 if not quick else 2)
     caches, tokens, logits = {}, {}, {}
-    for name in variants:
-        with variant(name):
+    for name in decoders:
+        with variant(name if name in variants else "ours"):  # (the compiled model's context: the shipped prefill)
             out = model(ids[:, :context], use_cache=True)
         caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
         logits[name] = out.logits[:, -1].float()
-    step_times = {name: [] for name in variants}
+    if compiled is not None:
+        compile_s = warm_up(compiled, tokens["compiled"], caches["compiled"])
+    step_times = {name: [] for name in decoders}
+    step_logits = {name: [] for name in decoders}
     probe, read_times = torch.ones(peak["read_probe_mb"] * 2**20 // 4), []
     for step in range(steps + 2):  # round-robin: a step of each in turn; the first two are warm-up
         t0 = time.perf_counter()
         probe.sum()  # the read bandwidth beside the steps, where it was while they ran
         read_times.append(time.perf_counter() - t0)
-        for name in variants:
-            with variant(name):
+        for name, decoder in decoders.items():
+            with variant(name if name in variants else "ours"):
                 t0 = time.perf_counter()
-                out = model(tokens[name], use_cache=True, **{CACHE_ARGUMENT: caches[name]})
+                out = decoder(tokens[name], use_cache=True, **{CACHE_ARGUMENT: caches[name]})
                 elapsed = time.perf_counter() - t0
             caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
+            step_logits[name].append(out.logits[:, -1].float())
             if step >= 2:
                 step_times[name].append(elapsed * 1e3)
     # the bound: the best read rate of the run (before the steps or between them): the machine's bandwidth drifts
@@ -163,6 +184,14 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
     result["decode_speedup"] = (result["f_linear"]["decode_ms_per_token"]["median"]
                                 / result["ours"]["decode_ms_per_token"]["median"])
     result["prefill_speedup"] = result["ours"]["prefill_tokens_per_s"] / result["f_linear"]["prefill_tokens_per_s"]
+    if compiled is not None:
+        decode = summarize(step_times["compiled"])
+        result["compiled"] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
+                              "compile_s": compile_s,
+                              "same_tokens_as_ours": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in
+                                                         zip(step_logits["ours"], step_logits["compiled"])),
+                              "logits_max_abs_difference": max((a - b).abs().max().item() for a, b in
+                                                               zip(step_logits["ours"], step_logits["compiled"]))}
     if "one_row_streaming" in variants:
         result["decode_speedup_vs_one_row_streaming"] = (result["one_row_streaming"]["decode_ms_per_token"]["median"]
                                                          / result["ours"]["decode_ms_per_token"]["median"])
@@ -185,6 +214,11 @@ def print_table(results: dict) -> None:
             print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x "
                   f"the bound {r['decode_bound_ms']:.1f}), F.linear {f['decode_ms_per_token']['median']:.1f} "
                   f"({f['decode_of_bound']:.2f}x); ours {r['decode_speedup']:.2f}x faster")
+            if "compiled" in r:
+                c = r["compiled"]
+                print(f"    decode ms/token compiled: {c['decode_ms_per_token']['median']:.1f} "
+                      f"({c['decode_of_bound']:.2f}x the bound; compiled in {c['compile_s']:.0f} s; same tokens as "
+                      f"ours: {c['same_tokens_as_ours']}, logits within {c['logits_max_abs_difference']:.2g})")
             print(f"    prefill tokens/s: ours {o['prefill_tokens_per_s']:.0f} ({o['prefill_of_bound']:.2f} of the "
                   f"bound {r['prefill_bound_tokens_per_s']:.0f}), F.linear {f['prefill_tokens_per_s']:.0f} "
                   f"({f['prefill_of_bound']:.2f}); ours {r['prefill_speedup']:.2f}x faster")
@@ -200,6 +234,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per variant")
     parser.add_argument("--batch_size", type=int, default=1, choices=[1, 2],
                         help="sequences decoded together (2: also the one-row streaming variant)")
+    parser.add_argument("--compile", action="store_true", help="also the decode of the model under torch.compile")
     parser.add_argument("--out", default=None, help="default: results/bench_decode.json (batch 2: _batch2.json)")
     args = parser.parse_args()
     if args.quick:
@@ -216,8 +251,12 @@ def main() -> None:
         results["models"][dtype] = {}
         for th in args.threads:
             torch.set_num_threads(th)
+            compiled = None
+            if args.compile:
+                torch._dynamo.reset()  # inductor's kernels keep the thread count they were compiled with
+                compiled = torch.compile(model)
             results["models"][dtype][th] = {**measure(model, args.prefill, args.context, args.steps, args.quick,
-                                                      args.batch_size),
+                                                      args.batch_size, compiled),
                                             "load_average": os.getloadavg()}
         del model
     torch.set_num_threads(threads_before)

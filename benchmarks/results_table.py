@@ -418,6 +418,15 @@ def decode_rows(s: Source) -> List[Row]:
                      b=pdiv(ours, (bound, bound)), d=(bound, bound), r=pdiv(base, ours)),
                 both("F.linear {m:.1f} ({b:.2f}x the bound)", m=base, b=pdiv(base, (bound, bound))),
                 "within 1.3x of the bound"])
+            if s.get(f"{key}.compiled") is not None:  # --compile
+                compiled = s.pair(f"{key}.compiled.decode_ms_per_token.median",
+                                  f"{key}.compiled.decode_ms_per_token.best")
+                rows.append([
+                    fill("decode ms/token, whole 1.3B Delta Net under torch.compile (inductor), {}, {} thread(s); same "
+                         "tokens as eager: {}", dtype, th, s.get(f"{key}.compiled.same_tokens_as_ours")),
+                    both("{m:.1f} ({b:.2f}x the bound; {r:.2f}x faster than eager)", True, m=compiled,
+                         b=pdiv(compiled, (bound, bound)), r=pdiv(ours, compiled)),
+                    both("eager (ours) {m:.1f}", m=ours), "within 1.3x of the bound"])
             rate = {v: s.get(f"{key}.{v}.prefill_tokens_per_s") for v in ("ours", "f_linear")}
             rows.append([
                 fill("prefill tok/s at {:,} tokens, whole 1.3B Delta Net, {}, {} thread(s); bound = FLOPs / {} "
