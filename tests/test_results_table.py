@@ -91,7 +91,7 @@ def test_replace_block_needs_its_markers():
     ("bench_training.py", ["--lengths", "4", "8", "--rounds", "2", "--vocab", "32", "--batch", "1", "--threads", "1"],
      "training_rows"),
     ("bench_decode.py", ["--quick", "--dtypes", "float32", "--threads", "1"], "decode_rows"),
-    ("bench_decode.py", ["--quick", "--dtypes", "bfloat16", "--threads", "1", "--compile"], "decode_rows"),
+    ("bench_decode.py", ["--quick", "--dtypes", "bfloat16", "--threads", "1", "--compile"], "compiled_decode_rows"),
     ("bench_decode.py", ["--quick", "--dtypes", "bfloat16", "--threads", "1", "--batch_size", "2"],
      "decode_batch_rows"),
 ])
