@@ -93,8 +93,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """``x [*, K] @ weight [N, K]^T + bias [N]`` -> ``[*, N]``, as ``F.linear``. On CPU for float32 / bfloat16 outside
     autograd: up to ``STREAMING_MAX_ROWS`` rows of input (decoding) stream the weight (``csrc/decode_linear.cpp``),
     more rows go through oneDNN's matmul (``weight`` may be a transposed view, e.g. ``E.t()`` for ``P @ E``), bfloat16
-    through the float32 one where the CPU has no bfloat16 matmul; F.linear otherwise. The same product up to summation
-    order (float32 accumulation in every path)."""
+    through the float32 one where the CPU has no bfloat16 matmul; F.linear otherwise, and for more rows while
+    ``torch.compile`` traces. The same product up to summation order (float32 accumulation in every path)."""
     if not _cpu_inference(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -102,8 +102,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if streaming and _CPU_KERNEL.available():
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
-    # (compiled, F.linear: inductor lowers it itself; its lowering of oneDNN's linear takes frozen weights only)
-    elif onednn_matmul_supports(x.dtype) and not torch.compiler.is_compiling():
+    elif torch.compiler.is_compiling():  # inductor lowers F.linear itself, oneDNN's linear for frozen weights only
+        return F.linear(x, weight, bias)
+    elif onednn_matmul_supports(x.dtype):
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
     elif x.dtype == torch.bfloat16:  # widened: the CPU has no bfloat16 matmul (BF16_WIDEN_NOTE)
         widened_bias = None if bias is None else bias.float()
