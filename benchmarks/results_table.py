@@ -408,16 +408,10 @@ def decode_rows(s: Source) -> List[Row]:
     for dtype, by_threads in (s.get("models") or {}).items():
         for th, r in by_threads.items():
             key = f"models.{dtype}.{th}"
-            ours = s.pair(f"{key}.ours.decode_ms_per_token.median", f"{key}.ours.decode_ms_per_token.best")
-            base = s.pair(f"{key}.f_linear.decode_ms_per_token.median", f"{key}.f_linear.decode_ms_per_token.best")
-            bound = s.get(f"{key}.decode_bound_ms")
-            rows.append([
-                fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s); bound = bytes read per token / read "
-                     "bandwidth ({:.1f} GB/s, same run)", dtype, th, s.get(f"{key}.peaks.read_gbs")),
-                both("{m:.1f} ({b:.2f}x the bound {d:.1f}; {r:.2f}x faster)", True, m=ours,
-                     b=pdiv(ours, (bound, bound)), d=(bound, bound), r=pdiv(base, ours)),
-                both("F.linear {m:.1f} ({b:.2f}x the bound)", m=base, b=pdiv(base, (bound, bound))),
-                "within 1.3x of the bound"])
+            rows.append(decode_bound_row(
+                s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s); bound = bytes read per token / "
+                             "read bandwidth ({:.1f} GB/s, same run)", dtype, th, s.get(f"{key}.peaks.read_gbs")),
+                "ours", "f_linear", "F.linear", "faster"))
             rate = {v: s.get(f"{key}.{v}.prefill_tokens_per_s") for v in ("ours", "f_linear")}
             rows.append([
                 fill("prefill tok/s at {:,} tokens, whole 1.3B Delta Net, {}, {} thread(s); bound = FLOPs / {} "
@@ -434,21 +428,26 @@ def decode_rows(s: Source) -> List[Row]:
 def compiled_decode_rows(s: Source) -> List[Row]:
     """bench_decode.py --compile: the whole 1.3B Delta Net's decode under torch.compile against the bandwidth bound,
     beside the eager model of the same run."""
-    rows = []
-    for dtype, by_threads in (s.get("models") or {}).items():
-        for th, r in by_threads.items():
-            key = f"models.{dtype}.{th}"
-            eager = s.pair(f"{key}.ours.decode_ms_per_token.median", f"{key}.ours.decode_ms_per_token.best")
-            compiled = s.pair(f"{key}.compiled.decode_ms_per_token.median", f"{key}.compiled.decode_ms_per_token.best")
-            bound = s.get(f"{key}.decode_bound_ms")
-            rows.append([
-                fill("decode ms/token, whole 1.3B Delta Net under torch.compile (inductor), {}, {} thread(s); same "
-                     "tokens as eager: {}", dtype, th, s.get(f"{key}.compiled.same_tokens_as_ours")),
-                both("{m:.1f} ({b:.2f}x the bound {d:.1f}; {r:.2f}x faster than eager)", True, m=compiled,
-                     b=pdiv(compiled, (bound, bound)), d=(bound, bound), r=pdiv(eager, compiled)),
-                both("eager {m:.1f} ({b:.2f}x the bound)", m=eager, b=pdiv(eager, (bound, bound))),
-                "within 1.3x of the bound"])
-    return rows
+    return [decode_bound_row(s, f"models.{dtype}.{th}",
+                             fill("decode ms/token, whole 1.3B Delta Net under torch.compile (inductor), {}, {} "
+                                  "thread(s); same tokens as eager: {}", dtype, th,
+                                  s.get(f"models.{dtype}.{th}.compiled.same_tokens_as_ours")),
+                             "compiled", "ours", "eager", "faster than eager")
+            for dtype, by_threads in (s.get("models") or {}).items() for th in by_threads]
+
+
+def decode_bound_row(s: Source, key: str, title: str, variant: str, other: str, other_label: str,
+                     faster: str) -> Row:
+    """A bench_decode row: `variant`'s decode ms/token (median; best) against the bandwidth bound, and `other`'s of the
+    same run beside it (its result keys under `key`)."""
+    ms = {v: s.pair(f"{key}.{v}.decode_ms_per_token.median", f"{key}.{v}.decode_ms_per_token.best")
+          for v in (variant, other)}
+    bound = s.get(f"{key}.decode_bound_ms")
+    return [title,
+            both("{m:.1f} ({b:.2f}x the bound {d:.1f}; {r:.2f}x " + faster + ")", True, m=ms[variant],
+                 b=pdiv(ms[variant], (bound, bound)), d=(bound, bound), r=pdiv(ms[other], ms[variant])),
+            both(other_label + " {m:.1f} ({b:.2f}x the bound)", m=ms[other], b=pdiv(ms[other], (bound, bound))),
+            "within 1.3x of the bound"]
 
 
 def decode_batch_rows(s: Source) -> List[Row]:
