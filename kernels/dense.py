@@ -89,12 +89,25 @@ def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                                              or (bias is not None and bias.requires_grad)))
 
 
+@torch.library.custom_op("fwp_kernels::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's ``x [M, K] W [N, K]^T + b`` -> ``[M, N]`` (``mkldnn._linear_pointwise``) as an op of its own, so that
+    ``torch.compile`` calls it as it is: inductor lowers oneDNN's linear only for frozen weights (it raised
+    otherwise), and its own lowering of F.linear runs MKL's AVX2 sgemm on AMD CPUs (a float32 prefill 2x slower)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [*, K] @ weight [N, K]^T + bias [N]`` -> ``[*, N]``, as ``F.linear``. On CPU for float32 / bfloat16 outside
     autograd: up to ``STREAMING_MAX_ROWS`` rows of input (decoding) stream the weight (``csrc/decode_linear.cpp``),
     more rows go through oneDNN's matmul (``weight`` may be a transposed view, e.g. ``E.t()`` for ``P @ E``), bfloat16
-    through the float32 one where the CPU has no bfloat16 matmul; F.linear otherwise, and for more rows while
-    ``torch.compile`` traces. The same product up to summation order (float32 accumulation in every path)."""
+    through the float32 one where the CPU has no bfloat16 matmul; F.linear otherwise. The same product up to summation
+    order (float32 accumulation in every path); ``torch.compile`` keeps these kernels as they are."""
     if not _cpu_inference(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -102,10 +115,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if streaming and _CPU_KERNEL.available():
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
-    elif torch.compiler.is_compiling():  # inductor lowers F.linear itself, oneDNN's linear for frozen weights only
-        return F.linear(x, weight, bias)
     elif onednn_matmul_supports(x.dtype):
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
+        out = onednn_linear(rows.contiguous(), weight, bias)
     elif x.dtype == torch.bfloat16:  # widened: the CPU has no bfloat16 matmul (BF16_WIDEN_NOTE)
         widened_bias = None if bias is None else bias.float()
         out = dense_linear(rows.float(), weight.float(), widened_bias).to(torch.bfloat16)
