@@ -132,7 +132,9 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
     dtype = next(model.parameters()).dtype
     peak = machine_peaks(dtype, quick)
     variants = VARIANTS if batch_size == 1 else BATCH_VARIANTS
-    decoders = {**{name: model for name in variants}, **({"compiled": compiled} if compiled is not None else {})}
+    decoders = {name: (model, name) for name in variants}  # what decodes, under which variant
+    if compiled is not None:
+        decoders["compiled"] = (compiled, "ours")
     ids = torch.randint(3, model.config.vocab_size, (batch_size, max(prefill, context)),
                         generator=torch.Generator().manual_seed(0))
     prefill_fns = {}
@@ -143,8 +145,8 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
         prefill_fns[name] = run
     prefill_t = timings(prefill_fns, 1 if not quick else 2)
     caches, tokens, logits = {}, {}, {}
-    for name in decoders:
-        with variant(name if name in variants else "ours"):  # (the compiled model's context: the shipped prefill)
+    for name, (_, setting) in decoders.items():
+        with variant(setting):  # (the compiled model's context: the shipped model's prefill)
             out = model(ids[:, :context], use_cache=True)
         caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
         logits[name] = out.logits[:, -1].float()
@@ -157,8 +159,8 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
         t0 = time.perf_counter()
         probe.sum()  # the read bandwidth beside the steps, where it was while they ran
         read_times.append(time.perf_counter() - t0)
-        for name, decoder in decoders.items():
-            with variant(name if name in variants else "ours"):
+        for name, (decoder, setting) in decoders.items():
+            with variant(setting):
                 t0 = time.perf_counter()
                 out = decoder(tokens[name], use_cache=True, **{CACHE_ARGUMENT: caches[name]})
                 elapsed = time.perf_counter() - t0
