@@ -102,6 +102,12 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> to
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def _streams(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product that may leave F.linear (``_cpu_inference``) of ``rows [M, K]`` streams `weight` through
+    ``linear_rows``: up to ``STREAMING_MAX_ROWS`` rows, a contiguous weight, the C++ kernel built."""
+    return rows.shape[0] <= STREAMING_MAX_ROWS and weight.is_contiguous() and _CPU_KERNEL.available()
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [*, K] @ weight [N, K]^T + bias [N]`` -> ``[*, N]``, as ``F.linear``. On CPU for float32 / bfloat16 outside
     autograd: up to ``STREAMING_MAX_ROWS`` rows of input (decoding) stream the weight (``csrc/decode_linear.cpp``),
@@ -111,8 +117,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if not _cpu_inference(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    streaming = rows.shape[0] <= STREAMING_MAX_ROWS and weight.is_contiguous()
-    if streaming and _CPU_KERNEL.available():
+    if _streams(rows, weight):
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
     elif onednn_matmul_supports(x.dtype):
@@ -185,8 +190,7 @@ def dense_linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Tuple[tor
         ``[*, N_g]`` for each weight (where grouped: views of one ``[*, sum N_g]`` tensor).
     """
     rows = x.reshape(-1, x.shape[-1])
-    grouped = (x.dtype == torch.bfloat16 and rows.shape[0] <= STREAMING_MAX_ROWS
-               and all(w.is_contiguous() and _cpu_inference(x, w, None) for w in weights) and _CPU_KERNEL.available())
+    grouped = x.dtype == torch.bfloat16 and all(_cpu_inference(x, w, None) and _streams(rows, w) for w in weights)
     if not grouped:
         return tuple(dense_linear(x, w) for w in weights)
     sizes = [w.shape[0] for w in weights]
