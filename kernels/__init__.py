@@ -30,6 +30,13 @@ A decode step's other per-token ops in one C++ pass each, where ``cpu_ops_apply(
 
     short_conv_step(x, cache, weight)                  # one position of a depthwise causal convolution
     normalize_rows(x, weight, eps, mean_square)        # RMSNorm (mean_square) or L2 normalisation of each row
+
+A Delta Net / Gated DeltaNet layer's whole decode step between its projections in one C++ call, where
+``token_step_applies(*tensors)`` and its feature map is one of ``TOKEN_STEP_FEATURE_MAPS`` (token_step.py)::
+
+    fast_weight_token_step(q, k, v, num_heads, num_value_heads, *, beta_logits, beta_scale, decay, state,
+                           conv_weights, conv_states, feature_map, value_silu, l2_eps, query_scale, norm_weight,
+                           norm_eps, gate, gate_activation)    # -> (out, new state, new conv states)
 """
 from .delta_rule_kernels import delta_rule
 from .dense import (
@@ -41,6 +48,7 @@ from .gated_delta_rule_kernels import gated_delta_rule
 from .linear_attention_kernels import linear_attention
 from .recurrent_delta_rule_kernels import recurrent_delta_rule
 from .rfwp_scan import ScanState
+from .token_step import TOKEN_STEP_FEATURE_MAPS, fast_weight_token_step, token_step_applies
 
 __all__ = [
     "delta_rule",
@@ -55,5 +63,8 @@ __all__ = [
     "cpu_ops_apply",
     "short_conv_step",
     "normalize_rows",
+    "fast_weight_token_step",
+    "token_step_applies",
+    "TOKEN_STEP_FEATURE_MAPS",
     "MODES",
 ]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from fwp_kernels import cpu_ops_apply, delta_rule, dense_linear, dense_linears, gated_delta_rule, linear_attention
 from fwp_kernels import normalize_rows, short_conv_step
+from fwp_kernels import TOKEN_STEP_FEATURE_MAPS, fast_weight_token_step, token_step_applies
 from torch import nn
 from transformers import initialization as init
 
@@ -143,6 +144,13 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 OUTPUT_GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
+def _global_module_hooks() -> bool:
+    """Whether any global module hook is registered (``torch.nn.modules.module.register_module_forward_hook`` and
+    its pre-hook): a fused decode step would skip the module calls it expects."""
+    module = torch.nn.modules.module
+    return bool(getattr(module, "_global_forward_hooks", None) or getattr(module, "_global_forward_pre_hooks", None))
+
+
 @register_fast_weight_layer("linear")
 class FastWeightLinearAttention(nn.Module):
     """Linear Transformer / Delta Net layer: slow net feedforward, fast net linear (Schlag et al. 2021).
@@ -196,6 +204,7 @@ class FastWeightLinearAttention(nn.Module):
             self.v_conv1d = CausalConv1d(value_dim, self.short_conv_size)
         self.o_norm = RMSNorm(self.value_head_dim, eps=config.layer_norm_eps) if config.output_norm else None
         self.g_proj = Linear(config.hidden_size, value_dim, bias=False) if config.output_gate else None
+        self.output_gate_activation_name = config.output_gate_activation
         self.output_gate_activation = OUTPUT_GATES[config.output_gate_activation]
         self.o_proj = Linear(value_dim, config.hidden_size, bias=False)
         self.feature_map = FeatureMap(config)
@@ -272,10 +281,63 @@ class FastWeightLinearAttention(nn.Module):
             out = out * self.output_gate_activation(gate)
         return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
 
+    def _token_decay(self) -> Optional[Tuple[nn.Linear, torch.Tensor, torch.Tensor]]:
+        """The gated delta rule's decay inputs ``(a_proj, A_log, dt_bias)`` for ``fast_weight_token_step``; None here
+        (no decay)."""
+        return None
+
+    def _token_step_applies(self, hidden_states: torch.Tensor, state: Dict[str, torch.Tensor],
+                            token_mask: Optional[torch.Tensor]) -> bool:
+        """Whether this call is a decode step that ``fwp_kernels.fast_weight_token_step`` computes in one C++ call:
+        one position, no padding mask, CPU inference (``token_step_applies``), a chunked mode, the options the op
+        has (no attention normalisation, a feature map of its own, no sum normalisation), a float32 state, and no
+        hook or replaced module among those it stands in for (convolutions, feature map, output norm)."""
+        if hidden_states.shape[1] != 1 or token_mask is not None or self.attention_normalization:
+            return False
+        feature_map = self.feature_map
+        if (self.kernel_mode not in ("auto", "chunk") or feature_map.kind not in TOKEN_STEP_FEATURE_MAPS
+                or feature_map.sum_normalization or self.value_activation not in ("identity", "silu")):
+            return False
+        fast_weight = state.get("fast_weight")
+        if fast_weight is not None and (fast_weight.dtype != torch.float32 or not fast_weight.is_cpu):
+            return False
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.short_conv_size else ()
+        stand_ins = (feature_map, *convs) + (() if self.o_norm is None else (self.o_norm,))
+        if any(type(m) not in (FeatureMap, CausalConv1d, RMSNorm) or m._forward_hooks or m._forward_pre_hooks
+               or "forward" in m.__dict__ for m in stand_ins) or _global_module_hooks():
+            return False
+        return token_step_applies(hidden_states, *(c.weight for c in convs))
+
+    def _token_step(self, hidden_states: torch.Tensor, state: Dict[str, torch.Tensor]
+                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """``forward`` of a decode step (``_token_step_applies``): one pass over the projections (``project``), the
+        rest up to ``o_proj`` in one ``fwp_kernels.fast_weight_token_step`` call, the same arithmetic as the unfused
+        ops (rounded where they round)."""
+        decay = self._token_decay()
+        extra = [m for m in (self.beta_proj, self.g_proj, decay and decay[0]) if m is not None]
+        q, k, v, *rest = project(hidden_states[:, 0], self.q_proj, self.k_proj, self.v_proj, *extra)
+        beta_logits = rest.pop(0) if self.beta_proj is not None else None
+        gate = rest.pop(0) if self.g_proj is not None else None
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.short_conv_size else ()
+        names = ("conv_q", "conv_k", "conv_v")[: len(convs)]
+        out, fast_weight, conv_states = fast_weight_token_step(
+            q, k, v, self.num_heads, self.num_value_heads, beta_logits=beta_logits,
+            beta_scale=2.0 if self.allow_neg_eigval else 1.0, decay=decay and (rest[0], decay[1], decay[2]),
+            state=state.get("fast_weight"), conv_weights=[c.weight.view(c.weight.shape[0], -1) for c in convs],
+            conv_states=[state.get(name) for name in names], feature_map=self.feature_map.kind,
+            value_silu=self.value_activation == "silu", l2_eps=1e-6 if self.qk_l2_normalization else None,
+            query_scale=self.query_scale, norm_weight=None if self.o_norm is None else self.o_norm.weight,
+            norm_eps=1e-6 if self.o_norm is None else self.o_norm.eps, gate=gate,
+            gate_activation=self.output_gate_activation_name,
+        )
+        return self.o_proj(out[:, None]), {"fast_weight": fast_weight, **dict(zip(names, conv_states))}
+
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         state = state or {}
+        if self._token_step_applies(hidden_states, state, token_mask):
+            return self._token_step(hidden_states, state)
         q, k, v, beta_logits, conv_states = self._project(hidden_states, state, token_mask)
         q, k = self._query_key_features(q, k)
         beta = self._beta(beta_logits)
@@ -317,6 +379,9 @@ class GatedDeltaNetLayer(FastWeightLinearAttention):
         dt = torch.exp(torch.linspace(math.log(1e-3), math.log(0.1), n))
         init.copy_(self.A_log, torch.log(A).to(self.A_log))
         init.copy_(self.dt_bias, (dt + torch.log(-torch.expm1(-dt))).to(self.dt_bias))  # softplus^-1(dt)
+
+    def _token_decay(self) -> Tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+        return self.a_proj, self.A_log, self.dt_bias
 
     def log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``g [B, Hv, T] = -exp(A_log) * softplus(W_a x + dt_bias)`` in float32 (``a_t = exp(g_t)`` in (0, 1])."""

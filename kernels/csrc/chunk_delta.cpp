@@ -1378,6 +1378,252 @@ void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// One position of a whole Delta Net / Gated DeltaNet layer between its projections and its output projection, in
+// one call (modeling_fwp's FastWeightLinearAttention for a decode step on CPU, ``fast_weight_token_step`` in
+// kernels/chunk.py): a decode step's dozen small ops per layer (convolutions, activations, L2 norms, beta, the
+// decay, the state update above, the output norm and gate) each cost more in dispatch than in arithmetic. Per
+// sequence b, from the projections q, k [H * Dk], v [Hv * Dv]:
+//   q, k, v <- the short causal convolution's step (when there is one), conv_* states shifted by one position
+//   q, k <- phi(q), phi(k) (identity, SiLU, ReLU or ELU + 1);   v <- SiLU(v) (value_silu)
+//   q, k <- x / sqrt(|x|^2 + eps) per head (l2_eps >= 0);   q <- q * query_scale (query_scale > 0)
+//   beta = beta_scale * sigmoid(beta logits) (Schlag et al. 2021 eq. 21; none: the sum rule)
+//   g = -exp(A_log) softplus(decay logits + dt_bias) (the gated delta rule's log-decay; none: a = 1)
+//   S', o: decode_rows above, value head j reading query / key head j / (Hv / H)
+//   o <- RMSNorm(o) * weight per head (norm_weight given);   o <- o * act(gate) (gate given: SiLU or sigmoid)
+// Each value is rounded to the inputs' dtype (float32 or bfloat16) wherever the unfused ops store one, so bfloat16
+// follows them step by step; sums in float32, the state float32.
+namespace token {
+
+enum FeatureMap : int64_t { kIdentity = 0, kSilu = 1, kRelu = 2, kElu = 3 };
+enum GateActivation : int64_t { kGateSilu = 1, kGateSigmoid = 2 };
+
+template <typename T>
+inline float rounded(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
+
+// What the op reads and writes, as raw pointers (nullptr: the option is off), and its options.
+template <typename T>
+struct Layer {
+  int64_t B, H, Hv, Dk, Dv, K;  // K: the convolution's width (0: none)
+  const T *q, *k, *v, *beta_logits, *decay_logits, *gate;
+  const float *A_log, *dt_bias, *norm_weight;
+  const T* conv_weights[3];
+  const T* conv_states[3];
+  T* new_conv_states[3];
+  const float* S;
+  float* S_out;
+  T* out;
+  int64_t feature_map, gate_activation;
+  bool value_silu;
+  float l2_eps, query_scale, beta_scale, norm_eps;
+};
+
+// One input x [C] of sequence b through the convolution's step (y = sum_i w_i [state, x]_i, in order, as
+// short_conv_step), rounded; the state shifted. Without a convolution, x as it is.
+template <typename T>
+void convolve(const Layer<T>& L, int which, int64_t b, int64_t C, const T* x, float* y) {
+  if (L.K == 0) {
+    for (int64_t c = 0; c < C; ++c) y[c] = static_cast<float>(x[c]);
+    return;
+  }
+  const int64_t W = L.K - 1;
+  for (int64_t c = 0; c < C; ++c) {
+    const T* before = L.conv_states[which] + (b * C + c) * W;
+    const T* w = L.conv_weights[which] + c * L.K;
+    float s = 0;
+    for (int64_t i = 0; i < W; ++i) s += static_cast<float>(before[i]) * static_cast<float>(w[i]);
+    s += static_cast<float>(x[c]) * static_cast<float>(w[W]);
+    y[c] = rounded<T>(s);
+    T* after = L.new_conv_states[which] + (b * C + c) * W;
+    for (int64_t i = 0; i + 1 < W; ++i) after[i] = before[i + 1];
+    after[W - 1] = x[c];
+  }
+}
+
+template <typename T>
+float feature(const Layer<T>& L, float x) {
+  switch (L.feature_map) {
+    case kSilu: return rounded<T>(silu(x));
+    case kRelu: return x > 0 ? x : 0.0f;
+    case kElu: return rounded<T>(rounded<T>(x > 0 ? x : std::expm1(x)) + 1.0f);  // F.elu(x) + 1.0: two roundings
+    default: return x;
+  }
+}
+
+// x [D] <- x / sqrt(sum(x^2) + eps) (normalize_rows' arithmetic), times gain [D] if given, rounded.
+template <typename T>
+void normalize(int64_t D, float* x, const float* gain, float eps, bool mean_square) {
+  float squares = 0;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t j = 0; j < D; ++j) squares += x[j] * x[j];
+  const float scale = 1 / std::sqrt((mean_square ? squares / D : squares) + eps);
+  for (int64_t j = 0; j < D; ++j) x[j] = rounded<T>(gain ? x[j] * scale * gain[j] : x[j] * scale);
+}
+
+// Sequence b's query or key heads (which = 0, 1), feature-mapped, normalised and scaled, into out [Hv, Dk] (each
+// value head its query / key head's copy); `scratch` [H * Dk].
+template <typename T>
+void query_or_key(const Layer<T>& L, int which, int64_t b, float* scratch, float* out) {
+  const int64_t C = L.H * L.Dk;
+  convolve(L, which, b, C, (which == 0 ? L.q : L.k) + b * C, scratch);
+  for (int64_t c = 0; c < C; ++c) scratch[c] = feature(L, scratch[c]);
+  for (int64_t h = 0; h < L.H; ++h) {
+    float* head = scratch + h * L.Dk;
+    if (L.l2_eps >= 0) normalize<T>(L.Dk, head, nullptr, L.l2_eps, false);
+    if (which == 0 && L.query_scale > 0) {
+      for (int64_t j = 0; j < L.Dk; ++j) head[j] = rounded<T>(head[j] * L.query_scale);
+    }
+  }
+  const int64_t group = L.Hv / L.H;
+  for (int64_t j = 0; j < L.Hv; ++j) std::memcpy(out + j * L.Dk, scratch + (j / group) * L.Dk, sizeof(float) * L.Dk);
+}
+
+// Sequence b's values [Hv * Dv], beta [Hv] and log-decay [Hv] (nullptr where off).
+template <typename T>
+void values_and_gates(const Layer<T>& L, int64_t b, float* v, float* beta, float* g) {
+  const int64_t C = L.Hv * L.Dv;
+  convolve(L, 2, b, C, L.v + b * C, v);
+  if (L.value_silu) {
+    for (int64_t c = 0; c < C; ++c) v[c] = rounded<T>(silu(v[c]));
+  }
+  for (int64_t j = 0; j < L.Hv; ++j) {
+    if (beta != nullptr) beta[j] = rounded<T>(sigmoid(static_cast<float>(L.beta_logits[b * L.Hv + j]))) * L.beta_scale;
+    if (g != nullptr) {
+      const float pre = static_cast<float>(L.decay_logits[b * L.Hv + j]) + L.dt_bias[j];
+      g[j] = -std::exp(L.A_log[j]) * softplus(pre);
+    }
+  }
+}
+
+// Sequence b's outputs o [Hv * Dv] (float32 from decode_rows) rounded, normalised and gated into out.
+template <typename T>
+void outputs(const Layer<T>& L, int64_t b, float* o) {
+  const int64_t C = L.Hv * L.Dv;
+  for (int64_t c = 0; c < C; ++c) o[c] = rounded<T>(o[c]);
+  if (L.norm_weight != nullptr) {
+    for (int64_t j = 0; j < L.Hv; ++j) normalize<T>(L.Dv, o + j * L.Dv, L.norm_weight, L.norm_eps, true);
+  }
+  T* out = L.out + b * C;
+  for (int64_t c = 0; c < C; ++c) {
+    float y = o[c];
+    if (L.gate != nullptr) {
+      const float x = static_cast<float>(L.gate[b * C + c]);
+      y = rounded<T>(y * rounded<T>(L.gate_activation == kGateSigmoid ? sigmoid(x) : silu(x)));
+    }
+    out[c] = static_cast<T>(y);
+  }
+}
+
+template <typename T>
+void run(const Layer<T>& L) {
+  const int64_t BH = L.B * L.Hv;
+  std::vector<float> q(BH * L.Dk), k(BH * L.Dk), v(BH * L.Dv), o(BH * L.Dv), scratch(L.H * L.Dk);
+  std::vector<float> beta(L.beta_logits ? BH : 0), g(L.decay_logits ? BH : 0);
+  for (int64_t b = 0; b < L.B; ++b) {
+    query_or_key(L, 0, b, scratch.data(), q.data() + b * L.Hv * L.Dk);
+    query_or_key(L, 1, b, scratch.data(), k.data() + b * L.Hv * L.Dk);
+    values_and_gates(L, b, v.data() + b * L.Hv * L.Dv, L.beta_logits ? beta.data() + b * L.Hv : nullptr,
+                     L.decay_logits ? g.data() + b * L.Hv : nullptr);
+  }
+  const float* bp = L.beta_logits ? beta.data() : nullptr;
+  const float* gp = L.decay_logits ? g.data() : nullptr;
+  at::parallel_for(0, BH * L.Dv, std::max<int64_t>(1, 16384 / std::max<int64_t>(L.Dk, 1)), [&](int64_t r0, int64_t r1) {
+    decode_rows<float>(r0, r1, L.Dv, L.Dk, q.data(), k.data(), v.data(), bp, gp, L.S, L.S_out, o.data());
+  });
+  for (int64_t b = 0; b < L.B; ++b) outputs(L, b, o.data() + b * L.Hv * L.Dv);
+}
+
+template <typename T>
+const T* data_or_null(const std::optional<at::Tensor>& x) {
+  return x.has_value() ? x->data_ptr<T>() : nullptr;
+}
+
+// `x` (when given) a contiguous CPU tensor of dtype `dtype` with `numel` elements.
+void check_optional(const std::optional<at::Tensor>& x, at::ScalarType dtype, int64_t numel, const char* name) {
+  TORCH_CHECK(!x.has_value() || (x->device().is_cpu() && x->scalar_type() == dtype && x->is_contiguous() &&
+                                 x->numel() == numel),
+              "fwp_chunk.token_step: `", name, "` must be a contiguous CPU tensor of dtype ", dtype, " with ", numel,
+              " elements");
+}
+
+// The three convolutions' weights [C, K] and states [B, C, K - 1] (C = H * Dk for q, k, Hv * Dv for v), or none;
+// returns K (0: none).
+int64_t check_convolutions(at::TensorList weights, at::TensorList states, at::TensorList new_states,
+                           const at::Tensor& q, int64_t key_channels, int64_t value_channels) {
+  TORCH_CHECK((weights.empty() || weights.size() == 3) && states.size() == weights.size() &&
+                  new_states.size() == weights.size(), "fwp_chunk.token_step: three convolutions or none");
+  const int64_t K = weights.empty() ? 0 : weights[0].size(-1);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int64_t C = i < 2 ? key_channels : value_channels;
+    for (const at::Tensor* x : {&weights[i], &states[i], &new_states[i]}) check(*x, q, "conv");
+    TORCH_CHECK(K >= 2 && weights[i].sizes() == at::IntArrayRef({C, K}) &&
+                    states[i].sizes() == at::IntArrayRef({q.size(0), C, K - 1}) &&
+                    new_states[i].sizes() == states[i].sizes(),
+                "fwp_chunk.token_step: conv weights must be [C, K] and conv states [B, C, K - 1]");
+  }
+  return K;
+}
+
+// The op (schema below): q, k [B, H * Dk], v [B, Hv * Dv], beta_logits / decay_logits [B, Hv], gate [B, Hv * Dv] and
+// the convolutions in one dtype (float32 or bfloat16); A_log, dt_bias [Hv], norm_weight [Dv] (any float dtype); S (None:
+// zeros) and S_out float32 [B, Hv, Dv, Dk]; out [B, Hv * Dv]. l2_eps < 0: no L2 norm; query_scale 0: no scaling.
+void token_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const std::optional<at::Tensor>& beta_logits, const std::optional<at::Tensor>& decay_logits,
+                const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
+                const std::optional<at::Tensor>& gate, at::TensorList conv_weights, at::TensorList conv_states,
+                const std::optional<at::Tensor>& S, const std::optional<at::Tensor>& norm_weight, int64_t num_heads,
+                int64_t feature_map, bool value_silu, double l2_eps, double query_scale, double beta_scale,
+                double norm_eps, int64_t gate_activation, at::TensorList new_conv_states, const at::Tensor& S_out,
+                const at::Tensor& out) {
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.dim() == 2 && v.dim() == 2 &&
+                  num_heads > 0 && q.size(1) % num_heads == 0 && S_out.dim() == 4,
+              "fwp_chunk.token_step: q, k [B, H * Dk], v [B, Hv * Dv] in float32 or bfloat16, S_out [B, Hv, Dv, Dk]");
+  const int64_t B = q.size(0), H = num_heads, Dk = q.size(1) / H, Hv = S_out.size(1), Dv = S_out.size(2);
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == B && Hv % H == 0 && Hv * Dv == v.size(1) &&
+                  S_out.sizes() == at::IntArrayRef({B, Hv, Dv, Dk}) && out.sizes() == v.sizes(),
+              "fwp_chunk.token_step: inconsistent shapes");
+  for (const at::Tensor* x : {&k, &v, &out}) check(*x, q, "input");
+  check_optional(S_out, at::kFloat, B * Hv * Dv * Dk, "S_out");
+  check_optional(S, at::kFloat, B * Hv * Dv * Dk, "S");
+  for (auto* x : {&beta_logits, &decay_logits}) check_optional(*x, q.scalar_type(), B * Hv, "beta / decay logits");
+  TORCH_CHECK(A_log.has_value() == decay_logits.has_value() && dt_bias.has_value() == decay_logits.has_value() &&
+                  (beta_logits.has_value() || !decay_logits.has_value()),
+              "fwp_chunk.token_step: decay logits come with A_log, dt_bias and beta logits");
+  // the parameters in float32, as the unfused ops widen them (a copy only where they are not)
+  const std::optional<at::Tensor> A_log32 = widened(A_log), dt_bias32 = widened(dt_bias), norm32 = widened(norm_weight);
+  for (auto* x : {&A_log32, &dt_bias32}) check_optional(*x, at::kFloat, Hv, "A_log / dt_bias");
+  check_optional(gate, q.scalar_type(), B * Hv * Dv, "gate");
+  check_optional(norm32, at::kFloat, Dv, "norm_weight");
+  const int64_t K = check_convolutions(conv_weights, conv_states, new_conv_states, q, H * Dk, Hv * Dv);
+  auto fill = [&](auto* typed) {  // the raw pointers of `run` in the inputs' type T (typed: a null T*)
+    using T = std::remove_pointer_t<decltype(typed)>;
+    Layer<T> L{B, H, Hv, Dk, Dv, K, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), data_or_null<T>(beta_logits),
+               data_or_null<T>(decay_logits), data_or_null<T>(gate), data_or_null<float>(A_log32),
+               data_or_null<float>(dt_bias32), data_or_null<float>(norm32), {}, {}, {},
+               data_or_null<float>(S), S_out.data_ptr<float>(), out.data_ptr<T>(), feature_map, gate_activation,
+               value_silu, static_cast<float>(l2_eps), static_cast<float>(query_scale), static_cast<float>(beta_scale),
+               static_cast<float>(norm_eps)};
+    for (int64_t i = 0; i < (K ? 3 : 0); ++i) {
+      L.conv_weights[i] = conv_weights[i].data_ptr<T>();
+      L.conv_states[i] = conv_states[i].data_ptr<T>();
+      L.new_conv_states[i] = new_conv_states[i].data_ptr<T>();
+    }
+    run(L);
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    fill(static_cast<c10::BFloat16*>(nullptr));
+  } else {
+    fill(static_cast<float*>(nullptr));
+  }
+}
+
+}  // namespace token
+
+// ---------------------------------------------------------------------------------------------------------------
 // The gated delta rule (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks", sec. 3.1):
 //
 //   W_t = a_t W_{t-1} + beta_t (v_t - a_t W_{t-1} k_t) k_t^T,   a_t = exp(g_t),   o_t = W_t q_t,
@@ -1721,6 +1967,10 @@ FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def("gated_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor g, Tensor s0, int chunk_size, "
         "Tensor dout, Tensor(a!) dS, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv, Tensor(e!) dbeta, "
         "Tensor(f!) dg, int products=0) -> ()");
+  m.def("token_step(Tensor q, Tensor k, Tensor v, Tensor? beta_logits, Tensor? decay_logits, Tensor? A_log, "
+        "Tensor? dt_bias, Tensor? gate, Tensor[] conv_weights, Tensor[] conv_states, Tensor? S, Tensor? norm_weight, "
+        "int num_heads, int feature_map, bool value_silu, float l2_eps, float query_scale, float beta_scale, "
+        "float norm_eps, int gate_activation, Tensor(a!)[] new_conv_states, Tensor(b!) S_out, Tensor(c!) out) -> ()");
   m.def("product_kinds", &product_kinds);  // no tensor argument: one kernel for every dispatch key
 }
 
@@ -1728,6 +1978,7 @@ FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("chunk_forward", &chunk_forward);
   m.impl("chunk_backward", &chunk_backward);
   m.impl("decode_step", &decode_step);
+  m.impl("token_step", &token::token_step);
   m.impl("gated_forward", &gated::forward);
   m.impl("gated_backward", &gated::backward);
 }

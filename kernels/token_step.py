@@ -1,0 +1,114 @@
+"""One position of a whole Delta Net / Gated DeltaNet layer between its projections, in one C++ call on CPU.
+
+A decode step of a fast-weight layer is a dozen small ops after its projections (the short convolutions, the feature
+map and value activation, the L2 norms, beta, the decay, the state update and read-out, the output norm and gate):
+each costs more in Python and dispatch than in arithmetic (about 110 of a layer's 160 us, bfloat16, hidden size 256,
+by hand). ``token_step`` in csrc/chunk_delta.cpp runs them all in one call and rounds each value where the unfused ops
+store one (bfloat16 follows them step by step; sums and the state in float32); modeling_fwp's
+``FastWeightLinearAttention`` calls :func:`fast_weight_token_step` for a decode step where
+:func:`token_step_applies`, and the unfused ops otherwise.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from . import chunk
+
+FEATURE_MAP_CODES = {"identity": 0, "silu": 1, "relu": 2, "elu": 3}  # phi as csrc/chunk_delta.cpp's token::FeatureMap
+GATE_ACTIVATION_CODES = {"silu": 1, "sigmoid": 2}
+TOKEN_STEP_FEATURE_MAPS = frozenset(FEATURE_MAP_CODES)  # the feature maps fast_weight_token_step computes
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def token_step_applies(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`fast_weight_token_step` may run on `tensors` (None entries skipped): the C++ kernel is built,
+    they are CPU tensors of one dtype, float32 or bfloat16, outside autograd and autocast (the op has no backward)."""
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPES or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return False
+    for t in tensors:
+        if t is not None and (not t.is_cpu or t.dtype != dtype):
+            return False
+    return chunk.cpu_kernel_available()
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_value_heads: int,
+                  feature_map: str, gate_activation: str) -> None:
+    """ValueError naming the argument unless the shapes, head counts and options are ones the op takes (the op
+    checks the optional tensors' sizes and every dtype itself)."""
+    if q.dim() != 2 or k.shape != q.shape or v.dim() != 2 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"`q`, `k` must be [B, H * Dk] and `v` [B, Hv * Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if num_heads < 1 or q.shape[1] % num_heads or num_value_heads % num_heads or v.shape[1] % num_value_heads:
+        raise ValueError(f"`num_heads` ({num_heads}) must divide q's {q.shape[1]} columns and `num_value_heads` "
+                         f"({num_value_heads}), which must divide v's {v.shape[1]}")
+    if feature_map not in FEATURE_MAP_CODES:
+        raise ValueError(f"`feature_map` must be one of {sorted(FEATURE_MAP_CODES)}, got {feature_map!r}")
+    if gate_activation not in GATE_ACTIVATION_CODES:
+        raise ValueError(f"`gate_activation` must be one of {sorted(GATE_ACTIVATION_CODES)}, got {gate_activation!r}")
+
+
+def fast_weight_token_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_heads: int,
+    num_value_heads: int,
+    *,
+    beta_logits: Optional[torch.Tensor] = None,
+    beta_scale: float = 1.0,
+    decay: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    state: Optional[torch.Tensor] = None,
+    conv_weights: Optional[Sequence[torch.Tensor]] = None,
+    conv_states: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    feature_map: str = "identity",
+    value_silu: bool = False,
+    l2_eps: Optional[float] = None,
+    query_scale: Optional[float] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    gate: Optional[torch.Tensor] = None,
+    gate_activation: str = "silu",
+) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, ...]]:
+    """One position of a fast-weight layer from its projections to the input of its output projection.
+
+    Per sequence: the short causal convolution's step on q, k, v (`conv_weights` given); ``phi`` (`feature_map`:
+    identity, silu, relu or elu, i.e. ELU + 1) on q and k, SiLU on v (`value_silu`); the L2 norm of each query and key
+    head (`l2_eps` given: ``x / sqrt(|x|^2 + l2_eps)``) and the query scale; ``beta = beta_scale * sigmoid(beta
+    logits)`` (Schlag et al. 2021 eq. 21; None: the sum rule, eq. 17); the gated delta rule's log-decay
+    ``g = -exp(A_log) softplus(a + dt_bias)`` (`decay` = ``(a [B, Hv], A_log [Hv], dt_bias [Hv])``); the state's
+    update and read-out (eqs. 20-25, decayed by ``exp(g)``; value head j reads query / key head ``j // (Hv / H)``);
+    then per value head RMSNorm times `norm_weight` and the gate ``act(gate)`` (`gate_activation`).
+
+    Args:
+        q, k: ``[B, H * Dk]``; v: ``[B, Hv * Dv]``; beta_logits: ``[B, Hv]``; gate: ``[B, Hv * Dv]``: the
+            projections of one position, all of one dtype (``token_step_applies``).
+        state: ``[B, Hv, Dv, Dk]`` or None (zeros); conv_weights: ``[C, K]`` for q, k, v; conv_states: ``[B, C, K -
+            1]`` each, or None (zeros); norm_weight: ``[Dv]``.
+    Returns:
+        ``(out [B, Hv * Dv] in q's dtype, new state [B, Hv, Dv, Dk] float32, new conv states [B, C, K - 1] each)``;
+        the inputs are not written.
+    """
+    _check_inputs(q, k, v, num_heads, num_value_heads, feature_map, gate_activation)
+    B = q.shape[0]
+    Dk, Dv = q.shape[1] // num_heads, v.shape[1] // num_value_heads
+    conv_weights = [w.contiguous() for w in conv_weights or ()]
+    widths = [w.shape[-1] - 1 for w in conv_weights]
+    conv_states = [
+        q.new_zeros(B, w.shape[0], width) if s is None else s.to(q.dtype).contiguous()
+        for w, s, width in zip(conv_weights, conv_states or [None] * len(conv_weights), widths)
+    ]
+    new_conv_states = [torch.empty_like(s) for s in conv_states]
+    new_state = q.new_empty(B, num_value_heads, Dv, Dk, dtype=torch.float32)
+    out = torch.empty_like(v)
+    a, A_log, dt_bias = decay or (None, None, None)
+    beta_logits, a, gate = (None if x is None else x.contiguous() for x in (beta_logits, a, gate))
+    chunk._CPU_KERNEL.ops.token_step(
+        q.contiguous(), k.contiguous(), v.contiguous(), beta_logits, a, A_log, dt_bias, gate, conv_weights,
+        conv_states, None if state is None else state.contiguous(), norm_weight, num_heads, FEATURE_MAP_CODES[feature_map],
+        value_silu, -1.0 if l2_eps is None else l2_eps, query_scale or 0.0, beta_scale, norm_eps,
+        GATE_ACTIVATION_CODES[gate_activation] if gate is not None else 0, new_conv_states, new_state, out,
+    )
+    return out, new_state, tuple(new_conv_states)
