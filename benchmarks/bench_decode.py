@@ -10,6 +10,9 @@ For each dtype and thread count, measured side by side in one process (round-rob
   takes oneDNN's matmul for a prefill;
 - ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run) for
   every projection, the ones that share one streaming pass in ``ours`` (a layer's q, k, v, beta; gate and up) too;
+- ``unfused_step``, decode steps only: the model as shipped but for the fast-weight layers' decode step, which runs
+  the dozen small ops between the projections one by one instead of one ``fwp_kernels.fast_weight_token_step`` call
+  (the model before 2026-11-29);
 - with ``--compile``, also ``compiled``: the model as shipped under ``torch.compile`` (inductor, compiled once per
   thread count, not timed), decode steps only: the same C++ kernels without Python between them;
 - with ``--batch_size 2`` (a decode step of two sequences: two rows per projection), also ``one_row_streaming``: the
@@ -56,14 +59,23 @@ from training.result_file import RunRecord, summarize  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode.json"
 VARIANTS = ("ours", "f_linear")
 BATCH_VARIANTS = VARIANTS + ("one_row_streaming",)  # --batch_size > 1
+DECODE_ONLY_VARIANTS = ("unfused_step",)  # its prefill is ours
 
 
 @contextlib.contextmanager
 def variant(name: str):
     """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear);
-    ``one_row_streaming``: as shipped, the weight-streaming kernel for one row of input only."""
+    ``unfused_step``: as shipped, the decode step's small ops one by one; ``one_row_streaming``: as shipped, the
+    weight-streaming kernel for one row of input only."""
     if name == "ours":
         yield
+        return
+    if name == "unfused_step":
+        fused, fast_weight_layers.token_step_applies = fast_weight_layers.token_step_applies, lambda *tensors: False
+        try:
+            yield
+        finally:
+            fast_weight_layers.token_step_applies = fused
         return
     if name == "one_row_streaming":
         shipped, dense.STREAMING_MAX_ROWS = dense.STREAMING_MAX_ROWS, 1
@@ -132,7 +144,7 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
     dtype = next(model.parameters()).dtype
     peak = machine_peaks(dtype, quick)
     variants = VARIANTS if batch_size == 1 else BATCH_VARIANTS
-    decoders = {name: (model, name) for name in variants}  # what decodes, under which variant
+    decoders = {name: (model, name) for name in variants + DECODE_ONLY_VARIANTS}  # what decodes, under which variant
     if compiled is not None:
         decoders["compiled"] = (compiled, "ours")
     ids = torch.randint(3, model.config.vocab_size, (batch_size, max(prefill, context)),
@@ -186,14 +198,17 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
     result["decode_speedup"] = (result["f_linear"]["decode_ms_per_token"]["median"]
                                 / result["ours"]["decode_ms_per_token"]["median"])
     result["prefill_speedup"] = result["ours"]["prefill_tokens_per_s"] / result["f_linear"]["prefill_tokens_per_s"]
+    for name in [n for n in decoders if n not in variants]:  # decode only: against ours' steps
+        decode = summarize(step_times[name])
+        result[name] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
+                        "same_tokens_as_ours": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in
+                                                   zip(step_logits["ours"], step_logits[name])),
+                        "logits_max_abs_difference": max((a - b).abs().max().item() for a, b in
+                                                         zip(step_logits["ours"], step_logits[name]))}
+    result["decode_speedup_vs_unfused_step"] = (result["unfused_step"]["decode_ms_per_token"]["median"]
+                                                / result["ours"]["decode_ms_per_token"]["median"])
     if compiled is not None:
-        decode = summarize(step_times["compiled"])
-        result["compiled"] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
-                              "compile_s": compile_s,
-                              "same_tokens_as_ours": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in
-                                                         zip(step_logits["ours"], step_logits["compiled"])),
-                              "logits_max_abs_difference": max((a - b).abs().max().item() for a, b in
-                                                               zip(step_logits["ours"], step_logits["compiled"]))}
+        result["compiled"]["compile_s"] = compile_s
     if "one_row_streaming" in variants:
         result["decode_speedup_vs_one_row_streaming"] = (result["one_row_streaming"]["decode_ms_per_token"]["median"]
                                                          / result["ours"]["decode_ms_per_token"]["median"])
@@ -216,6 +231,10 @@ def print_table(results: dict) -> None:
             print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x "
                   f"the bound {r['decode_bound_ms']:.1f}), F.linear {f['decode_ms_per_token']['median']:.1f} "
                   f"({f['decode_of_bound']:.2f}x); ours {r['decode_speedup']:.2f}x faster")
+            u = r["unfused_step"]
+            print(f"    decode ms/token with the small ops one by one: {u['decode_ms_per_token']['median']:.1f} "
+                  f"({u['decode_of_bound']:.2f}x the bound); ours {r['decode_speedup_vs_unfused_step']:.2f}x faster "
+                  f"(same tokens: {u['same_tokens_as_ours']}, logits within {u['logits_max_abs_difference']:.2g})")
             if "compiled" in r:
                 c = r["compiled"]
                 print(f"    decode ms/token compiled: {c['decode_ms_per_token']['median']:.1f} "

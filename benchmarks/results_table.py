@@ -412,6 +412,12 @@ def decode_rows(s: Source) -> List[Row]:
                 s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s); bound = bytes read per token / "
                              "read bandwidth ({:.1f} GB/s, same run)", dtype, th, s.get(f"{key}.peaks.read_gbs")),
                 "ours", "f_linear", "F.linear", "faster"))
+            if s.get(f"{key}.unfused_step.decode_ms_per_token.median") is not None:  # runs from 2026-11-29
+                rows.append(decode_bound_row(
+                    s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): the layers' decode step in "
+                                 "one call (fast_weight_token_step); same tokens: {}", dtype, th,
+                                 s.get(f"{key}.unfused_step.same_tokens_as_ours")),
+                    "ours", "unfused_step", "small ops one by one", "faster"))
             rate = {v: s.get(f"{key}.{v}.prefill_tokens_per_s") for v in ("ours", "f_linear")}
             rows.append([
                 fill("prefill tok/s at {:,} tokens, whole 1.3B Delta Net, {}, {} thread(s); bound = FLOPs / {} "
