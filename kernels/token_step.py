@@ -64,6 +64,7 @@ def fast_weight_token_step(
     conv_weights: Optional[Sequence[torch.Tensor]] = None,
     conv_states: Optional[Sequence[Optional[torch.Tensor]]] = None,
     feature_map: str = "identity",
+    sum_normalization: bool = False,
     value_silu: bool = False,
     l2_eps: Optional[float] = None,
     query_scale: Optional[float] = None,
@@ -75,7 +76,8 @@ def fast_weight_token_step(
     """One position of a fast-weight layer from its projections to the input of its output projection.
 
     Per sequence: the short causal convolution's step on q, k, v (`conv_weights` given); ``phi`` (`feature_map`:
-    identity, silu, relu or elu, i.e. ELU + 1) on q and k, SiLU on v (`value_silu`); the L2 norm of each query and key
+    identity, silu, relu or elu, i.e. ELU + 1) on q and k, divided by its sum per head (`sum_normalization`, Schlag et
+    al. 2021 eq. 29: ``phi / max(sum phi, 1e-6)``), SiLU on v (`value_silu`); the L2 norm of each query and key
     head (`l2_eps` given: ``x / sqrt(|x|^2 + l2_eps)``) and the query scale; ``beta = beta_scale * sigmoid(beta
     logits)`` (Schlag et al. 2021 eq. 21; None: the sum rule, eq. 17); the gated delta rule's log-decay
     ``g = -exp(A_log) softplus(a + dt_bias)`` (`decay` = ``(a [B, Hv], A_log [Hv], dt_bias [Hv])``); the state's
@@ -107,8 +109,9 @@ def fast_weight_token_step(
     beta_logits, a, gate = (None if x is None else x.contiguous() for x in (beta_logits, a, gate))
     chunk._CPU_KERNEL.ops.token_step(
         q.contiguous(), k.contiguous(), v.contiguous(), beta_logits, a, A_log, dt_bias, gate, conv_weights,
-        conv_states, None if state is None else state.contiguous(), norm_weight, num_heads, FEATURE_MAP_CODES[feature_map],
-        value_silu, -1.0 if l2_eps is None else l2_eps, query_scale or 0.0, beta_scale, norm_eps,
-        GATE_ACTIVATION_CODES[gate_activation] if gate is not None else 0, new_conv_states, new_state, out,
+        conv_states, None if state is None else state.contiguous(), norm_weight, num_heads,
+        FEATURE_MAP_CODES[feature_map], sum_normalization, value_silu, -1.0 if l2_eps is None else l2_eps,
+        query_scale or 0.0, beta_scale, norm_eps, GATE_ACTIVATION_CODES[gate_activation] if gate is not None else 0,
+        new_conv_states, new_state, out,
     )
     return out, new_state, tuple(new_conv_states)

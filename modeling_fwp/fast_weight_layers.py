@@ -290,13 +290,13 @@ class FastWeightLinearAttention(nn.Module):
                             token_mask: Optional[torch.Tensor]) -> bool:
         """Whether this call is a decode step that ``fwp_kernels.fast_weight_token_step`` computes in one C++ call:
         one position, no padding mask, CPU inference (``token_step_applies``), a chunked mode, the options the op
-        has (no attention normalisation, a feature map of its own, no sum normalisation), a float32 state, and no
+        has (no attention normalisation, a feature map of its own), a float32 state, and no
         hook or replaced module among those it stands in for (convolutions, feature map, output norm)."""
         if hidden_states.shape[1] != 1 or token_mask is not None or self.attention_normalization:
             return False
         feature_map = self.feature_map
         if (self.kernel_mode not in ("auto", "chunk") or feature_map.kind not in TOKEN_STEP_FEATURE_MAPS
-                or feature_map.sum_normalization or self.value_activation not in ("identity", "silu")):
+                or self.value_activation not in ("identity", "silu")):
             return False
         fast_weight = state.get("fast_weight")
         if fast_weight is not None and (fast_weight.dtype != torch.float32 or not fast_weight.is_cpu):
@@ -325,7 +325,8 @@ class FastWeightLinearAttention(nn.Module):
             beta_scale=2.0 if self.allow_neg_eigval else 1.0, decay=decay and (rest[0], decay[1], decay[2]),
             state=state.get("fast_weight"), conv_weights=[c.weight.view(c.weight.shape[0], -1) for c in convs],
             conv_states=[state.get(name) for name in names], feature_map=self.feature_map.kind,
-            value_silu=self.value_activation == "silu", l2_eps=1e-6 if self.qk_l2_normalization else None,
+            sum_normalization=self.feature_map.sum_normalization, value_silu=self.value_activation == "silu",
+            l2_eps=1e-6 if self.qk_l2_normalization else None,
             query_scale=self.query_scale, norm_weight=None if self.o_norm is None else self.o_norm.weight,
             norm_eps=1e-6 if self.o_norm is None else self.o_norm.eps, gate=gate,
             gate_activation=self.output_gate_activation_name,

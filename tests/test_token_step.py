@@ -19,6 +19,9 @@ LAYERS = {
         feature_map="identity", short_conv_size=3, allow_neg_eigval=True, output_norm=True, output_gate=True,
         output_gate_activation="sigmoid", sum_normalization=False, value_head_dim=12)),
     "elu_delta_no_conv": (DeltaNetConfig, dict(feature_map="elu", sum_normalization=False)),
+    "papers_delta_net": (DeltaNetConfig, dict(feature_map="elu")),  # eq. 29's sum normalisation
+    "relu_sum_normalized_gated_output": (DeltaNetConfig, dict(feature_map="relu", output_norm=True,
+                                                              output_gate=True, short_conv_size=2)),
     "relu_sum_rule": (LinearTransformerConfig, dict(feature_map="relu", attention_normalization=False,
                                                      qk_l2_normalization=True)),
     "gated_grouped_values": (GatedDeltaNetConfig, dict(num_v_heads=4, value_head_dim=12)),

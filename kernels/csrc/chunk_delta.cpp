@@ -1384,7 +1384,8 @@ void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // decay, the state update above, the output norm and gate) each cost more in dispatch than in arithmetic. Per
 // sequence b, from the projections q, k [H * Dk], v [Hv * Dv]:
 //   q, k, v <- the short causal convolution's step (when there is one), conv_* states shifted by one position
-//   q, k <- phi(q), phi(k) (identity, SiLU, ReLU or ELU + 1);   v <- SiLU(v) (value_silu)
+//   q, k <- phi(q), phi(k) (identity, SiLU, ReLU or ELU + 1), per head / max(sum phi, 1e-6) (sum_normalization,
+//           eq. 29);   v <- SiLU(v) (value_silu)
 //   q, k <- x / sqrt(|x|^2 + eps) per head (l2_eps >= 0);   q <- q * query_scale (query_scale > 0)
 //   beta = beta_scale * sigmoid(beta logits) (Schlag et al. 2021 eq. 21; none: the sum rule)
 //   g = -exp(A_log) softplus(decay logits + dt_bias) (the gated delta rule's log-decay; none: a = 1)
@@ -1418,7 +1419,7 @@ struct Layer {
   float* S_out;
   T* out;
   int64_t feature_map, gate_activation;
-  bool value_silu;
+  bool sum_normalization, value_silu;
   float l2_eps, query_scale, beta_scale, norm_eps;
 };
 
@@ -1473,6 +1474,12 @@ void query_or_key(const Layer<T>& L, int which, int64_t b, float* scratch, float
   for (int64_t c = 0; c < C; ++c) scratch[c] = feature(L, scratch[c]);
   for (int64_t h = 0; h < L.H; ++h) {
     float* head = scratch + h * L.Dk;
+    if (L.sum_normalization) {  // phi / phi.sum(-1).clamp_min(1e-6), the sum rounded as torch's
+      float sum = 0;
+      for (int64_t j = 0; j < L.Dk; ++j) sum += head[j];
+      const float divisor = rounded<T>(std::max(rounded<T>(sum), 1e-6f));
+      for (int64_t j = 0; j < L.Dk; ++j) head[j] = rounded<T>(head[j] / divisor);
+    }
     if (L.l2_eps >= 0) normalize<T>(L.Dk, head, nullptr, L.l2_eps, false);
     if (which == 0 && L.query_scale > 0) {
       for (int64_t j = 0; j < L.Dk; ++j) head[j] = rounded<T>(head[j] * L.query_scale);
@@ -1569,16 +1576,16 @@ int64_t check_convolutions(at::TensorList weights, at::TensorList states, at::Te
 }
 
 // The op (schema below): q, k [B, H * Dk], v [B, Hv * Dv], beta_logits / decay_logits [B, Hv], gate [B, Hv * Dv] and
-// the convolutions in one dtype (float32 or bfloat16); A_log, dt_bias [Hv], norm_weight [Dv] (any float dtype); S (None:
-// zeros) and S_out float32 [B, Hv, Dv, Dk]; out [B, Hv * Dv]. l2_eps < 0: no L2 norm; query_scale 0: no scaling.
+// the convolutions in one dtype (float32 or bfloat16); A_log, dt_bias [Hv], norm_weight [Dv] (any float dtype); S
+// (None: zeros) and S_out float32 [B, Hv, Dv, Dk]; out [B, Hv * Dv]. l2_eps < 0: no L2 norm; query_scale 0: no scaling.
 void token_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const std::optional<at::Tensor>& beta_logits, const std::optional<at::Tensor>& decay_logits,
                 const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                 const std::optional<at::Tensor>& gate, at::TensorList conv_weights, at::TensorList conv_states,
                 const std::optional<at::Tensor>& S, const std::optional<at::Tensor>& norm_weight, int64_t num_heads,
-                int64_t feature_map, bool value_silu, double l2_eps, double query_scale, double beta_scale,
-                double norm_eps, int64_t gate_activation, at::TensorList new_conv_states, const at::Tensor& S_out,
-                const at::Tensor& out) {
+                int64_t feature_map, bool sum_normalization, bool value_silu, double l2_eps, double query_scale,
+                double beta_scale, double norm_eps, int64_t gate_activation, at::TensorList new_conv_states,
+                const at::Tensor& S_out, const at::Tensor& out) {
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.dim() == 2 && v.dim() == 2 &&
                   num_heads > 0 && q.size(1) % num_heads == 0 && S_out.dim() == 4,
               "fwp_chunk.token_step: q, k [B, H * Dk], v [B, Hv * Dv] in float32 or bfloat16, S_out [B, Hv, Dv, Dk]");
@@ -1605,8 +1612,8 @@ void token_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                data_or_null<T>(decay_logits), data_or_null<T>(gate), data_or_null<float>(A_log32),
                data_or_null<float>(dt_bias32), data_or_null<float>(norm32), {}, {}, {},
                data_or_null<float>(S), S_out.data_ptr<float>(), out.data_ptr<T>(), feature_map, gate_activation,
-               value_silu, static_cast<float>(l2_eps), static_cast<float>(query_scale), static_cast<float>(beta_scale),
-               static_cast<float>(norm_eps)};
+               sum_normalization, value_silu, static_cast<float>(l2_eps), static_cast<float>(query_scale),
+               static_cast<float>(beta_scale), static_cast<float>(norm_eps)};
     for (int64_t i = 0; i < (K ? 3 : 0); ++i) {
       L.conv_weights[i] = conv_weights[i].data_ptr<T>();
       L.conv_states[i] = conv_states[i].data_ptr<T>();
@@ -1969,8 +1976,9 @@ FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
         "Tensor(f!) dg, int products=0) -> ()");
   m.def("token_step(Tensor q, Tensor k, Tensor v, Tensor? beta_logits, Tensor? decay_logits, Tensor? A_log, "
         "Tensor? dt_bias, Tensor? gate, Tensor[] conv_weights, Tensor[] conv_states, Tensor? S, Tensor? norm_weight, "
-        "int num_heads, int feature_map, bool value_silu, float l2_eps, float query_scale, float beta_scale, "
-        "float norm_eps, int gate_activation, Tensor(a!)[] new_conv_states, Tensor(b!) S_out, Tensor(c!) out) -> ()");
+        "int num_heads, int feature_map, bool sum_normalization, bool value_silu, float l2_eps, float query_scale, "
+        "float beta_scale, float norm_eps, int gate_activation, Tensor(a!)[] new_conv_states, Tensor(b!) S_out, "
+        "Tensor(c!) out) -> ()");
   m.def("product_kinds", &product_kinds);  // no tensor argument: one kernel for every dispatch key
 }
 
