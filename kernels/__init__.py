@@ -35,8 +35,8 @@ A Delta Net / Gated DeltaNet layer's whole decode step between its projections i
 ``token_step_applies(*tensors)`` and its feature map is one of ``TOKEN_STEP_FEATURE_MAPS`` (token_step.py)::
 
     fast_weight_token_step(q, k, v, num_heads, num_value_heads, *, beta_logits, beta_scale, decay, state,
-                           conv_weights, conv_states, feature_map, value_silu, l2_eps, query_scale, norm_weight,
-                           norm_eps, gate, gate_activation)    # -> (out, new state, new conv states)
+                           conv_weights, conv_states, feature_map, sum_normalization, value_silu, l2_eps,
+                           query_scale, norm_weight, norm_eps, gate, gate_activation)  # -> (out, state, conv states)
 """
 from .delta_rule_kernels import delta_rule
 from .dense import (

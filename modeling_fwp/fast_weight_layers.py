@@ -133,7 +133,10 @@ class CausalConv1d(nn.Conv1d):
         return y.transpose(1, 2), window.gather(2, last[:, None, :].expand(B, C, width))
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+QK_L2_EPS = 1e-6  # the L2 normalisation of q and k: x / sqrt(|x|^2 + eps) (flash-linear-attention's)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = QK_L2_EPS) -> torch.Tensor:
     """``x / sqrt(|x|^2 + eps)`` over the last dimension, computed in float32."""
     if cpu_ops_apply(x):  # inference on CPU: the same arithmetic in one pass
         return normalize_rows(x, None, eps, mean_square=False)
@@ -290,21 +293,20 @@ class FastWeightLinearAttention(nn.Module):
                             token_mask: Optional[torch.Tensor]) -> bool:
         """Whether this call is a decode step that ``fwp_kernels.fast_weight_token_step`` computes in one C++ call:
         one position, no padding mask, CPU inference (``token_step_applies``), a chunked mode, the options the op
-        has (no attention normalisation, a feature map of its own), a float32 state, and no
-        hook or replaced module among those it stands in for (convolutions, feature map, output norm)."""
+        has (no attention normalisation, a feature map of its own), a float32 state, and no hook or replaced module
+        among those it stands in for (convolutions, feature map, output norm)."""
         if hidden_states.shape[1] != 1 or token_mask is not None or self.attention_normalization:
             return False
         feature_map = self.feature_map
-        if (self.kernel_mode not in ("auto", "chunk") or feature_map.kind not in TOKEN_STEP_FEATURE_MAPS
-                or self.value_activation not in ("identity", "silu")):
+        if self.kernel_mode not in ("auto", "chunk") or feature_map.kind not in TOKEN_STEP_FEATURE_MAPS:
             return False
         fast_weight = state.get("fast_weight")
         if fast_weight is not None and (fast_weight.dtype != torch.float32 or not fast_weight.is_cpu):
             return False
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.short_conv_size else ()
-        stand_ins = (feature_map, *convs) + (() if self.o_norm is None else (self.o_norm,))
-        if any(type(m) not in (FeatureMap, CausalConv1d, RMSNorm) or m._forward_hooks or m._forward_pre_hooks
-               or "forward" in m.__dict__ for m in stand_ins) or _global_module_hooks():
+        stand_ins = [(feature_map, FeatureMap), *((c, CausalConv1d) for c in convs), (self.o_norm, RMSNorm)]
+        if any(m is not None and (type(m) is not kind or m._forward_hooks or m._forward_pre_hooks
+                                  or "forward" in m.__dict__) for m, kind in stand_ins) or _global_module_hooks():
             return False
         return token_step_applies(hidden_states, *(c.weight for c in convs))
 
@@ -326,7 +328,7 @@ class FastWeightLinearAttention(nn.Module):
             state=state.get("fast_weight"), conv_weights=[c.weight.view(c.weight.shape[0], -1) for c in convs],
             conv_states=[state.get(name) for name in names], feature_map=self.feature_map.kind,
             sum_normalization=self.feature_map.sum_normalization, value_silu=self.value_activation == "silu",
-            l2_eps=1e-6 if self.qk_l2_normalization else None,
+            l2_eps=QK_L2_EPS if self.qk_l2_normalization else None,
             query_scale=self.query_scale, norm_weight=None if self.o_norm is None else self.o_norm.weight,
             norm_eps=1e-6 if self.o_norm is None else self.o_norm.eps, gate=gate,
             gate_activation=self.output_gate_activation_name,

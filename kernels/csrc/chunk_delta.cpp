@@ -1380,7 +1380,7 @@ void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // ---------------------------------------------------------------------------------------------------------------
 // One position of a whole Delta Net / Gated DeltaNet layer between its projections and its output projection, in
 // one call (modeling_fwp's FastWeightLinearAttention for a decode step on CPU, ``fast_weight_token_step`` in
-// kernels/chunk.py): a decode step's dozen small ops per layer (convolutions, activations, L2 norms, beta, the
+// kernels/token_step.py): a decode step's dozen small ops per layer (convolutions, activations, L2 norms, beta, the
 // decay, the state update above, the output norm and gate) each cost more in dispatch than in arithmetic. Per
 // sequence b, from the projections q, k [H * Dk], v [Hv * Dv]:
 //   q, k, v <- the short causal convolution's step (when there is one), conv_* states shifted by one position
@@ -1389,7 +1389,7 @@ void decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 //   q, k <- x / sqrt(|x|^2 + eps) per head (l2_eps >= 0);   q <- q * query_scale (query_scale > 0)
 //   beta = beta_scale * sigmoid(beta logits) (Schlag et al. 2021 eq. 21; none: the sum rule)
 //   g = -exp(A_log) softplus(decay logits + dt_bias) (the gated delta rule's log-decay; none: a = 1)
-//   S', o: decode_rows above, value head j reading query / key head j / (Hv / H)
+//   S', o: decode_rows above (eqs. 20-25), value head j reading query / key head j / (Hv / H)
 //   o <- RMSNorm(o) * weight per head (norm_weight given);   o <- o * act(gate) (gate given: SiLU or sigmoid)
 // Each value is rounded to the inputs' dtype (float32 or bfloat16) wherever the unfused ops store one, so bfloat16
 // follows them step by step; sums in float32, the state float32.
