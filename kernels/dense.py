@@ -20,7 +20,7 @@ the input's dtype; two things make them cheap on CPU:
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -89,17 +89,28 @@ def _cpu_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                                              or (bias is not None and bias.requires_grad)))
 
 
-@torch.library.custom_op("fwp_kernels::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """oneDNN's ``x [M, K] W [N, K]^T + b`` -> ``[M, N]`` (``mkldnn._linear_pointwise``) as an op of its own, so that
-    ``torch.compile`` calls it as it is: inductor lowers oneDNN's linear only for frozen weights (it raised
-    otherwise), and its own lowering of F.linear runs MKL's AVX2 sgemm on AMD CPUs (a float32 prefill 2x slower)."""
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's ``x [M, K] W [N, K]^T + b`` -> ``[M, N]`` (``mkldnn._linear_pointwise``)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@onednn_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _define_onednn_linear() -> Callable:
+    """``_onednn_linear`` as an op of its own, ``fwp_kernels::onednn_linear``, for traced graphs (``dense_linear``
+    calls it under ``torch.compile``): inductor lowers oneDNN's linear only for frozen weights (it raised otherwise),
+    and its own lowering of F.linear runs MKL's AVX2 sgemm on AMD CPUs (a float32 prefill 2x slower). Eager code calls
+    oneDNN's op directly: eager prefills through this op crashed the process now and then (segmentation faults inside
+    the op's call in 1-4 of 20 fresh processes at times on 2026-11-29, torch 2.13; none in the same hour with the
+    direct call; the cause is not pinned down). Defined once per process: this file may be imported twice, as
+    ``fwp_kernels.dense`` and as ``kernels.dense`` (transformers' probe for the Hub's ``kernels`` library imports any
+    top-level ``kernels``: this repository's folder where its root is on ``sys.path``), and a second ``custom_op`` of
+    the name replaces the first's registration."""
+    if not hasattr(torch.ops.fwp_kernels, "onednn_linear"):
+        op = torch.library.custom_op("fwp_kernels::onednn_linear", _onednn_linear, mutates_args=())
+        op.register_fake(lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
+    return torch.ops.fwp_kernels.onednn_linear.default
+
+
+onednn_linear = _define_onednn_linear()
 
 
 def _streams(rows: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -121,7 +132,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         _CPU_KERNEL.ops.linear_rows(rows.contiguous(), weight, None if bias is None else bias.contiguous(), out)
     elif onednn_matmul_supports(x.dtype):
-        out = onednn_linear(rows.contiguous(), weight, bias)
+        linear = onednn_linear if torch.compiler.is_compiling() else _onednn_linear
+        out = linear(rows.contiguous(), weight, bias)
     elif x.dtype == torch.bfloat16:  # widened: the CPU has no bfloat16 matmul (BF16_WIDEN_NOTE)
         widened_bias = None if bias is None else bias.float()
         out = dense_linear(rows.float(), weight.float(), widened_bias).to(torch.bfloat16)

@@ -93,6 +93,28 @@ def test_dense_linear_uses_onednn_only_outside_autograd():
     assert not dense._cpu_inference(x.double(), weight.double(), None)  # float64: F.linear (the exact references)
 
 
+def test_onednn_linear_op_is_defined_once_and_eager_calls_onednn_directly(monkeypatch):
+    """``fwp_kernels::onednn_linear`` (for traced graphs) is one op however often dense.py is imported (as
+    ``fwp_kernels.dense`` and, from this repository's root, as ``kernels.dense``: transformers' probe for the Hub's
+    ``kernels`` library imports it so), and eager products of more rows than stream call oneDNN's op directly."""
+    import importlib
+
+    if not dense.onednn_linear_available():
+        pytest.skip("PyTorch has no oneDNN here")
+    copy = importlib.import_module("kernels.dense")
+    assert copy is not dense and copy.onednn_linear is dense.onednn_linear
+    calls = []
+    monkeypatch.setattr(dense, "onednn_linear", lambda *args: calls.append(1) or copy.onednn_linear(*args))
+    x, weight, bias, _, _ = random_layer(torch.float32)
+    with torch.no_grad():
+        assert x.shape[0] > dense.STREAMING_MAX_ROWS
+        out = dense_linear(x, weight, bias)
+        traced = dense.onednn_linear(x, weight, bias)
+    assert calls == [1]  # only the explicit call
+    torch.testing.assert_close(out, traced, rtol=0, atol=0)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
 def _streaming_kernel():
     if not dense._CPU_KERNEL.available():
         pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")

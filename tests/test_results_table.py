@@ -100,8 +100,9 @@ def test_a_fresh_benchmark_file_renders_every_figure(tmp_path, script, argv, row
     (command, versions, load averages) and medians beside bests."""
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv, "--out", str(out)], check=True,
-                   capture_output=True, env=env, cwd=ROOT)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv, "--out", str(out)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
     run = json.loads(out.read_text())["run"]
     assert run["command"] == f"OMP_NUM_THREADS=1 python benchmarks/{script} {' '.join(argv)} --out {out}"
     assert run["versions"]["torch"] and run["machine"]["torch_threads"] == 1 and len(run["load_average_end"]) == 3
