@@ -4,7 +4,7 @@ option the op computes, both dtypes; the cases that keep the unfused ops; a whol
 import pytest
 import torch
 
-from kernels import chunk
+from fwp_kernels import chunk
 from modeling_fwp import fast_weight_layers
 from modeling_fwp.configuration_fwp import DeltaNetConfig, GatedDeltaNetConfig, LinearTransformerConfig
 
