@@ -97,10 +97,9 @@ def fast_weight_token_step(
     B = q.shape[0]
     Dk, Dv = q.shape[1] // num_heads, v.shape[1] // num_value_heads
     conv_weights = [w.contiguous() for w in conv_weights or ()]
-    widths = [w.shape[-1] - 1 for w in conv_weights]
     conv_states = [
-        q.new_zeros(B, w.shape[0], width) if s is None else s.to(q.dtype).contiguous()
-        for w, s, width in zip(conv_weights, conv_states or [None] * len(conv_weights), widths)
+        q.new_zeros(B, w.shape[0], w.shape[1] - 1) if s is None else s.to(q.dtype).contiguous()
+        for w, s in zip(conv_weights, conv_states or [None] * len(conv_weights))
     ]
     new_conv_states = [torch.empty_like(s) for s in conv_states]
     new_state = q.new_empty(B, num_value_heads, Dv, Dk, dtype=torch.float32)

@@ -284,6 +284,10 @@ class FastWeightLinearAttention(nn.Module):
             out = out * self.output_gate_activation(gate)
         return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
 
+    def _short_convs(self) -> Tuple[CausalConv1d, ...]:
+        """The short convolutions of q, k, v, in that order (none without ``short_conv_size``)."""
+        return (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.short_conv_size else ()
+
     def _token_decay(self) -> Optional[Tuple[nn.Linear, torch.Tensor, torch.Tensor]]:
         """The gated delta rule's decay inputs ``(a_proj, A_log, dt_bias)`` for ``fast_weight_token_step``; None here
         (no decay)."""
@@ -303,7 +307,7 @@ class FastWeightLinearAttention(nn.Module):
         fast_weight = state.get("fast_weight")
         if fast_weight is not None and (fast_weight.dtype != torch.float32 or not fast_weight.is_cpu):
             return False
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.short_conv_size else ()
+        convs = self._short_convs()
         stand_ins = [(feature_map, FeatureMap), *((c, CausalConv1d) for c in convs), (self.o_norm, RMSNorm)]
         if any(m is not None and (type(m) is not kind or m._forward_hooks or m._forward_pre_hooks
                                   or "forward" in m.__dict__) for m, kind in stand_ins) or _global_module_hooks():
@@ -320,7 +324,7 @@ class FastWeightLinearAttention(nn.Module):
         q, k, v, *rest = project(hidden_states[:, 0], self.q_proj, self.k_proj, self.v_proj, *extra)
         beta_logits = rest.pop(0) if self.beta_proj is not None else None
         gate = rest.pop(0) if self.g_proj is not None else None
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.short_conv_size else ()
+        convs = self._short_convs()
         names = ("conv_q", "conv_k", "conv_v")[: len(convs)]
         out, fast_weight, conv_states = fast_weight_token_step(
             q, k, v, self.num_heads, self.num_value_heads, beta_logits=beta_logits,

@@ -37,8 +37,7 @@ def _layer(name: str, dtype: torch.dtype, seed: int = 0):
     config_class, options = LAYERS[name]
     config = config_class(**SIZES, **options)
     torch.manual_seed(seed)
-    layer = fast_weight_layers.FAST_WEIGHT_LAYERS[config.fast_weight_layer if hasattr(config, "fast_weight_layer")
-                                                 else "linear"](config)
+    layer = fast_weight_layers.FAST_WEIGHT_LAYERS[getattr(config, "fast_weight_layer", "linear")](config)
     with torch.no_grad():  # every parameter away from its initial value (norm weights of 1, zero biases)
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
