@@ -126,7 +126,7 @@ def _fused_fast_rnn_scan(ops, z, k, v, beta, cell: str, R0, y0, c0, mask):
     """The fused scan with backend `ops`; arguments and returns as :func:`fast_rnn_scan_reference` (c_T: None for the
     RNN cells)."""
     y, c_all, R_T = _FastRNNScanFunction.apply(z, k, v, beta, R0, y0, c0, mask, _CELL_ID[cell], ops)
-    return y, R_T, (c_all[:, :, -1] if cell.startswith("lstm") else None)
+    return y, R_T, (c_all[:, :, -1].clone() if cell.startswith("lstm") else None)
 
 
 FAST_RNN_SCAN = register(
@@ -195,6 +195,6 @@ def fast_rnn_scan(
         inputs = [x.to(acc).contiguous() for x in (z, k, v, beta)]
         m = mask.to(acc).contiguous() if mask is not None else None
         y, R_T, c_T = kernel(*inputs, cell, R0, y0, c0, m)
-        y_T = y[:, :, -1]
+        y_T = y[:, :, -1].clone()  # (a view would keep the whole output alive in the caller's state)
     final = ScanState(R_T, y_T, c_T if lstm else None) if output_final_state else None
     return y.to(z.dtype), final

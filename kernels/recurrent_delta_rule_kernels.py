@@ -164,6 +164,6 @@ def recurrent_delta_rule(
         inputs = [x.to(acc).contiguous() for x in (q, k, v, beta, r_q, r_k, r_v, r_beta)]
         m = mask.to(acc).contiguous() if mask is not None else None
         y, W_T = kernel(*inputs, W0, y0, m)
-        y_T = y[:, :, -1]
+        y_T = y[:, :, -1].clone()  # (a view would keep the whole output alive in the caller's state)
     final = ScanState(W_T, y_T, None) if output_final_state else None
     return y.to(q.dtype), final

@@ -120,7 +120,7 @@ class CausalConv1d(nn.Conv1d):
                 y = (window.to(acc) * self.weight[:, 0].to(acc)).sum(-1, keepdim=True).to(x.dtype)
             else:
                 y = F.conv1d(window, self.weight, groups=self.groups)
-            return y.transpose(1, 2), window[..., T:]
+            return y.transpose(1, 2), window[..., T:].clone()  # (a view would keep the whole window alive)
         real = token_mask > 0
         # slot of each real token among its row's real tokens; padded positions go to a slot T that is dropped
         slot = torch.where(real, real.long().cumsum(-1) - 1, torch.full_like(real, T, dtype=torch.long))
