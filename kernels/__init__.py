@@ -31,6 +31,10 @@ A decode step's other per-token ops in one C++ pass each, where ``cpu_ops_apply(
     short_conv_step(x, cache, weight)                  # one position of a depthwise causal convolution
     normalize_rows(x, weight, eps, mean_square)        # RMSNorm (mean_square) or L2 normalisation of each row
 
+A model's CPU forward over many positions keeps its large freed buffers for reuse (no page faults on fresh memory)::
+
+    with reusing_cpu_buffers(hidden_states): ...       # a no-op on GPU, for short inputs and under torch.compile
+
 A Delta Net / Gated DeltaNet layer's whole decode step between its projections in one C++ call, where
 ``token_step_applies(*tensors)`` and its feature map is one of ``TOKEN_STEP_FEATURE_MAPS`` (token_step.py)::
 
@@ -40,7 +44,8 @@ A Delta Net / Gated DeltaNet layer's whole decode step between its projections i
 """
 from .delta_rule_kernels import delta_rule
 from .dense import (
-    cpu_ops_apply, dense_linear, dense_linears, linear_cross_entropy_input_gradient, normalize_rows, short_conv_step,
+    cpu_ops_apply, dense_linear, dense_linears, linear_cross_entropy_input_gradient, normalize_rows,
+    reusing_cpu_buffers, short_conv_step,
 )
 from .dispatch import MODES
 from .fast_rnn_scan_kernels import fast_rnn_scan
@@ -63,6 +68,7 @@ __all__ = [
     "cpu_ops_apply",
     "short_conv_step",
     "normalize_rows",
+    "reusing_cpu_buffers",
     "fast_weight_token_step",
     "token_step_applies",
     "TOKEN_STEP_FEATURE_MAPS",

@@ -19,8 +19,9 @@ the input's dtype; two things make them cheap on CPU:
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -188,6 +189,33 @@ def normalize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, 
     _CPU_KERNEL.ops.normalize_rows(rows, weight, float(eps), mean_square, out)
     return out.view(x.shape)
 
+
+# Hidden states of at least this many bytes make a model's CPU forward reuse its large buffers (reusing_cpu_buffers):
+# 128 positions of a 2,048-wide float32 model. Below, its tensors are small and malloc's heap reuses them anyway.
+REUSE_BUFFERS_MIN_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def reusing_cpu_buffers(hidden_states: torch.Tensor) -> Iterator[None]:
+    """Within, freed CPU tensors of 1 MB or more are kept and handed to the next request of their size
+    (``csrc/decode_linear.cpp``, "Large CPU buffers"), where `hidden_states` (``[B, T, D]``) is a CPU tensor of at
+    least ``REUSE_BUFFERS_MIN_BYTES``, the C++ kernel is built, no ``torch.compile`` trace is running and
+    ``FWP_KERNELS_NO_BUFFER_REUSE`` is unset (or 0); else it does nothing. A model's forward over many positions
+    allocates tensors of the same sizes in every layer, and the memory glibc hands back for each is faulted in again page
+    by page (about 1 ms per MB here). The blocks kept are freed when the outermost scope ends (nested scopes count);
+    values are untouched: only where tensors live changes."""
+    if (not hidden_states.is_cpu or hidden_states.numel() * hidden_states.element_size() < REUSE_BUFFERS_MIN_BYTES
+            or torch.compiler.is_compiling() or not _REUSE_BUFFERS or not _CPU_KERNEL.available()):
+        yield
+        return
+    _CPU_KERNEL.ops.reuse_buffers_enter()
+    try:
+        yield
+    finally:
+        _CPU_KERNEL.ops.reuse_buffers_exit()
+
+
+_REUSE_BUFFERS = os.environ.get("FWP_KERNELS_NO_BUFFER_REUSE", "") in ("", "0")
 
 def dense_linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     """``tuple(dense_linear(x, w) for w in weights)``, no biases: where the weight-streaming kernel runs (up to

@@ -12,6 +12,7 @@ from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
+from fwp_kernels import reusing_cpu_buffers
 from torch import nn
 from transformers import GenerationMixin
 from transformers.activations import ACT2FN
@@ -36,19 +37,9 @@ from .pretrained import StatefulPreTrainedModel, logits_to_keep_index
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
 
 
-# A CPU forward outside autograd whose inner activations would take more than FEED_FORWARD_MMAP_BYTES runs the
-# feed-forward in blocks of rows of at most FEED_FORWARD_BLOCK_BYTES each: glibc serves blocks above its mmap threshold
-# (at most 32 MB) as fresh mappings, faulted in page by page on every allocation. The 1.3B Delta Net's float32 prefill
-# of 2,048 tokens (inner 2,048 x 5,632 floats, 46 MB) at 2 threads, second rounds by hand, 2026-11-29: 14.9-18.6 s in
-# blocks of 512 or 744 rows against 18.4-22.9 s in one (blocks of 1,117 rows, 25 MB: 23.4 against 23.9 s).
-FEED_FORWARD_MMAP_BYTES = 32 * 2**20
-FEED_FORWARD_BLOCK_BYTES = 16 * 2**20
-
-
 class FeedForward(nn.Module):
     """Position-wise feed-forward: ``W_2 act(W_1 x + b_1) + b_2`` (``feed_forward_type="mlp"``), or SwiGLU without
-    biases, ``W_d (act(W_g x) * W_u x)`` (``"swiglu"``; Shazeer 2020). Rows are independent: outside autograd on CPU,
-    many rows go through in blocks (``FEED_FORWARD_MMAP_BYTES``)."""
+    biases, ``W_d (act(W_g x) * W_u x)`` (``"swiglu"``; Shazeer 2020)."""
 
     def __init__(self, config: FastWeightConfig) -> None:
         super().__init__()
@@ -60,17 +51,6 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        rows = hidden_states.shape[:-1].numel()
-        row_bytes = self.up_proj.out_features * hidden_states.element_size()  # of one row's inner activations
-        if rows * row_bytes <= FEED_FORWARD_MMAP_BYTES or torch.is_grad_enabled() or not hidden_states.is_cpu:
-            return self._rows(hidden_states)
-        block = max(1, FEED_FORWARD_BLOCK_BYTES // row_bytes)
-        # CPU inference over many positions (a prefill): blocks of rows, each row's result as it is alone
-        flat = hidden_states.reshape(rows, hidden_states.shape[-1])
-        out = torch.cat([self._rows(flat[i: i + block]) for i in range(0, rows, block)])
-        return out.view(*hidden_states.shape[:-1], out.shape[-1])
-
-    def _rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
             gate, up = project(hidden_states, self.gate_proj, self.up_proj)
             inner = self.act(gate) * up
@@ -309,16 +289,17 @@ class FastWeightModel(FastWeightPreTrainedModel):
         hidden_states = self.dropout(self._add_positions(inputs_embeds, position_ids, token_mask, cache))
 
         all_hidden_states = () if output_hidden_states else None
-        for layer_idx, block in enumerate(self.layers):
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            state = cache.get_state(layer_idx) if cache is not None else None
-            if state is not None:
-                state = {name: t.detach() for name, t in state.items()}
-            hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
-            if cache is not None:
-                cache.set_state(layer_idx, new_state, seq_len)
-        hidden_states = self.norm(hidden_states)
+        with reusing_cpu_buffers(hidden_states):  # a CPU forward over many positions: no fresh pages per layer
+            for layer_idx, block in enumerate(self.layers):
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,)
+                state = cache.get_state(layer_idx) if cache is not None else None
+                if state is not None:
+                    state = {name: t.detach() for name, t in state.items()}
+                hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
+                if cache is not None:
+                    cache.set_state(layer_idx, new_state, seq_len)
+            hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
 

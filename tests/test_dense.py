@@ -354,3 +354,89 @@ def test_projections_share_one_pass_only_outside_autograd_and_untouched(monkeypa
     with torch.no_grad():
         project(x, Linear(16, 3, bias=True).to(torch.bfloat16), layers[0])
     assert grouped == [2]
+
+
+def _reuse_stats() -> dict:
+    depth, installed, reused, kept = dense._CPU_KERNEL.ops.reuse_buffers_stats()
+    return {"depth": depth, "installed": bool(installed), "reused": reused, "kept": kept}
+
+
+def test_reusing_cpu_buffers_hands_a_freed_block_to_the_next_request_of_its_size():
+    """Inside the scope a freed tensor of 1 MB or more is kept and comes back for the next request of its size (pages
+    still mapped); small ones are not kept; nested scopes count; the last exit restores the allocator and frees what
+    it kept; a tensor made inside keeps its values after the scope and frees without harm."""
+    if not dense._CPU_KERNEL.available():
+        pytest.skip("the C++ kernel is not built here")
+    hidden = torch.zeros(1, 256, 1024)  # 1 MB: the threshold
+    before = _reuse_stats()
+    assert before["depth"] == 0 and before["kept"] == 0
+    with dense.reusing_cpu_buffers(hidden):
+        assert _reuse_stats()["depth"] == 1 and _reuse_stats()["installed"]
+        big = torch.empty(2**20)  # 4 MB
+        address = big.data_ptr()
+        del big
+        assert _reuse_stats()["kept"] >= 4 * 2**20
+        again = torch.empty(2**20)
+        assert again.data_ptr() == address and _reuse_stats()["reused"] == before["reused"] + 1
+        small = torch.empty(1000)
+        del small
+        kept = _reuse_stats()["kept"]
+        assert kept == 0  # `again` holds the one big block; the small one went back to malloc
+        outlives = torch.arange(2**19, dtype=torch.float32)  # 2 MB made inside
+        with dense.reusing_cpu_buffers(hidden):
+            assert _reuse_stats()["depth"] == 2
+        assert _reuse_stats()["depth"] == 1 and _reuse_stats()["installed"]
+        del again
+        assert _reuse_stats()["kept"] > 0
+    after = _reuse_stats()
+    assert after["depth"] == 0 and not after["installed"] and after["kept"] == 0
+    assert torch.equal(outlives, torch.arange(2**19, dtype=torch.float32))
+    del outlives
+    fresh = torch.empty(2**20)  # the default allocator again: nothing is kept
+    del fresh
+    assert _reuse_stats()["kept"] == 0
+
+
+def test_reusing_cpu_buffers_applies_only_to_large_cpu_inputs_and_ends_on_errors(monkeypatch):
+    if not dense._CPU_KERNEL.available():
+        pytest.skip("the C++ kernel is not built here")
+    with dense.reusing_cpu_buffers(torch.zeros(10, 10)):  # below REUSE_BUFFERS_MIN_BYTES: nothing happens
+        assert _reuse_stats()["depth"] == 0
+    monkeypatch.setattr(dense, "_REUSE_BUFFERS", False)  # FWP_KERNELS_NO_BUFFER_REUSE=1
+    with dense.reusing_cpu_buffers(torch.zeros(1, 256, 1024)):
+        assert _reuse_stats()["depth"] == 0
+    monkeypatch.setattr(dense, "_REUSE_BUFFERS", True)
+    with pytest.raises(RuntimeError, match="boom"):
+        with dense.reusing_cpu_buffers(torch.zeros(1, 256, 1024)):
+            assert _reuse_stats()["depth"] == 1
+            raise RuntimeError("boom")
+    assert _reuse_stats()["depth"] == 0 and not _reuse_stats()["installed"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_forward_reuses_buffers_with_the_same_logits_and_cache(monkeypatch, dtype):
+    """A model's forward over many positions runs its layers inside ``reusing_cpu_buffers`` (blocks are reused from
+    layer to layer) and returns exactly what it returns without it; a short decode step does not enter it."""
+    if not dense._CPU_KERNEL.available():
+        pytest.skip("the C++ kernel is not built here")
+    from conftest import tiny_model
+    from modeling_fwp import GatedDeltaNetConfig
+    from modeling_fwp.cache_fwp import output_cache
+
+    model = tiny_model(GatedDeltaNetConfig, num_hidden_layers=3, hidden_size=256, intermediate_size=1024,
+                       short_conv_size=4).to(dtype)
+    ids = torch.randint(3, 61, (2, 512))  # hidden states 2 x 512 x 256: 1 MB in float32, 0.5 in bfloat16
+    monkeypatch.setattr(dense, "REUSE_BUFFERS_MIN_BYTES", 2**19)
+    runs = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(dense, "_REUSE_BUFFERS", reuse)
+        reused = _reuse_stats()["reused"]
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            step = model(ids[:, :1], past_key_values=output_cache(out), use_cache=True)
+        runs[reuse] = (out.logits, step.logits, output_cache(step).layers[0]._states)
+        assert (_reuse_stats()["reused"] > reused) == reuse
+        assert _reuse_stats()["depth"] == 0
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+    for key, state in runs[True][2].items():
+        assert torch.equal(state, runs[False][2][key]), key

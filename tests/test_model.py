@@ -564,36 +564,6 @@ def test_gradient_checkpointing_replays_the_same_favor_features():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("feed_forward_type", ["mlp", "swiglu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_feed_forward_runs_many_rows_in_blocks_outside_autograd(monkeypatch, feed_forward_type, dtype):
-    """CPU inference whose inner activations exceed ``FEED_FORWARD_MMAP_BYTES`` (here 100 rows): the feed-forward in
-    blocks of ``FEED_FORWARD_BLOCK_BYTES`` (here 48 rows; counted), every row's result as in one call; fewer rows, or
-    autograd: one call, gradients as before."""
-    from modeling_fwp import modeling_fwp as backbone
-
-    config = tiny_config(feed_forward_type=feed_forward_type, hidden_act="silu", intermediate_size=40)
-    torch.manual_seed(0)
-    ff = backbone.FeedForward(config).to(dtype).eval()
-    element = torch.tensor([], dtype=dtype).element_size()
-    monkeypatch.setattr(backbone, "FEED_FORWARD_MMAP_BYTES", 100 * 40 * element)
-    monkeypatch.setattr(backbone, "FEED_FORWARD_BLOCK_BYTES", 48 * 40 * element)
-    calls = []
-    rows = backbone.FeedForward._rows
-    monkeypatch.setattr(backbone.FeedForward, "_rows", lambda self, x: calls.append(x.shape[0]) or rows(self, x))
-    x = torch.randn(2, 60, config.hidden_size).to(dtype)
-    with torch.no_grad():
-        blocked = ff(x)
-        whole = rows(ff, x)
-        ff(x[:, :50])  # 100 rows: one call
-    assert calls == [48, 48, 24, 2] and blocked.shape == whole.shape
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(blocked, whole, **tol)
-    calls.clear()
-    ff(x).float().sum().backward()  # autograd: one call
-    assert calls == [2] and all(p.grad is not None for p in ff.parameters())
-
-
 def _cache_configs():
     from modeling_fwp.families import FAMILIES
 
