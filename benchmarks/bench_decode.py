@@ -60,15 +60,24 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode.json"
 VARIANTS = ("ours", "f_linear")
 BATCH_VARIANTS = VARIANTS + ("one_row_streaming",)  # --batch_size > 1
 DECODE_ONLY_VARIANTS = ("unfused_step",)  # its prefill is ours
+PREFILL_ONLY_VARIANTS = ("no_buffer_reuse",)  # its decode steps are ours (they never enter the scope)
 
 
 @contextlib.contextmanager
 def variant(name: str):
     """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear);
     ``unfused_step``: as shipped, the decode step's small ops one by one; ``one_row_streaming``: as shipped, the
-    weight-streaming kernel for one row of input only."""
+    weight-streaming kernel for one row of input only; ``no_buffer_reuse``: as shipped, without
+    ``reusing_cpu_buffers`` (as FWP_KERNELS_NO_BUFFER_REUSE=1)."""
     if name == "ours":
         yield
+        return
+    if name == "no_buffer_reuse":
+        shipped, dense._REUSE_BUFFERS = dense._REUSE_BUFFERS, False
+        try:
+            yield
+        finally:
+            dense._REUSE_BUFFERS = shipped
         return
     if name == "unfused_step":
         fused, fast_weight_layers.token_step_applies = fast_weight_layers.token_step_applies, lambda *tensors: False
@@ -150,7 +159,7 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
     ids = torch.randint(3, model.config.vocab_size, (batch_size, max(prefill, context)),
                         generator=torch.Generator().manual_seed(0))
     prefill_fns = {}
-    for name in variants:
+    for name in variants + PREFILL_ONLY_VARIANTS:
         def run(name=name):
             with variant(name):
                 model(ids[:, :prefill], use_cache=True)
@@ -198,6 +207,10 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
     result["decode_speedup"] = (result["f_linear"]["decode_ms_per_token"]["median"]
                                 / result["ours"]["decode_ms_per_token"]["median"])
     result["prefill_speedup"] = result["ours"]["prefill_tokens_per_s"] / result["f_linear"]["prefill_tokens_per_s"]
+    for name in PREFILL_ONLY_VARIANTS:
+        rate = batch_size * prefill / prefill_t[name]["median"]
+        result[name] = {"prefill_tokens_per_s": rate, "prefill_of_bound": rate / bound_tokens_per_s}
+        result[f"prefill_speedup_vs_{name}"] = result["ours"]["prefill_tokens_per_s"] / rate
     for name in [n for n in decoders if n not in variants]:  # decode only: against ours' steps
         decode = summarize(step_times[name])
         result[name] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
@@ -243,6 +256,10 @@ def print_table(results: dict) -> None:
             print(f"    prefill tokens/s: ours {o['prefill_tokens_per_s']:.0f} ({o['prefill_of_bound']:.2f} of the "
                   f"bound {r['prefill_bound_tokens_per_s']:.0f}), F.linear {f['prefill_tokens_per_s']:.0f} "
                   f"({f['prefill_of_bound']:.2f}); ours {r['prefill_speedup']:.2f}x faster")
+            n = r["no_buffer_reuse"]
+            print(f"    prefill tokens/s without reusing_cpu_buffers: {n['prefill_tokens_per_s']:.0f} "
+                  f"({n['prefill_of_bound']:.2f} of the bound); ours {r['prefill_speedup_vs_no_buffer_reuse']:.2f}x "
+                  f"faster")
 
 
 def main() -> None:

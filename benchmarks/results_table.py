@@ -428,6 +428,16 @@ def decode_rows(s: Source) -> List[Row]:
                 fill("F.linear {:.1f} ({:.2f} of the bound)", rate["f_linear"],
                      s.get(f"{key}.f_linear.prefill_of_bound")),
                 "at least 0.6 of the bound"])
+            if s.get(f"{key}.no_buffer_reuse.prefill_tokens_per_s") is not None:  # runs from session 51
+                rows.append([
+                    fill("prefill tok/s at {:,} tokens, whole 1.3B Delta Net, {}, {} thread(s): large freed CPU "
+                         "buffers reused within the forward (reusing_cpu_buffers)", s.get("prefill"), dtype, th),
+                    fill("**{:.1f}** ({:.2f}x faster)", rate["ours"],
+                         s.get(f"{key}.prefill_speedup_vs_no_buffer_reuse")) + " (one round)",
+                    fill("without it {:.1f} ({:.2f} of the bound)",
+                         s.get(f"{key}.no_buffer_reuse.prefill_tokens_per_s"),
+                         s.get(f"{key}.no_buffer_reuse.prefill_of_bound")),
+                    "faster"])
     return rows
 
 
