@@ -29,6 +29,7 @@ Vocabulary-sized products of the Fast Weight Layers (dense.py; Clark et al. 2022
 A decode step's other per-token ops in one C++ pass each, where ``cpu_ops_apply(*tensors)`` (CPU inference)::
 
     short_conv_step(x, cache, weight)                  # one position of a depthwise causal convolution
+    short_conv(x, cache, weight)                       # the same over T positions, channels last (a prefill)
     normalize_rows(x, weight, eps, mean_square)        # RMSNorm (mean_square) or L2 normalisation of each row
 
 A model's CPU forward over many positions keeps its large freed buffers for reuse (no page faults on fresh memory)::
@@ -45,7 +46,7 @@ A Delta Net / Gated DeltaNet layer's whole decode step between its projections i
 from .delta_rule_kernels import delta_rule
 from .dense import (
     cpu_ops_apply, dense_linear, dense_linears, linear_cross_entropy_input_gradient, normalize_rows,
-    reusing_cpu_buffers, short_conv_step,
+    reusing_cpu_buffers, short_conv, short_conv_step,
 )
 from .dispatch import MODES
 from .fast_rnn_scan_kernels import fast_rnn_scan
@@ -67,6 +68,7 @@ __all__ = [
     "linear_cross_entropy_input_gradient",
     "cpu_ops_apply",
     "short_conv_step",
+    "short_conv",
     "normalize_rows",
     "reusing_cpu_buffers",
     "fast_weight_token_step",

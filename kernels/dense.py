@@ -179,6 +179,22 @@ def short_conv_step(
     return y, new_cache
 
 
+
+def short_conv(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A depthwise causal convolution over T positions, channels last (``csrc/decode_linear.cpp``), where
+    ``cpu_ops_apply``: ``y[b, t, c] = sum_i weight[c, i] [cache[b, c, :], x[b, :, c]]_{t + i}`` in float32 (float64
+    for float64), the sums as ``short_conv_step``'s.
+
+    Args:
+        x: ``[B, T, C]``; cache: ``[B, C, K - 1]``, the K - 1 inputs before x; weight: ``[C, K]``.
+    Returns:
+        ``(y [B, T, C], new_cache [B, C, K - 1])``: the last K - 1 inputs of ``[cache, x]``.
+    """
+    x, cache = x.contiguous(), cache.contiguous()
+    y, new_cache = torch.empty_like(x), torch.empty_like(cache)
+    _CPU_KERNEL.ops.short_conv(x, cache, weight.contiguous(), y, new_cache)
+    return y, new_cache
+
 def normalize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, mean_square: bool) -> torch.Tensor:
     """Each row of ``x [*, D]`` over its last dimension in one pass (``csrc/decode_linear.cpp``), where
     ``cpu_ops_apply``: ``x / sqrt(mean(x^2) + eps) * weight`` (`mean_square`: RMSNorm, weight ``[D]``) or ``x /
@@ -201,9 +217,9 @@ def reusing_cpu_buffers(hidden_states: torch.Tensor) -> Iterator[None]:
     (``csrc/decode_linear.cpp``, "Large CPU buffers"), where `hidden_states` (``[B, T, D]``) is a CPU tensor of at
     least ``REUSE_BUFFERS_MIN_BYTES``, the C++ kernel is built, no ``torch.compile`` trace is running and
     ``FWP_KERNELS_NO_BUFFER_REUSE`` is unset (or 0); else it does nothing. A model's forward over many positions
-    allocates tensors of the same sizes in every layer, and the memory glibc hands back for each is faulted in again page
-    by page (about 1 ms per MB here). The blocks kept are freed when the outermost scope ends (nested scopes count);
-    values are untouched: only where tensors live changes."""
+    allocates tensors of the same sizes in every layer, and the memory glibc hands back for each is faulted in again
+    page by page (about 1 ms per MB here). The blocks kept are freed when the outermost scope ends (nested scopes
+    count); values are untouched: only where tensors live changes."""
     if (not hidden_states.is_cpu or hidden_states.numel() * hidden_states.element_size() < REUSE_BUFFERS_MIN_BYTES
             or torch.compiler.is_compiling() or not _REUSE_BUFFERS or not _CPU_KERNEL.available()):
         yield

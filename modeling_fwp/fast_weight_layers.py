@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from fwp_kernels import cpu_ops_apply, delta_rule, dense_linear, dense_linears, gated_delta_rule, linear_attention
-from fwp_kernels import normalize_rows, short_conv_step
+from fwp_kernels import normalize_rows, short_conv, short_conv_step
 from fwp_kernels import TOKEN_STEP_FEATURE_MAPS, fast_weight_token_step, token_step_applies
 from torch import nn
 from transformers import initialization as init
@@ -108,12 +108,14 @@ class CausalConv1d(nn.Conv1d):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         width = self.kernel_size[0] - 1
-        x = x.transpose(1, 2)  # [B, C, T]
         cache = x.new_zeros(B, C, width) if cache is None else cache.to(x.dtype)
-        if token_mask is None:
-            if T == 1 and cpu_ops_apply(x, cache, self.weight):  # a decode step on CPU: one pass, not six ops
+        if token_mask is None and cpu_ops_apply(x, cache, self.weight):  # CPU inference: one pass, channels last
+            if T == 1:  # a decode step: one weighted sum per channel, not six ops
                 y, cache = short_conv_step(x.reshape(B, C), cache, self.weight.view(C, -1))
                 return y.view(B, 1, C), cache
+            return short_conv(x, cache, self.weight.view(C, -1))
+        x = x.transpose(1, 2)  # [B, C, T]
+        if token_mask is None:
             window = torch.cat([cache, x], dim=-1)  # [B, C, K - 1 + T]
             if T == 1:  # a decode step: one weighted sum per channel (a conv1d call costs ~10x more here, measured)
                 acc = torch.promote_types(x.dtype, torch.float32)  # float32 sums for bf16, float64 stays float64

@@ -224,6 +224,40 @@ def test_short_conv_step_matches_its_definition(dtype, B, C, K):
     assert torch.equal(x, before[0]) and torch.equal(cache, before[1])
 
 
+def conv_by_definition(x, cache, weight):
+    """The step definition position by position: y[b, t, c] from the K - 1 inputs before t (the cache first), float64;
+    and the cache after the last position."""
+    ys = []
+    for t in range(x.shape[1]):
+        y, cache = conv_step_by_definition(x[:, t], cache, weight)
+        ys.append(y)
+    return torch.stack(ys, 1) if ys else x.double(), cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("B,T,C,K", [(1, 50, 37, 4), (3, 2, 5, 4), (2, 7, 16, 3), (2, 1, 8, 2), (1, 0, 6, 4),
+                                     (2, 300, 130, 5)])
+def test_short_conv_matches_step_by_step(dtype, B, T, C, K):
+    """short_conv over T positions (channels last, parallel over positions) is the step definition at every position
+    (T shorter than the window included: the cache is read), float32 sums rounded once; its new cache is exactly the
+    last K - 1 inputs of [cache, x]; the inputs are not written."""
+    if not dense.cpu_ops_apply(torch.zeros(1)):
+        pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
+    gen = torch.Generator().manual_seed(B * T * C * K)
+    x, cache, weight = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((B, T, C), (B, C, K - 1), (C, K)))
+    before = (x.clone(), cache.clone())
+    y, new_cache = dense.short_conv(x, cache, weight)
+    expected, expected_cache = conv_by_definition(x, cache, weight)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert y.shape == x.shape and y.dtype == dtype
+    torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+    assert torch.equal(new_cache.double(), expected_cache)
+    assert torch.equal(x, before[0]) and torch.equal(cache, before[1])
+    if T > 0:  # each output as the decode step's (same sums, same order)
+        step = dense.short_conv_step(x[:, -1].contiguous(), dense.short_conv(x[:, :-1], cache, weight)[1], weight)
+        assert torch.equal(step[0], y[:, -1]) and torch.equal(step[1], new_cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("mean_square", [True, False])
 def test_normalize_rows_matches_its_definition(dtype, mean_square):
@@ -268,7 +302,7 @@ def test_layers_take_the_decode_ops_outside_autograd_only(monkeypatch):
     if not dense._CPU_KERNEL.available():
         pytest.skip(f"the C++ decode_linear kernel is {dense._CPU_KERNEL.describe()}")
     calls = []
-    for name in ("short_conv_step", "normalize_rows"):
+    for name in ("short_conv_step", "short_conv", "normalize_rows"):
         op = getattr(fast_weight_layers, name)
         counted = lambda *args, _op=op, _name=name, **kwargs: calls.append(_name) or _op(*args, **kwargs)  # noqa: E731
         monkeypatch.setattr(fast_weight_layers, name, counted)
@@ -284,6 +318,13 @@ def test_layers_take_the_decode_ops_outside_autograd_only(monkeypatch):
     assert calls == ["short_conv_step", "normalize_rows", "normalize_rows"]
     torch.testing.assert_close(untracked[0][0], tracked[0][0].detach(), rtol=1e-6, atol=1e-6)
     assert torch.equal(untracked[0][1], tracked[0][1])
+    prefill = torch.randn(2, 9, 24, requires_grad=True)  # more positions: short_conv, against F.conv1d's path
+    tracked_conv = conv(prefill, cache)
+    with torch.no_grad():
+        untracked_conv = conv(prefill, cache)
+    assert calls[-1] == "short_conv"
+    torch.testing.assert_close(untracked_conv[0], tracked_conv[0].detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(untracked_conv[1], tracked_conv[1])
     for got, want in zip(untracked[1:], tracked[1:]):
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
 

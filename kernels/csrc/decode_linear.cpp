@@ -261,6 +261,69 @@ void short_conv_step(const at::Tensor& x, const at::Tensor& cache, const at::Ten
   });
 }
 
+// short_conv's positions [t0, t1) of one sequence: x [T, C] (channels contiguous), cache [C, K - 1] (the K - 1 inputs
+// before x), wt [K, C] the weight transposed in Acc; y [T, C]. Each output sums its K taps in order i = 0..K-1 (as
+// short_conv_step), over the channels at once; `row` holds C sums.
+template <typename T, typename Acc>
+void conv_positions(int64_t t0, int64_t t1, int64_t C, int64_t K, const T* x, const T* cache, const Acc* wt, T* y,
+                    Acc* row) {
+  for (int64_t t = t0; t < t1; ++t) {
+    std::fill(row, row + C, Acc(0));
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t p = t - (K - 1) + i;  // the input position of tap i
+      const Acc* w = wt + i * C;
+      if (p >= 0) {
+        const T* in = x + p * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) row[c] += static_cast<Acc>(in[c]) * w[c];
+      } else {  // before x: the cache's entry K - 1 + p of every channel
+        for (int64_t c = 0; c < C; ++c) row[c] += static_cast<Acc>(cache[c * (K - 1) + K - 1 + p]) * w[c];
+      }
+    }
+    for (int64_t c = 0; c < C; ++c) y[t * C + c] = static_cast<T>(row[c]);
+  }
+}
+
+// A depthwise causal convolution of width K over T positions (modeling_fwp's CausalConv1d over a prefill), channels
+// last: y[b, t, c] = sum_i weight[c, i] [cache[b, c, :], x[b, :, c]]_{t + i}, sums in order i = 0..K-1 in float32
+// (float64 for float64) as short_conv_step; new_cache[b, c, :] = the last K - 1 inputs of [cache, x]. One pass over x
+// where torch's path transposes it, concatenates the cache and convolves channels first (three passes and three
+// tensors). x, y [B, T, C], cache, new_cache [B, C, K - 1], weight [C, K]; one dtype, contiguous.
+void short_conv(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& weight, const at::Tensor& y,
+                const at::Tensor& new_cache) {
+  TORCH_CHECK(x.dim() == 3 && weight.dim() == 2 && weight.size(0) == x.size(2) && weight.size(1) >= 2,
+              "fwp_dense.short_conv: x must be [B, T, C] and weight [C, K] with K >= 2");
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), K = weight.size(1);
+  for (const at::Tensor* t : {&cache, &new_cache}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == C && t->size(2) == K - 1,
+                "fwp_dense.short_conv: cache and new_cache must be [B, C, K - 1]");
+  }
+  TORCH_CHECK(y.sizes() == x.sizes(), "fwp_dense.short_conv: y must be [B, T, C]");
+  check_cpu_contiguous("short_conv", {&x, &cache, &weight, &y, &new_cache}, x.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "short_conv", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const at::Tensor wt = weight.to(c10::CppTypeToScalarType<acc_t>::value).t().contiguous();  // [K, C]
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *cp = cache.data_ptr<scalar_t>();
+    const acc_t* wp = wt.data_ptr<acc_t>();
+    scalar_t *yp = y.data_ptr<scalar_t>(), *np = new_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, B * T, std::max<int64_t>(1, 16384 / C), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> row(C);
+      for (int64_t b = begin / T; b <= (end - 1) / T; ++b) {  // the sequences this task's positions fall in
+        const int64_t t0 = std::max(begin - b * T, int64_t(0)), t1 = std::min(end - b * T, T);
+        conv_positions(t0, t1, C, K, xp + b * T * C, cp + b * C * (K - 1), wp, yp + b * T * C, row.data());
+      }
+    });
+    for (int64_t b = 0; b < B; ++b) {  // the new cache: entry j is input position T - (K - 1) + j of [cache, x]
+      for (int64_t c = 0; c < C; ++c) {
+        for (int64_t j = 0; j < K - 1; ++j) {
+          const int64_t p = T - (K - 1) + j;
+          np[(b * C + c) * (K - 1) + j] = p >= 0 ? xp[(b * T + p) * C + c] : cp[(b * C + c) * (K - 1) + K - 1 + p];
+        }
+      }
+    }
+  });
+}
+
 // One row of normalize_rows: float32 sums of squares (vector sums), then each element scaled and rounded once.
 template <typename T>
 void normalize_row(int64_t D, const T* row, const float* gain, float eps, bool mean_square, T* out) {
@@ -419,6 +482,7 @@ FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_rows_grouped(Tensor x, Tensor[] weights, Tensor(a!) out) -> ()");
   m.def("short_conv_step(Tensor x, Tensor cache, Tensor weight, Tensor(a!) y, Tensor(b!) new_cache) -> ()");
+  m.def("short_conv(Tensor x, Tensor cache, Tensor weight, Tensor(a!) y, Tensor(b!) new_cache) -> ()");
   m.def("normalize_rows(Tensor x, Tensor? weight, float eps, bool mean_square, Tensor(a!) out) -> ()");
   m.def("reuse_buffers_enter() -> ()", &reuse_buffers_enter);
   m.def("reuse_buffers_exit() -> ()", &reuse_buffers_exit);
@@ -429,5 +493,6 @@ FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_rows_grouped", &linear_rows_grouped);
   m.impl("short_conv_step", &short_conv_step);
+  m.impl("short_conv", &short_conv);
   m.impl("normalize_rows", &normalize_rows);
 }
