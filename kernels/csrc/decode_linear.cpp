@@ -234,21 +234,29 @@ void conv_channels(int64_t B, int64_t C, int64_t width, const T* x, const T* cac
   }
 }
 
+// short_conv_step's and short_conv's arguments: x [B, C] (dims 2) or [B, T, C] (dims 3), weight [C, K] with K >= 2,
+// cache and new_cache [B, C, K - 1], y like x; one dtype, contiguous CPU tensors.
+void check_convolution(const char* op, int64_t dims, const at::Tensor& x, const at::Tensor& cache,
+                       const at::Tensor& weight, const at::Tensor& y, const at::Tensor& new_cache) {
+  TORCH_CHECK(x.dim() == dims && weight.dim() == 2 && weight.size(0) == x.size(-1) && weight.size(1) >= 2, "fwp_dense.",
+              op, ": x must be ", dims == 2 ? "[B, C]" : "[B, T, C]", " and weight [C, K] with K >= 2");
+  const int64_t B = x.size(0), C = x.size(-1), K = weight.size(1);
+  for (const at::Tensor* t : {&cache, &new_cache}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == C && t->size(2) == K - 1, "fwp_dense.", op,
+                ": cache and new_cache must be [B, C, K - 1]");
+  }
+  TORCH_CHECK(y.sizes() == x.sizes(), "fwp_dense.", op, ": y must be shaped like x");
+  check_cpu_contiguous(op, {&x, &cache, &weight, &y, &new_cache}, x.scalar_type());
+}
+
 // One position of a depthwise causal convolution of width K per channel (modeling_fwp's CausalConv1d):
 // y[b, c] = sum_i weight[c, i] window[b, c, i], window = [cache[b, c, :], x[b, c]] (the K - 1 inputs before, then
 // this one), sums in order i = 0..K-1 in float32 (float64 for float64); new_cache = window[..., 1:].
 // x [B, C], cache [B, C, K - 1], weight [C, K], y [B, C], new_cache [B, C, K - 1]; one dtype, contiguous.
 void short_conv_step(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& weight, const at::Tensor& y,
                      const at::Tensor& new_cache) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(0) == x.size(1) && weight.size(1) >= 2,
-              "fwp_dense.short_conv_step: x must be [B, C] and weight [C, K] with K >= 2");
+  check_convolution("short_conv_step", 2, x, cache, weight, y, new_cache);
   const int64_t B = x.size(0), C = x.size(1), K = weight.size(1);
-  for (const at::Tensor* t : {&cache, &new_cache}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == C && t->size(2) == K - 1,
-                "fwp_dense.short_conv_step: cache and new_cache must be [B, C, K - 1]");
-  }
-  TORCH_CHECK(y.sizes() == x.sizes(), "fwp_dense.short_conv_step: y must be [B, C]");
-  check_cpu_contiguous("short_conv_step", {&x, &cache, &weight, &y, &new_cache}, x.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "short_conv_step", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t *xp = x.data_ptr<scalar_t>(), *cp = cache.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
@@ -291,15 +299,8 @@ void conv_positions(int64_t t0, int64_t t1, int64_t C, int64_t K, const T* x, co
 // tensors). x, y [B, T, C], cache, new_cache [B, C, K - 1], weight [C, K]; one dtype, contiguous.
 void short_conv(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& weight, const at::Tensor& y,
                 const at::Tensor& new_cache) {
-  TORCH_CHECK(x.dim() == 3 && weight.dim() == 2 && weight.size(0) == x.size(2) && weight.size(1) >= 2,
-              "fwp_dense.short_conv: x must be [B, T, C] and weight [C, K] with K >= 2");
+  check_convolution("short_conv", 3, x, cache, weight, y, new_cache);
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), K = weight.size(1);
-  for (const at::Tensor* t : {&cache, &new_cache}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == C && t->size(2) == K - 1,
-                "fwp_dense.short_conv: cache and new_cache must be [B, C, K - 1]");
-  }
-  TORCH_CHECK(y.sizes() == x.sizes(), "fwp_dense.short_conv: y must be [B, T, C]");
-  check_cpu_contiguous("short_conv", {&x, &cache, &weight, &y, &new_cache}, x.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "short_conv", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const at::Tensor wt = weight.to(c10::CppTypeToScalarType<acc_t>::value).t().contiguous();  // [K, C]
