@@ -179,7 +179,6 @@ def short_conv_step(
     return y, new_cache
 
 
-
 def short_conv(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """A depthwise causal convolution over T positions, channels last (``csrc/decode_linear.cpp``), where
     ``cpu_ops_apply``: ``y[b, t, c] = sum_i weight[c, i] [cache[b, c, :], x[b, :, c]]_{t + i}`` in float32 (float64
@@ -195,6 +194,7 @@ def short_conv(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor) -> Tu
     _CPU_KERNEL.ops.short_conv(x, cache, weight.contiguous(), y, new_cache)
     return y, new_cache
 
+
 def normalize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, mean_square: bool) -> torch.Tensor:
     """Each row of ``x [*, D]`` over its last dimension in one pass (``csrc/decode_linear.cpp``), where
     ``cpu_ops_apply``: ``x / sqrt(mean(x^2) + eps) * weight`` (`mean_square`: RMSNorm, weight ``[D]``) or ``x /
@@ -209,6 +209,7 @@ def normalize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, 
 # Hidden states of at least this many bytes make a model's CPU forward reuse its large buffers (reusing_cpu_buffers):
 # 128 positions of a 2,048-wide float32 model. Below, its tensors are small and malloc's heap reuses them anyway.
 REUSE_BUFFERS_MIN_BYTES = 1 << 20
+_REUSE_BUFFERS = os.environ.get("FWP_KERNELS_NO_BUFFER_REUSE", "") in ("", "0")
 
 
 @contextlib.contextmanager
@@ -230,8 +231,6 @@ def reusing_cpu_buffers(hidden_states: torch.Tensor) -> Iterator[None]:
     finally:
         _CPU_KERNEL.ops.reuse_buffers_exit()
 
-
-_REUSE_BUFFERS = os.environ.get("FWP_KERNELS_NO_BUFFER_REUSE", "") in ("", "0")
 
 def dense_linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     """``tuple(dense_linear(x, w) for w in weights)``, no biases: where the weight-streaming kernel runs (up to
