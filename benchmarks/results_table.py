@@ -652,6 +652,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_synthetic_data.json", synthetic_data_rows),
     ("benchmarks/results/transfo_xl_transformers4_parity.json", parity_rows),
     ("benchmarks/results/bench_pretrained.json", pretrained_rows),
+    ("benchmarks/results/bench_pretrained_zen5.json", pretrained_rows),
     ("benchmarks/results/bench_decode.json", decode_rows),
     ("benchmarks/results/bench_decode_batch2.json", decode_batch_rows),
     ("benchmarks/results/bench_decode_avx2_bf16.json", decode_rows),
