@@ -367,48 +367,56 @@ void normalize_rows(const at::Tensor& x, const std::optional<at::Tensor>& weight
 // them to the system when they are freed (fresh mappings above its mmap threshold, a trimmed heap top below it), so
 // every new one is faulted in again page by page: on this VM about 1 ms per MB, a third of the 1.3B Delta Net's float32
 // prefill of 2,048 tokens (a 16 MB RMSNorm output 17.7 ms where the same op on reused memory takes 1.6 ms, profiled by
-// hand, 2026-11-29). While entered, this allocator serves torch's CPU tensors: a freed block of at least
+// hand, 2026-11-29). The first enter installs this allocator as c10's CPU allocator for good: oneDNN (through ideep)
+// takes buffers with the CPU allocator's raw_allocate and returns them, maybe much later, with whatever allocator is
+// installed then, so swapping allocators back and forth paired one allocator's pointers with the other's deleter (a
+// double free in about one of eight runs of three threads' concurrent forwards). Outside every scope it is c10's
+// (c10::alloc_cpu / free_cpu, reported to the profiler as c10's); inside one, a freed block of at least
 // kMinReusedBytes goes to a free list by its size (up to kMaxCachedBytes in all) and the next request of that size
-// takes it back, pages still mapped. On the last exit the previous allocator is restored and the free lists are
-// released; a tensor that outlives the scope frees its block to the system then. Every block carries its size in a
-// header of kHeaderBytes before the data (which stays 64-byte aligned, as c10's own allocator aligns).
+// takes it back, pages still mapped; the last exit frees the kept blocks. Blocks are plain c10::alloc_cpu pointers (any
+// deleter may free them); `large` knows the sizes of ours, so the raw deleter also takes pointers c10's own allocator
+// handed out before the install.
 namespace buffers {
 
-constexpr size_t kHeaderBytes = 64;
 constexpr size_t kMinReusedBytes = size_t(1) << 20;
 constexpr size_t kRoundBytes = size_t(64) << 10;  // sizes rounded up to 64 KB, so that near sizes share a list
 constexpr size_t kMaxCachedBytes = size_t(2) << 30;
 
 void release(void* data);
+void release_small(void* data);
 
 struct ReusingAllocator final : at::Allocator {
   std::mutex mutex;
-  std::unordered_map<size_t, std::vector<void*>> free_blocks;  // block bases by their total size
+  std::unordered_map<void*, size_t> large;                     // our blocks of >= kMinReusedBytes: their sizes
+  std::unordered_map<size_t, std::vector<void*>> free_blocks;  // the kept ones by size
   size_t cached_bytes = 0;
   int64_t depth = 0, reused = 0;
-  at::Allocator* previous = nullptr;
   bool installed = false;  // whether c10 took it (SetCPUAllocator ignores an allocator of lower priority)
 
   at::DataPtr allocate(size_t n) override {
-    if (n == 0) return {nullptr, nullptr, &release, at::Device(at::DeviceType::CPU)};
-    size_t total = n + kHeaderBytes;
-    if (total >= kMinReusedBytes) total = (total + kRoundBytes - 1) / kRoundBytes * kRoundBytes;
-    void* base = nullptr;
+    if (n < kMinReusedBytes) {
+      void* data = c10::alloc_cpu(n);
+      c10::profiledCPUMemoryReporter().New(data, n);
+      return {data, data, &release_small, at::Device(at::DeviceType::CPU)};
+    }
+    const size_t total = (n + kRoundBytes - 1) / kRoundBytes * kRoundBytes;
+    void* data = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex);
       auto found = free_blocks.find(total);
       if (found != free_blocks.end() && !found->second.empty()) {
-        base = found->second.back();
+        data = found->second.back();
         found->second.pop_back();
         cached_bytes -= total;
         ++reused;
       }
     }
-    if (base == nullptr) {
-      base = c10::alloc_cpu(total);
-      *static_cast<size_t*>(base) = total;
+    if (data == nullptr) {
+      data = c10::alloc_cpu(total);
+      std::lock_guard<std::mutex> lock(mutex);
+      large[data] = total;
     }
-    void* data = static_cast<char*>(base) + kHeaderBytes;
+    c10::profiledCPUMemoryReporter().New(data, total);
     return {data, data, &release, at::Device(at::DeviceType::CPU)};
   }
   at::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -416,18 +424,21 @@ struct ReusingAllocator final : at::Allocator {
     default_copy_data(dest, src, count);
   }
 
-  // A block back from a tensor: kept while entered (and there is room), else freed.
-  void give_back(void* base) {
-    const size_t total = *static_cast<size_t*>(base);
+  // A block back from its user: one of ours is kept while entered (and there is room); anything else is freed.
+  void give_back(void* data) {
     {
       std::lock_guard<std::mutex> lock(mutex);
-      if (depth > 0 && total >= kMinReusedBytes && cached_bytes + total <= kMaxCachedBytes) {
-        free_blocks[total].push_back(base);
-        cached_bytes += total;
-        return;
+      auto ours = large.find(data);
+      if (ours != large.end()) {
+        if (depth > 0 && cached_bytes + ours->second <= kMaxCachedBytes) {
+          free_blocks[ours->second].push_back(data);
+          cached_bytes += ours->second;
+          return;
+        }
+        large.erase(ours);
       }
     }
-    c10::free_cpu(base);
+    c10::free_cpu(data);
   }
 };
 
@@ -437,23 +448,30 @@ ReusingAllocator& reusing_allocator() {
 }
 
 void release(void* data) {
-  if (data != nullptr) reusing_allocator().give_back(static_cast<char*>(data) - kHeaderBytes);
+  if (data == nullptr) return;
+  c10::profiledCPUMemoryReporter().Delete(data);
+  reusing_allocator().give_back(data);
+}
+
+void release_small(void* data) {
+  c10::profiledCPUMemoryReporter().Delete(data);
+  c10::free_cpu(data);
 }
 
 }  // namespace buffers
 
-// Enters the scope in which CPU tensors' large blocks are reused (nested: counted; the first installs the allocator).
+// Enters the scope in which CPU tensors' large blocks are reused (nested and concurrent scopes counted).
 void reuse_buffers_enter() {
   buffers::ReusingAllocator& a = buffers::reusing_allocator();
   std::lock_guard<std::mutex> lock(a.mutex);
-  if (a.depth++ == 0) {
-    a.previous = c10::GetCPUAllocator();
+  if (!a.installed) {
     c10::SetCPUAllocator(&a, /*priority=*/0);
     a.installed = c10::GetCPUAllocator() == &a;
   }
+  ++a.depth;
 }
 
-// Leaves it; the last exit restores the previous allocator and frees the kept blocks.
+// Leaves it; the last exit frees the kept blocks (the allocator stays: see above).
 void reuse_buffers_exit() {
   buffers::ReusingAllocator& a = buffers::reusing_allocator();
   std::vector<void*> blocks;
@@ -461,13 +479,14 @@ void reuse_buffers_exit() {
     std::lock_guard<std::mutex> lock(a.mutex);
     TORCH_CHECK(a.depth > 0, "fwp_dense.reuse_buffers_exit: not entered");
     if (--a.depth > 0) return;
-    if (a.installed) c10::SetCPUAllocator(a.previous, /*priority=*/0);
-    a.installed = false;
-    for (auto& entry : a.free_blocks) blocks.insert(blocks.end(), entry.second.begin(), entry.second.end());
+    for (auto& entry : a.free_blocks) {
+      for (void* data : entry.second) a.large.erase(data);
+      blocks.insert(blocks.end(), entry.second.begin(), entry.second.end());
+    }
     a.free_blocks.clear();
     a.cached_bytes = 0;
   }
-  for (void* base : blocks) c10::free_cpu(base);
+  for (void* data : blocks) c10::free_cpu(data);
 }
 
 // [depth, installed, blocks reused so far, bytes kept now]: for tests.
