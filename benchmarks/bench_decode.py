@@ -43,6 +43,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -63,44 +64,30 @@ DECODE_ONLY_VARIANTS = ("unfused_step",)  # its prefill is ours
 PREFILL_ONLY_VARIANTS = ("no_buffer_reuse",)  # its decode steps are ours (they never enter the scope)
 
 
+# What each variant changes in the shipped model: (object, attribute, stand-in) for the time it runs.
+VARIANT_PATCHES = {
+    "ours": (),
+    # its projections run nn.Linear's own forward (F.linear), those that share one streaming pass
+    # (fast_weight_layers.project) one by one too
+    "f_linear": ((fast_weight_layers.Linear, "forward", torch.nn.Linear.forward),
+                 (fast_weight_layers, "dense_linears",
+                  lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights))),
+    "unfused_step": ((fast_weight_layers, "token_step_applies", lambda *tensors: False),),
+    "one_row_streaming": ((dense, "STREAMING_MAX_ROWS", 1),),
+    "no_buffer_reuse": ((dense, "_REUSE_BUFFERS", False),),  # as FWP_KERNELS_NO_BUFFER_REUSE=1
+}
+
+
 @contextlib.contextmanager
 def variant(name: str):
     """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear);
     ``unfused_step``: as shipped, the decode step's small ops one by one; ``one_row_streaming``: as shipped, the
     weight-streaming kernel for one row of input only; ``no_buffer_reuse``: as shipped, without
-    ``reusing_cpu_buffers`` (as FWP_KERNELS_NO_BUFFER_REUSE=1)."""
-    if name == "ours":
+    ``reusing_cpu_buffers``. Each swaps what ``VARIANT_PATCHES`` names and puts it back."""
+    with contextlib.ExitStack() as patches:
+        for owner, attribute, stand_in in VARIANT_PATCHES[name]:
+            patches.enter_context(mock.patch.object(owner, attribute, stand_in))
         yield
-        return
-    if name == "no_buffer_reuse":
-        shipped, dense._REUSE_BUFFERS = dense._REUSE_BUFFERS, False
-        try:
-            yield
-        finally:
-            dense._REUSE_BUFFERS = shipped
-        return
-    if name == "unfused_step":
-        fused, fast_weight_layers.token_step_applies = fast_weight_layers.token_step_applies, lambda *tensors: False
-        try:
-            yield
-        finally:
-            fast_weight_layers.token_step_applies = fused
-        return
-    if name == "one_row_streaming":
-        shipped, dense.STREAMING_MAX_ROWS = dense.STREAMING_MAX_ROWS, 1
-        try:
-            yield
-        finally:
-            dense.STREAMING_MAX_ROWS = shipped
-        return
-    own, grouped = fast_weight_layers.Linear.forward, fast_weight_layers.dense_linears
-    fast_weight_layers.Linear.forward = torch.nn.Linear.forward
-    # the projections that share one streaming pass (fast_weight_layers.project) run F.linear one by one too
-    fast_weight_layers.dense_linears = lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights)
-    try:
-        yield
-    finally:
-        fast_weight_layers.Linear.forward, fast_weight_layers.dense_linears = own, grouped
 
 
 def machine_peaks(dtype: torch.dtype, quick: bool) -> dict:
