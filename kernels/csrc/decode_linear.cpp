@@ -454,6 +454,7 @@ void release(void* data) {
 }
 
 void release_small(void* data) {
+  if (data == nullptr) return;  // (a request of 0 bytes; c10's own deleter returns there too)
   c10::profiledCPUMemoryReporter().Delete(data);
   c10::free_cpu(data);
 }
