@@ -227,6 +227,26 @@ class FastWeightModel(FastWeightPreTrainedModel):
             use_cache=True,
         )
 
+    def _blocks(self, hidden_states: torch.Tensor, cache: Optional[FastWeightCache], token_mask: Optional[torch.Tensor],
+                seq_len: int, output_hidden_states: bool) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]]]:
+        """The blocks, each continuing from its cache state (detached) and writing back the new one, then the final
+        norm: ``(hidden_states [B, T, D], every block's input and the normed output, or None)``."""
+        all_hidden_states = () if output_hidden_states else None
+        with reusing_cpu_buffers(hidden_states):  # a CPU forward over many positions: no fresh pages per layer
+            for layer_idx, block in enumerate(self.layers):
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,)
+                state = cache.get_state(layer_idx) if cache is not None else None
+                if state is not None:
+                    state = {name: t.detach() for name, t in state.items()}
+                hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
+                if cache is not None:
+                    cache.set_state(layer_idx, new_state, seq_len)
+            hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return hidden_states, all_hidden_states
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -288,20 +308,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
 
         hidden_states = self.dropout(self._add_positions(inputs_embeds, position_ids, token_mask, cache))
 
-        all_hidden_states = () if output_hidden_states else None
-        with reusing_cpu_buffers(hidden_states):  # a CPU forward over many positions: no fresh pages per layer
-            for layer_idx, block in enumerate(self.layers):
-                if output_hidden_states:
-                    all_hidden_states += (hidden_states,)
-                state = cache.get_state(layer_idx) if cache is not None else None
-                if state is not None:
-                    state = {name: t.detach() for name, t in state.items()}
-                hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
-                if cache is not None:
-                    cache.set_state(layer_idx, new_state, seq_len)
-            hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
+        hidden_states, all_hidden_states = self._blocks(hidden_states, cache, token_mask, seq_len, output_hidden_states)
 
         if cache is not None:
             cache.count_tokens(token_mask, batch_size, seq_len, hidden_states.device)
