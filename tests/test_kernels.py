@@ -363,6 +363,38 @@ def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chu
     assert calls == [[bf16] * n + [f32, bf16, f32] + [bf16] * n]  # inputs, s0, do, dS, their gradients
 
 
+def test_bfloat16_outputs_round_as_torch_does():
+    """The C++ kernels round their float32 results to bfloat16 outputs as torch's ``.to(torch.bfloat16)`` does, bit for
+    bit: ties to even, values that round past the largest finite to infinity, denormals kept (the vector instruction
+    would flush them), and the last lanes of rows that are no multiple of 32 wide. The sum rule's
+    outputs with one-hot queries and zero keys and values are columns of the initial state, here holding such values;
+    a row holding a NaN makes its whole output column NaN (0 * NaN), written as 0x7FC0 whatever its payload."""
+    from fwp_kernels import chunk
+
+    _products_or_skip(chunk.FLOAT32_PRODUCTS)
+    Dk, Dv, T = 16, 40, 70
+    g = torch.Generator().manual_seed(0)
+    S = torch.randn(1, Dv, Dk, generator=g) * torch.logspace(-30, 30, Dk)
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x7F7FC99E, 0x00800000, 0x007FFFFF, 0x00000001,
+                         0x80012345, 0x00008000, 0x7F7F7FFF], dtype=torch.int64).to(torch.int32)
+    specials = bits.view(torch.float32)  # ties (even / odd), overflow to infinity, the smallest normal, denormals
+    S[0, 1 : 1 + len(specials), 3] = specials
+    S[0, 20:31, 5] = specials
+    nan_rows = [33, 38]
+    S[0, 33, 7] = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # a quiet NaN with a payload
+    S[0, 38, 2] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)  # a signalling NaN
+    columns = torch.arange(T) % Dk
+    q = F.one_hot(columns, Dk).to(torch.bfloat16)[None]
+    k, v = torch.zeros_like(q), torch.zeros(1, T, Dv, dtype=torch.bfloat16)
+    o = torch.empty_like(v)
+    chunk._CPU_KERNEL.ops.chunk_forward(q, k, v, None, S.clone(), 16, o, None, None, chunk.FLOAT32_PRODUCTS)
+    expected = S[0][:, columns].T  # o_t = S q_t
+    finite = [i for i in range(Dv) if i not in nan_rows]
+    assert torch.equal(o[0][:, finite].view(torch.int16), expected[:, finite].to(torch.bfloat16).view(torch.int16))
+    # NaN as c10::BFloat16(float) writes it (torch's vectorised tensor conversion writes 0xFFFF, another NaN)
+    assert torch.all(o[0][:, nan_rows].view(torch.int16) == 0x7FC0)
+
+
 @pytest.mark.parametrize("rule", ["delta", "sum"])
 @pytest.mark.parametrize("BH,T,Dk,Dv,chunk_size", [(2, 21, 64, 32, 10), (2, 100, 64, 64, 16), (1, 53, 17, 19, 16),
                                                    (2, 70, 128, 80, 32), (1, 40, 24, 24, 20)])
