@@ -268,21 +268,18 @@ void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element*
 
 // A thread's scratch for packed operands, reused by every product of the thread: slots 0 and 1 hold a VectorGemm's
 // packed B and A, slot 2 the operands a bfloat16 chunk keeps over its two products (ChunkProducts), slot 3 those of a
-// bfloat16 chunk's backward (BackwardProducts), slot 4 the rounded rows of record_state_pairs.
+// bfloat16 chunk's backward (BackwardProducts).
 template <typename E>
 E* scratch(int slot, int64_t size) {
-  thread_local std::vector<E> buffers[5];
-  TORCH_CHECK(slot >= 0 && slot < 5, "fwp_chunk: no scratch slot ", slot);
+  thread_local std::vector<E> buffers[4];
+  TORCH_CHECK(slot >= 0 && slot < 4, "fwp_chunk: no scratch slot ", slot);
   if (int64_t(buffers[slot].size()) < size) buffers[slot].resize(size);
   return buffers[slot].data();
 }
 
-// A 16 x 16 block of x (row stride ld) transposed into out (row stride ld_out), in registers: Eklundh's swaps of the
-// off-diagonal b x b blocks of every 2b x 2b block, b = 1, 2, 4, 8, each a two-source permute per row.
-inline void transpose_16x16(const float* x, int64_t ld, float* out, int64_t ld_out) {
-  __m512 r[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + i * ld);
+// 16 rows of 16 32-bit lanes transposed in registers: Eklundh's swaps of the off-diagonal b x b blocks of every
+// 2b x 2b block, b = 1, 2, 4, 8, each a two-source permute per row.
+__attribute__((always_inline)) inline void transpose_registers(__m512 (&r)[16]) {
 #pragma GCC unroll 4
   for (int b = 1; b < 16; b *= 2) {
     alignas(64) int upper[16], lower[16];  // row i (bit b clear) and row i + b of every pair
@@ -299,6 +296,14 @@ inline void transpose_16x16(const float* x, int64_t ld, float* out, int64_t ld_o
       r[i + b] = _mm512_permutex2var_ps(top, low, bottom);
     }
   }
+}
+
+// A 16 x 16 block of x (row stride ld) transposed into out (row stride ld_out), in registers.
+inline void transpose_16x16(const float* x, int64_t ld, float* out, int64_t ld_out) {
+  __m512 r[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + i * ld);
+  transpose_registers(r);
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * ld_out, r[i]);
 }
@@ -382,6 +387,30 @@ void round_rows(int64_t m, int64_t k, const float* x, int64_t ld, bf16_bits* out
     for (int64_t j = 0; j < k2; j += 16) {
       const __m256bh y = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first_lanes(k - j), x + i * ld + j));
       _mm256_mask_storeu_epi16(out + i * k2 + j, first_lanes(k2 - j), (__m256i)y);
+    }
+  }
+}
+
+// x^T as a B operand of bfloat16 factors, from the float32 x [n, ld] (k columns): pair p of column i is
+// (x[i][2p], x[i][2p + 1]) rounded (as round_rows rounds), into out [ceil(k / 2), n_out, 2]. Blocks of 16 rows and 32
+// columns rounded and transposed as 32-bit pairs in registers (round_rows and then transpose_into took twice as long:
+// the bfloat16 backward spent 0.6 of its 13 ms on the states it keeps, by hand).
+void transposed_pairs(int64_t n, int64_t k, const float* x, int64_t ld, bf16_bits* out, int64_t n_out) {
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const __mmask16 columns = first_lanes(n - i0);
+    for (int64_t j0 = 0; j0 < k; j0 += 32) {
+      const __mmask16 low = first_lanes(k - j0), high = first_lanes(k - j0 - 16);
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        const float* row = x + (i0 + i) * ld + j0;
+        r[i] = i0 + i < n ? (__m512)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, row + 16),
+                                                        _mm512_maskz_loadu_ps(low, row))
+                          : _mm512_setzero_ps();
+      }
+      transpose_registers(r);
+      for (int64_t p = 0; p < 16 && j0 + 2 * p < k; ++p)
+        _mm512_mask_storeu_ps(out + 2 * ((j0 / 2 + p) * n_out + i0), columns, r[p]);
     }
   }
 }
@@ -712,36 +741,68 @@ inline RowsAhead previous_chunk(int64_t t0, int64_t C) {
 // What a forward keeps of one sequence for its backward, each nullptr where not kept: the state entering each chunk
 // (`entering` [N, Dv, Dk]), and for the delta rule the new values U' (`u_new` [L, Dv]) and X = V - K S^T of each
 // chunk (`x` [L, Dv]: what dbeta needs, so that the backward does not multiply K S^T again). A bfloat16-factor
-// backward keeps the entering states as the bfloat16 pairs its products read instead (`entering_pairs`
-// [N, state_pairs_size(Dk, Dv)]: record_state_pairs), half the bytes to write and read back.
+// backward keeps the entering states and U' as the bfloat16 its products read instead, half the bytes to write and
+// read back: `entering_pairs` [N, state_pairs_size(Dk, Dv)] (record_state_pairs) and `u_new_rows` [L, round_up(Dv, 2)]
+// (U' rounded, rows padded to even).
 template <typename T>
 struct ForwardRecord {
   T* entering = nullptr;
   T* u_new = nullptr;
   T* x = nullptr;
   uint16_t* entering_pairs = nullptr;
+  uint16_t* u_new_rows = nullptr;
 };
 
 // Elements of one state S [Dv, Dk] as bfloat16 pairs of its rows: ceil(Dv / 2) pair rows of round_up(Dk, 16) pairs.
 inline int64_t state_pairs_size(int64_t Dk, int64_t Dv) { return round_up(Dv, 2) * round_up(Dk, 16); }
 
 // S [Dv, Dk] as a B operand of bfloat16 factors (pack_pairs' layout: pair p of column j is (S[2p][j], S[2p + 1][j])),
-// from the transposed state St = S^T [Dk, ld] that the forward keeps: each row of St rounded to pairs (round_rows, as
-// pack_pairs rounds), then the pairs transposed, into out [state_pairs_size(Dk, Dv)].
+// from the transposed state St = S^T [Dk, ld] that the forward keeps (transposed_pairs), into
+// out [state_pairs_size(Dk, Dv)].
 template <typename T>
 void record_state_pairs(int64_t Dk, int64_t Dv, const T* St, int64_t ld, uint16_t* out) {
 #ifdef FWP_NATIVE_BF16
   if constexpr (std::is_same_v<T, float>) {
-    const int64_t v2 = round_up(Dv, 2);
-    bf16_bits* rows = scratch<bf16_bits>(4, Dk * v2);
-    round_rows(Dk, Dv, St, ld, rows, v2);
-    transpose_into(Dk, v2 / 2, reinterpret_cast<const pair_bits*>(rows), v2 / 2, reinterpret_cast<pair_bits*>(out),
-                   round_up(Dk, 16));
-    return;
+    return transposed_pairs(Dk, Dv, St, ld, out, round_up(Dk, 16));
   }
 #endif
   TORCH_CHECK(false, "fwp_chunk: bfloat16 state pairs need float32 states and a build with AVX-512 BF16");
 }
+
+// x [m, k] rounded to bfloat16 rows of round_up(k, 2) (round_rows) into out.
+template <typename T>
+void record_rows(int64_t m, int64_t k, const T* x, uint16_t* out) {
+#ifdef FWP_NATIVE_BF16
+  if constexpr (std::is_same_v<T, float>) return round_rows(m, k, x, k, out, round_up(k, 2));
+#endif
+  TORCH_CHECK(false, "fwp_chunk: bfloat16 rows need float32 values and a build with AVX-512 BF16");
+}
+
+// What a forward keeps of one sequence of L positions (N chunks, states [Dv, Dk]) for its backward, in buffers of its
+// own: the states entering the chunks and (delta rule) U' as T or as bfloat16 (`as_bfloat16`), X as T.
+template <typename T>
+struct KeptBuffers {
+  std::vector<T> values;
+  std::vector<uint16_t> bfloat16;
+  ForwardRecord<T> record(int64_t L, int64_t N, int64_t Dk, int64_t Dv, bool delta, bool as_bfloat16) {
+    const int64_t states = N * Dv * Dk, per_position = delta ? L * Dv : 0, pairs = N * state_pairs_size(Dk, Dv);
+    values.resize((as_bfloat16 ? 0 : states + per_position) + per_position);
+    bfloat16.resize(as_bfloat16 ? pairs + (delta ? L * round_up(Dv, 2) : 0) : 0);
+    ForwardRecord<T> kept;
+    T* next = values.data();
+    if (as_bfloat16) {
+      kept.entering_pairs = bfloat16.data();
+      if (delta) kept.u_new_rows = bfloat16.data() + pairs;
+    } else {
+      kept.entering = next;
+      next += states;
+      if (delta) kept.u_new = next;
+      next += per_position;
+    }
+    if (delta) kept.x = next;
+    return kept;
+  }
+};
 
 // One sequence: q, k [L, Dk], v [L, Dv], beta [L] (nullptr: sum rule). S [Dv, Dk] holds the initial state
 // on entry and the final one on return. Writes o [L, Dv] (unless nullptr) and what `record` asks for.
@@ -818,6 +879,7 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
         }
       }
       unit_lower_forward_substitution<T>(c, Dv, KS + Dv, ld, [b](int64_t i) { return T(b[i]); }, Un);
+      if (record.u_new_rows != nullptr) record_rows(c, Dv, Un, record.u_new_rows + t0 * round_up(Dv, 2));
       U = Un;
     }
     next.fetch(v, Dv);
@@ -953,7 +1015,7 @@ enum class Form { kRows, kPairs, kTransposed };
 template <typename T, typename Gemm, typename In>
 struct BackwardProducts {
   static constexpr bool kReadsInputsInPlace = false;  // the products read q and dout widened to T (ChunkInputs)
-  static constexpr bool kStatePairs = false;          // the forward keeps the entering states in T
+  static constexpr bool kKeepsBfloat16 = false;      // the forward keeps the entering states and U' in T
   struct Operand {
     const T* x;
     int64_t ld;
@@ -966,13 +1028,17 @@ struct BackwardProducts {
   int64_t Dk, Dv;
   BackwardProducts(const Gemm& gemm, int64_t /*C*/, int64_t Dk, int64_t Dv) : gemm(gemm), Dk(Dk), Dv(Dv) {}
   void begin_chunk() {}
-  // the state entering chunk n, S [Dv, Dk], as pairs
+  // the state entering chunk n, S [Dv, Dk], as pairs; the c new values U' [c, Dv] from position t0 as rows
   Operand state(const ForwardRecord<T>& kept, int64_t n) {
     return pairs(kept.entering + n * Dv * Dk, Dv, Dk, Dk);
   }
+  Operand new_values(const ForwardRecord<T>& kept, int64_t t0, int64_t c) {
+    return rows(kept.u_new + t0 * Dv, c, Dv, Dv);
+  }
   Operand rows(const T* x, int64_t /*m*/, int64_t /*k*/, int64_t ld) { return {x, ld, Form::kRows}; }
   Operand pairs(const T* x, int64_t /*k*/, int64_t /*n*/, int64_t ld) { return {x, ld, Form::kPairs}; }
-  Operand transposed(const T* x, int64_t n, int64_t k, int64_t ld, T* buf = nullptr) {
+  // (x_rows: x's rows form where the caller has one; not needed here)
+  Operand transposed(const T* x, int64_t n, int64_t k, int64_t ld, T* buf = nullptr, const Operand* = nullptr) {
     if (buf == nullptr) return {x, ld, Form::kTransposed};
     transpose(n, k, x, ld, buf, n);
     return {buf, n, Form::kPairs};
@@ -998,7 +1064,7 @@ struct BackwardProducts {
 template <>
 struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
   static constexpr bool kReadsInputsInPlace = true;
-  static constexpr bool kStatePairs = true;  // the forward keeps the entering states as pairs (record_state_pairs)
+  static constexpr bool kKeepsBfloat16 = true;  // the forward keeps the entering states' pairs and U's rows
   static constexpr int64_t kMostForms = 24;  // a chunk makes at most 22
   struct Operand {
     const bf16_bits* x;
@@ -1019,6 +1085,9 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
   Operand state(const ForwardRecord<float>& kept, int64_t n) {
     return {kept.entering_pairs + n * state_pairs_size(Dk, Dv), 2 * round_up(Dk, 16), Form::kPairs};
   }
+  Operand new_values(const ForwardRecord<float>& kept, int64_t t0, int64_t) {
+    return {kept.u_new_rows + t0 * round_up(Dv, 2), round_up(Dv, 2), Form::kRows};
+  }
   Operand rows(const float* x, int64_t m, int64_t k, int64_t ld) {
     const int64_t k2 = round_up(k, 2);
     bf16_bits* out = take(m * k2);
@@ -1031,8 +1100,13 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     pack_pairs(k, n, x, ld, out, np);
     return {out, 2 * np, Form::kPairs};
   }
-  Operand transposed(const float* x, int64_t n, int64_t k, int64_t ld, float* = nullptr) {
-    return transposed_rows(rows(x, n, k, ld), n);
+  Operand transposed(const float* x, int64_t n, int64_t k, int64_t ld, float* = nullptr,
+                     const Operand* x_rows = nullptr) {
+    if (x_rows != nullptr) return transposed_rows(*x_rows, n);
+    const int64_t np = round_up(n, 16);
+    bf16_bits* out = take(round_up(k, 2) * np);
+    transposed_pairs(n, k, x, ld, out, np);
+    return {out, 2 * np, Form::kPairs};
   }
   Inputs inputs(const ChunkInputs<float>&, const c10::BFloat16* q, const c10::BFloat16* k,
                 const c10::BFloat16* dout, int64_t c, float*) {
@@ -1156,7 +1230,9 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const RowsAhead previous = previous_chunk(t0, C);
     previous.fetch(q, Dk);
     previous.fetch(k, Dk);
-    const T* U = beta != nullptr ? kept.u_new + t0 * Dv : x.V;
+    // U' (the sum rule: V), as T where kept so (nullptr for the bfloat16 products, which keep its rows)
+    const T* U = beta == nullptr ? x.V : kept.u_new != nullptr ? kept.u_new + t0 * Dv : nullptr;
+    const typename Products::Operand Ur = beta != nullptr ? mm.new_values(kept, t0, c) : mm.rows(U, c, Dv, Dv);
 
     mm(c, c, Dk, in.Q, in.Kt, T(1), T(0), w.P, c);
     for (int64_t i = 0; i < c; ++i) std::fill(w.P + i * c + i + 1, w.P + (i + 1) * c, T(0));
@@ -1165,20 +1241,22 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     mm(c, Dv, Dk, in.K, mm.transposed(dS, Dv, Dk, Dk), T(1), T(0), dU, Dv);
     mm(c, Dv, c, mm.pairs(w.P, c, c, c), in.dOp, T(1), T(1), dU, Dv);
     previous.fetch(dout, Dv);
-    if constexpr (Products::kStatePairs) {
+    if constexpr (Products::kKeepsBfloat16) {
       previous.fetch_chunk(kept.entering_pairs, C, state_pairs_size(Dk, Dv));
     } else {
       previous.fetch_chunk(kept.entering, C, Dv * Dk);
     }
     // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
-    mm(c, Dk, Dv, mm.rows(U, c, Dv, Dv), mm.pairs(dS, Dv, Dk, Dk), T(1), T(0), dK, Dk);
+    mm(c, Dk, Dv, Ur, mm.pairs(dS, Dv, Dk, Dk), T(1), T(0), dK, Dk);
     // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q;  dS = dS' + dO^T Q
-    const typename Products::Operand Ut = mm.transposed(U, c, Dv, Dv, w.Ut), Sp = mm.state(kept, n);
+    const typename Products::Operand Ut = mm.transposed(U, c, Dv, Dv, w.Ut, &Ur), Sp = mm.state(kept, n);
     mm(c, c, Dv, in.dO, Ut, T(1), T(0), w.dP, c);
     for (int64_t i = 0; i < c; ++i) std::fill(w.dP + i * c + i + 1, w.dP + (i + 1) * c, T(0));
     mm(c, Dk, Dv, in.dO, Sp, T(1), T(0), dQ, Dk);
     mm(c, Dk, c, mm.rows(w.dP, c, c, c), in.Kp, T(1), T(1), dQ, Dk);
-    if (beta != nullptr) {
+    if (beta != nullptr && Products::kKeepsBfloat16) {
+      previous.fetch(kept.u_new_rows, round_up(Dv, 2));
+    } else if (beta != nullptr) {
       previous.fetch(kept.u_new, Dv);
     } else {
       previous.fetch(v, Dv);
@@ -1306,24 +1384,21 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
   const at::Tensor dk_parts = dq.new_empty({nb, s.BH, s.L, s.Dk}, in_T);
   const at::Tensor db_parts = dq.new_empty({nb, s.BH, s.L}, in_T);
   T *dqp = dq_parts.data_ptr<T>(), *dkp = dk_parts.data_ptr<T>(), *dbp = db_parts.data_ptr<T>();
-  constexpr bool kStatePairs = BackwardProducts<T, Gemm, In>::kStatePairs;
   parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
     std::vector<In> columns;
     std::vector<T> buf;
-    std::vector<uint16_t> pairs;
+    KeptBuffers<T> keep;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
       const int64_t work = std::max(chunk_workspace(s.C, s.Dk, n), chunk_backward_workspace(s.C, s.Dk, n));
       columns.resize(2 * s.L * n);
-      const int64_t entering = kStatePairs ? 0 : s.N * n * s.Dk;
-      buf.resize(3 * s.L * n + entering + n * s.Dk + work);
-      pairs.resize(kStatePairs ? s.N * state_pairs_size(s.Dk, n) : 0);
+      buf.resize(s.L * n + n * s.Dk + work);
       In* vb = columns.data();  // the block's columns of V and dO      [L, n] each
       In* dob = vb + s.L * n;
-      T* dvb = buf.data();      // the block's columns of dV, U' and X  [L, n] each
-      const ForwardRecord<T> kept{kStatePairs ? nullptr : dvb + 3 * s.L * n, dvb + s.L * n, dvb + 2 * s.L * n,
-                                  kStatePairs ? pairs.data() : nullptr};
-      T* state = dvb + 3 * s.L * n + entering;  // after the block's rows of the states entering the chunks
+      T* dvb = buf.data();      // the block's columns of dV            [L, n]
+      T* state = dvb + s.L * n;  // its rows of the state                [n, Dk]
+      const ForwardRecord<T> kept = keep.record(s.L, s.N, s.Dk, n, beta != nullptr,
+                                                BackwardProducts<T, Gemm, In>::kKeepsBfloat16);
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       gather_columns(dout + bh * s.L * s.Dv, s.L, s.Dv, j0, n, dob);
       std::memcpy(state, s0 + (bh * s.Dv + j0) * s.Dk, sizeof(T) * n * s.Dk);
@@ -1410,12 +1485,10 @@ void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const 
                         const Gemm& gemm) {
   const int64_t L = s.L, Dk = s.Dk, Dv = s.Dv;
   std::vector<T> work(std::max(chunk_workspace(s.C, Dk, Dv), chunk_backward_workspace(s.C, Dk, Dv)));
-  constexpr bool kStatePairs = BackwardProducts<T, Gemm, In>::kStatePairs;
-  std::vector<T> entering(kStatePairs ? 0 : s.N * Dv * Dk), state(Dv * Dk), values(beta != nullptr ? 2 * L * Dv : 0);
-  std::vector<uint16_t> pairs(kStatePairs ? s.N * state_pairs_size(Dk, Dv) : 0);
-  const ForwardRecord<T> kept{kStatePairs ? nullptr : entering.data(), beta != nullptr ? values.data() : nullptr,
-                              beta != nullptr ? values.data() + L * Dv : nullptr,  // U', then X
-                              kStatePairs ? pairs.data() : nullptr};
+  std::vector<T> state(Dv * Dk);
+  KeptBuffers<T> keep;
+  const ForwardRecord<T> kept =
+      keep.record(L, s.N, Dk, Dv, beta != nullptr, BackwardProducts<T, Gemm, In>::kKeepsBfloat16);
   for (int64_t bh = begin; bh < end; ++bh) {
     const In* bs = beta != nullptr ? beta + bh * L : nullptr;
     std::memcpy(state.data(), s0 + bh * Dv * Dk, sizeof(T) * Dv * Dk);
