@@ -1052,6 +1052,12 @@ struct BackwardProducts {
                   int64_t ldc) const {
     gemm(a.form == Form::kPairs, b.form == Form::kTransposed, m, n, k, alpha, a.x, a.ld, b.x, b.ld, beta, C, ldc);
   }
+  // The chunk's last update of dS [Dv, Dk], dS += alpha op(a) op(b), and the pairs of dS' that the next chunk reads
+  // (here: dS itself).
+  void update_state_gradient(int64_t k, const Operand& a, const Operand& b, T alpha, T* dS) {
+    (*this)(Dv, Dk, k, a, b, alpha, T(1), dS, Dk);
+  }
+  Operand state_gradient_pairs(const T* dS) { return pairs(dS, Dv, Dk, Dk); }
 };
 
 #ifdef FWP_NATIVE_BF16
@@ -1076,10 +1082,13 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
   };
   int64_t Dk, Dv, capacity, used = 0;
   bf16_bits* arena;
+  bf16_bits* dS_pairs;         // dS' as pairs, written by the previous chunk's last update of dS (after the arena)
+  bool dS_pairs_kept = false;  // whether they are there
   BackwardProducts(const VectorGemm<Bfloat16Factors>&, int64_t C, int64_t Dk, int64_t Dv) : Dk(Dk), Dv(Dv) {
     const int64_t side = round_up(std::max({C, Dk, Dv}), 16);  // no form is larger than side x side
     capacity = kMostForms * (side * side + 32);
-    arena = scratch<bf16_bits>(3, capacity);
+    arena = scratch<bf16_bits>(3, capacity + state_pairs_size(Dk, Dv));
+    dS_pairs = arena + capacity;
   }
   void begin_chunk() { used = 0; }
   Operand state(const ForwardRecord<float>& kept, int64_t n) {
@@ -1125,6 +1134,17 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     const bool a_pairs = a.form == Form::kPairs;
     vector_gemm<Bfloat16Factors>(m, n, (k + 1) / 2, a.x, a_pairs ? 2 : a.ld, a_pairs ? a.ld : 2, b.x, b.ld, alpha, C,
                                  ldc, beta);
+  }
+  // dS's pairs for the next chunk written from the registers of its last update (the tiles' kPairs), not packed again
+  void update_state_gradient(int64_t k, const Operand& a, const Operand& b, float alpha, float* dS) {
+    const bool a_pairs = a.form == Form::kPairs;
+    vector_gemm<Bfloat16Factors>(Dv, Dk, (k + 1) / 2, a.x, a_pairs ? 2 : a.ld, a_pairs ? a.ld : 2, b.x, b.ld, alpha, dS,
+                                 Dk, 1.f, dS_pairs, 2 * round_up(Dk, 16));
+    dS_pairs_kept = true;
+  }
+  Operand state_gradient_pairs(const float* dS) {
+    if (dS_pairs_kept) return {dS_pairs, 2 * round_up(Dk, 16), Form::kPairs};
+    return pairs(dS, Dv, Dk, Dk);  // the final state's gradient, before any update
   }
 
  private:
@@ -1181,7 +1201,7 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
   }
   // dK -= dV S;  dS -= dV^T K
   mm(c, Dk, Dv, mm.rows(dV, c, Dv, Dv), Sp, T(-1), T(1), dK, Dk);
-  mm(Dv, Dk, c, mm.pairs(dV, c, Dv, Dv), in.Kp, T(-1), T(1), dS, Dk);
+  mm.update_state_gradient(c, mm.pairs(dV, c, Dv, Dv), in.Kp, T(-1), dS);
   // dA = -strictly_lower(dR U'^T)
   mm(c, c, Dv, mm.rows(w.dR, c, Dv, Dv), Ut, T(-1), T(0), w.dA, c);
   for (int64_t i = 0; i < c; ++i) std::fill(w.dA + i * c + i, w.dA + (i + 1) * c, T(0));
@@ -1247,7 +1267,7 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
       previous.fetch_chunk(kept.entering, C, Dv * Dk);
     }
     // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
-    mm(c, Dk, Dv, Ur, mm.pairs(dS, Dv, Dk, Dk), T(1), T(0), dK, Dk);
+    mm(c, Dk, Dv, Ur, mm.state_gradient_pairs(dS), T(1), T(0), dK, Dk);
     // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q;  dS = dS' + dO^T Q
     const typename Products::Operand Ut = mm.transposed(U, c, Dv, Dv, w.Ut, &Ur), Sp = mm.state(kept, n);
     mm(c, c, Dv, in.dO, Ut, T(1), T(0), w.dP, c);
@@ -1262,10 +1282,12 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
       previous.fetch(v, Dv);
     }
     mm(c, Dk, c, mm.pairs(w.dP, c, c, c), in.Qp, T(1), T(1), dK, Dk);
-    mm(Dv, Dk, c, in.dOp, in.Qp, T(1), T(1), dS, Dk);
     if (beta != nullptr) {
+      mm(Dv, Dk, c, in.dOp, in.Qp, T(1), T(1), dS, Dk);
       previous.fetch(kept.x, Dv);
       delta_rule_chunk_backward(c, Dk, Dv, x.K, kept.x + t0 * Dv, x.b, w, mm, in, Ut, Sp, dS, dK, dV, d.db);
+    } else {
+      mm.update_state_gradient(c, in.dOp, in.Qp, T(1), dS);
     }
     // the previous chunk's gradient rows, about to be written (a store that misses waits for its line: by hand,
     // bfloat16, B1 H8 T4096 D64, 1 thread, the backward op 14.5 -> 13.2-14.6 ms)
