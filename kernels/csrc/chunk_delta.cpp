@@ -250,8 +250,11 @@ void column_block(int64_t m, int64_t w, int64_t steps, const typename F::Element
 
 // C [m, n] = alpha A B + beta C in blocks of 64 columns, A and B as in tile; with `pairs`, C's rows also rounded to
 // bfloat16 pairs of rows there (tile's kPairs; pair row stride pairs_ld elements, 16-column groups written whole).
+// Never inlined: how GCC inlined it into its callers moved with their number (one more call site made the bfloat16
+// forward at T = 8-16 10-15% slower, side by side in one process; out of line every caller runs as fast as before).
 template <typename F>
-void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
+__attribute__((noinline)) void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element* A,
+                                           int64_t a_row, int64_t a_step,
                  const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta,
                  uint16_t* pairs = nullptr, int64_t pairs_ld = 0) {
   for (int64_t j = 0; j < n; j += 64) {
