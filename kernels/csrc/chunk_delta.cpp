@@ -106,11 +106,11 @@ inline T dot(int64_t n, const T* x, const T* y) {
   return acc;
 }
 
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 #if defined(__AVX512F__)
 #define FWP_VECTOR_PRODUCTS 1
 #include <immintrin.h>
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // The first min(max(n, 0), 16) of 16 lanes.
 inline __mmask16 first_lanes(int64_t n) {
@@ -741,21 +741,6 @@ inline RowsAhead previous_chunk(int64_t t0, int64_t C) {
   return {p0, t0 - p0};
 }
 
-// What a forward keeps of one sequence for its backward, each nullptr where not kept: the state entering each chunk
-// (`entering` [N, Dv, Dk]), and for the delta rule the new values U' (`u_new` [L, Dv]) and X = V - K S^T of each
-// chunk (`x` [L, Dv]: what dbeta needs, so that the backward does not multiply K S^T again). A bfloat16-factor
-// backward keeps the entering states and U' as the bfloat16 its products read instead, half the bytes to write and
-// read back: `entering_pairs` [N, state_pairs_size(Dk, Dv)] (record_state_pairs) and `u_new_rows` [L, round_up(Dv, 2)]
-// (U' rounded, rows padded to even).
-template <typename T>
-struct ForwardRecord {
-  T* entering = nullptr;
-  T* u_new = nullptr;
-  T* x = nullptr;
-  uint16_t* entering_pairs = nullptr;
-  uint16_t* u_new_rows = nullptr;
-};
-
 // Elements of one state S [Dv, Dk] as bfloat16 pairs of its rows: ceil(Dv / 2) pair rows of round_up(Dk, 16) pairs.
 inline int64_t state_pairs_size(int64_t Dk, int64_t Dv) { return round_up(Dv, 2) * round_up(Dk, 16); }
 
@@ -780,6 +765,26 @@ void record_rows(int64_t m, int64_t k, const T* x, uint16_t* out) {
 #endif
   TORCH_CHECK(false, "fwp_chunk: bfloat16 rows need float32 values and a build with AVX-512 BF16");
 }
+
+// What a forward keeps of one sequence for its backward, each nullptr where not kept: the state entering each chunk
+// (`entering` [N, Dv, Dk]), and for the delta rule the new values U' (`u_new` [L, Dv]) and X = V - K S^T of each
+// chunk (`x` [L, Dv]: what dbeta needs, so that the backward does not multiply K S^T again). A bfloat16-factor
+// backward keeps the entering states and U' as the bfloat16 its products read instead, half the bytes to write and
+// read back: `entering_pairs` [N, state_pairs_size(Dk, Dv)] (record_state_pairs) and `u_new_rows` [L, round_up(Dv, 2)]
+// (U' rounded, rows padded to even).
+template <typename T>
+struct ForwardRecord {
+  T* entering = nullptr;
+  T* u_new = nullptr;
+  T* x = nullptr;
+  uint16_t* entering_pairs = nullptr;
+  uint16_t* u_new_rows = nullptr;
+  // keeps the state entering chunk n as asked, from the transposed state St [Dk, ld] of the forward
+  void keep_state(int64_t n, int64_t Dk, int64_t Dv, const T* St, int64_t ld) const {
+    if (entering != nullptr) transpose(Dk, Dv, St, ld, entering + n * Dv * Dk, Dk);
+    if (entering_pairs != nullptr) record_state_pairs(Dk, Dv, St, ld, entering_pairs + n * state_pairs_size(Dk, Dv));
+  }
+};
 
 // What a forward keeps of one sequence of L positions (N chunks, states [Dv, Dk]) for its backward, in buffers of its
 // own: the states entering the chunks and (delta rule) U' as T or as bfloat16 (`as_bfloat16`), X as T.
@@ -833,9 +838,7 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
     const int64_t c = std::min(C, L - t0);
     const In* V = v + t0 * Dv;
-    if (record.entering != nullptr) transpose(Dk, Dv, St, ld, record.entering + n * Dv * Dk, Dk);
-    if (record.entering_pairs != nullptr)
-      record_state_pairs(Dk, Dv, St, ld, record.entering_pairs + n * state_pairs_size(Dk, Dv));
+    record.keep_state(n, Dk, Dv, St, ld);
     // Without outputs to write (the backward's recomputation of the states) only the keys are stacked.
     const int64_t cq = o != nullptr ? c : 0;
     products.load(q + t0 * Dk, k + t0 * Dk, cq, c);
