@@ -1034,13 +1034,15 @@ struct BackwardProducts {
   int64_t Dk, Dv;
   BackwardProducts(const Gemm& gemm, int64_t /*C*/, int64_t Dk, int64_t Dv) : gemm(gemm), Dk(Dk), Dv(Dv) {}
   void begin_chunk() {}
-  // the state entering chunk n, S [Dv, Dk], as pairs; the c new values U' [c, Dv] from position t0 as rows
+  // the state entering chunk n, S [Dv, Dk], as pairs; the c new values U' [c, Dv] from position t0 as rows (the delta
+  // rule's, kept by the forward; the sum rule's, the values V [c, Dv] themselves: V_T as ChunkInputs holds them)
   Operand state(const ForwardRecord<T>& kept, int64_t n) {
     return pairs(kept.entering + n * Dv * Dk, Dv, Dk, Dk);
   }
   Operand new_values(const ForwardRecord<T>& kept, int64_t t0, int64_t c) {
     return rows(kept.u_new + t0 * Dv, c, Dv, Dv);
   }
+  Operand values(const T* V_T, const In*, int64_t c) { return rows(V_T, c, Dv, Dv); }
   Operand rows(const T* x, int64_t /*m*/, int64_t /*k*/, int64_t ld) { return {x, ld, Form::kRows}; }
   Operand pairs(const T* x, int64_t /*k*/, int64_t /*n*/, int64_t ld) { return {x, ld, Form::kPairs}; }
   // (x_rows: x's rows form where the caller has one; not needed here)
@@ -1103,6 +1105,7 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
   Operand new_values(const ForwardRecord<float>& kept, int64_t t0, int64_t) {
     return {kept.u_new_rows + t0 * round_up(Dv, 2), round_up(Dv, 2), Form::kRows};
   }
+  Operand values(const float*, const c10::BFloat16* v, int64_t c) { return input_rows(v, c, Dv); }  // in place
   Operand rows(const float* x, int64_t m, int64_t k, int64_t ld) {
     const int64_t k2 = round_up(k, 2);
     bf16_bits* out = take(m * k2);
@@ -1245,10 +1248,10 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
   for (int64_t n = N - 1; n >= 0; --n) {
     const int64_t t0 = n * C, c = std::min(C, L - t0);
     mm.begin_chunk();
-    // (V only for the sum rule, where it is U'; q and dout only where the products read them widened)
-    const ChunkInputs<T> x(t0, c, C, Dk, Dv, Products::kReadsInputsInPlace ? nullptr : q, k,
-                           beta == nullptr ? v : nullptr, beta, (const In*)nullptr,
-                           Products::kReadsInputsInPlace ? nullptr : dout, w.in);
+    // (q, dout and, for the sum rule, V (its U') only where the products read them widened)
+    constexpr bool kWiden = !Products::kReadsInputsInPlace;
+    const ChunkInputs<T> x(t0, c, C, Dk, Dv, kWiden ? q : nullptr, k, kWiden && beta == nullptr ? v : nullptr, beta,
+                           (const In*)nullptr, kWiden ? dout : nullptr, w.in);
     const typename Products::Inputs in = mm.inputs(x, q + t0 * Dk, k + t0 * Dk, dout + t0 * Dv, c, w.Kt);
     const ChunkGradients<T, Out> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, (Out*)nullptr, w.out);
     T *dQ = d.dQ, *dK = d.dK, *dV = d.dV;
@@ -1256,9 +1259,9 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const RowsAhead previous = previous_chunk(t0, C);
     previous.fetch(q, Dk);
     previous.fetch(k, Dk);
-    // U' (the sum rule: V), as T where kept so (nullptr for the bfloat16 products, which keep its rows)
+    // U' (the sum rule: V), as T where the products read it so (nullptr for the bfloat16 products: its rows form only)
     const T* U = beta == nullptr ? x.V : kept.u_new != nullptr ? kept.u_new + t0 * Dv : nullptr;
-    const typename Products::Operand Ur = beta != nullptr ? mm.new_values(kept, t0, c) : mm.rows(U, c, Dv, Dv);
+    const typename Products::Operand Ur = beta != nullptr ? mm.new_values(kept, t0, c) : mm.values(U, v + t0 * Dv, c);
 
     mm(c, c, Dk, in.Q, in.Kt, T(1), T(0), w.P, c);
     for (int64_t i = 0; i < c; ++i) std::fill(w.P + i * c + i + 1, w.P + (i + 1) * c, T(0));
