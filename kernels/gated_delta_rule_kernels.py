@@ -84,13 +84,12 @@ cpu_kernel_available = _CPU_KERNEL.available
 
 
 def _products(flat) -> int:
-    """The C++ kernel's products for the tensors it is handed (``chunk.cpu_products``): float32 factors for float32 and
-    bfloat16 inputs alike (the AVX-512 micro-kernel's where built, else the BLAS), float64 through the BLAS. bfloat16
-    factors gave this rule no speed in bench_cpu (``gated_auto_bf16`` against ``gated_auto_bf16_in_fp32``: 1.02x /
-    0.99x forward, 1.01x / 0.99x forward + backward at commit c13c878, 1 / 2 threads) for more error (o and gradients
-    within 3.8e-3 of the float64 step loop, 6 shapes by hand, where float32 factors give 2.5e-3)."""
+    """The C++ kernel's products for the tensors it is handed: the delta rule's choice (``chunk.cpu_products``), for
+    this rule runs the delta rule's chunk loops with its decays applied to their products. bfloat16 factors (AVX-512
+    BF16) for bfloat16 inputs since those loops carry the decays (before, this rule's own loops with bfloat16 factors
+    gained nothing over float32 ones, and it took float32 factors)."""
     q, k, v, *gates = flat
-    return chunk.cpu_products(q, k, v, tuple(gates), bfloat16_factors=False)
+    return chunk.cpu_products(q, k, v, tuple(gates))
 
 
 class GatedIntra(NamedTuple):

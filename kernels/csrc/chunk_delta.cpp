@@ -383,6 +383,23 @@ void interleave_rows(int64_t k, int64_t n, const bf16_bits* x, int64_t ld, bf16_
   }
 }
 
+// The pairs of interleave_rows from diag(scale) x: row i of the bfloat16 x widened and times scale[i], rounded to
+// bfloat16 (as pack_pairs rounds the float32 rows).
+void scaled_pairs(int64_t k, int64_t n, const bf16_bits* x, int64_t ld, const float* scale, bf16_bits* out,
+                  int64_t n_out) {
+  const auto row = [&](int64_t i, int64_t j, __mmask16 lanes) {
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x + i * ld + j));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), _mm512_set1_ps(scale[i]));
+  };
+  for (int64_t p = 0; 2 * p < k; ++p) {
+    for (int64_t j = 0; j < n_out; j += 16) {
+      const __mmask16 lanes = first_lanes(n - j);
+      store_pairs(out + 2 * (p * n_out + j), row(2 * p, j, lanes),
+                  2 * p + 1 < k ? row(2 * p + 1, j, lanes) : _mm512_setzero_ps());
+    }
+  }
+}
+
 // Rows of the float32 x [m, ld] (k columns) rounded to bfloat16 into out [m, k2] (k2: k rounded up to even, the pad
 // zero): an A operand with its pairs along the rows.
 void round_rows(int64_t m, int64_t k, const float* x, int64_t ld, bf16_bits* out, int64_t k2) {
@@ -613,17 +630,24 @@ inline void transpose(int64_t rows, int64_t cols, const T* x, int64_t ld, T* out
 template <typename T, typename Gemm, typename In>
 struct ChunkProducts {
   const Gemm& gemm;
-  int64_t Dk, Dv, ld;
+  int64_t Dk, Dv, ld, c = 0;
   T* X;
   T* Z;
   ChunkProducts(const Gemm& gemm, int64_t /*C*/, int64_t Dk, int64_t Dv, int64_t ld, T* X, T* Z)
       : gemm(gemm), Dk(Dk), Dv(Dv), ld(ld), X(X), Z(Z) {}
 
   // The chunk's c keys, after its cq queries (cq = 0: keys only).
-  void load(const In* q, const In* k, int64_t cq, int64_t c) {
+  void load(const In* q, const In* k, int64_t cq, int64_t c_) {
+    c = c_;
     if (cq > 0) convert_copy(q, cq * Dk, X);
     convert_copy(k, c * Dk, X + cq * Dk);
     transpose(c, Dk, X + cq * Dk, Dk, Z + Dv, ld);
+  }
+  // K^T <- K^T diag(scale) for the writes (the gated rule's lambda), after states_and_keys
+  void scale_keys(const T* scale) {
+    for (int64_t j = 0; j < Dk; ++j)
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) Z[j * ld + Dv + i] *= scale[i];
   }
   // Y = [Q; K] [S^T | K^T], Y [rows, ld] (rows: the cq queries, then the c keys where the rule needs them)
   void states_and_keys(int64_t rows, int64_t c, T* Y) const {
@@ -669,6 +693,8 @@ struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     Kr = rows_of(k, c, X + cq * k2);
     interleave_rows(c, Dk, Kr, k2, Kt, mp);
   }
+  // K^T's pairs for the writes scaled, K^T diag(scale) (the gated rule's lambda): rounded as the generic policy rounds
+  void scale_keys(const float* scale) { scaled_pairs(c, Dk, Kr, k2, scale, Kt, mp); }
   void states_and_keys(int64_t rows, int64_t, float* Y) {
     if (!state_in_B) pack_pairs(Dk, Dv, Z, ld, B, np);  // the initial state
     // pair p of column Dv + i of K^T is pair p of row i of K: a transpose of 32-bit pairs
@@ -787,23 +813,28 @@ struct ForwardRecord {
 };
 
 // What a forward keeps of one sequence of L positions (N chunks, states [Dv, Dk]) for its backward, in buffers of its
-// own: the states entering the chunks and (delta rule) U' as T or as bfloat16 (`as_bfloat16`), X as T.
+// own: the states entering the chunks and (delta rule) U' as T or as bfloat16 (`as_bfloat16`), X as T; the states
+// also as T where `states_as_T` (the gated rule's <S, dS'>).
 template <typename T>
 struct KeptBuffers {
   std::vector<T> values;
   std::vector<uint16_t> bfloat16;
-  ForwardRecord<T> record(int64_t L, int64_t N, int64_t Dk, int64_t Dv, bool delta, bool as_bfloat16) {
+  ForwardRecord<T> record(int64_t L, int64_t N, int64_t Dk, int64_t Dv, bool delta, bool as_bfloat16,
+                          bool states_as_T = false) {
     const int64_t states = N * Dv * Dk, per_position = delta ? L * Dv : 0, pairs = N * state_pairs_size(Dk, Dv);
-    values.resize((as_bfloat16 ? 0 : states + per_position) + per_position);
+    states_as_T = states_as_T || !as_bfloat16;
+    values.resize((states_as_T ? states : 0) + (as_bfloat16 ? 0 : per_position) + per_position);
     bfloat16.resize(as_bfloat16 ? pairs + (delta ? L * round_up(Dv, 2) : 0) : 0);
     ForwardRecord<T> kept;
     T* next = values.data();
+    if (states_as_T) {
+      kept.entering = next;
+      next += states;
+    }
     if (as_bfloat16) {
       kept.entering_pairs = bfloat16.data();
       if (delta) kept.u_new_rows = bfloat16.data() + pairs;
     } else {
-      kept.entering = next;
-      next += states;
       if (delta) kept.u_new = next;
       next += per_position;
     }
@@ -812,14 +843,107 @@ struct KeptBuffers {
   }
 };
 
-// One sequence: q, k [L, Dk], v [L, Dv], beta [L] (nullptr: sum rule). S [Dv, Dk] holds the initial state
-// on entry and the final one on return. Writes o [L, Dv] (unless nullptr) and what `record` asks for.
-// `work` holds chunk_workspace(C, Dk, Dv) elements.
-// In: the type of q, k, v, beta and o (T, or bfloat16 with T = float: the state, sums and products' results float32).
+// out[j] = exp(a + s x[j]) for j < m, 0 for m <= j < n (s = 1 or -1: a + s x[j] rounded once, as a - x[j] is).
+// Where built with AVX-512, 16 lanes at a time: e^y = 2^k e^r, k = round(y log2(e)), r = y - k ln(2) in two parts
+// (|r| <= ln(2) / 2), e^r by its Taylor polynomial to r^7 (truncation below 1e-9 relative), 2^k by vscalefps; within
+// 2 ulp of libm's expf, 1 for y = 0, 0 below y = -104 and inf above 89, NaN kept (the scalar loop of libm's expf
+// was 8% of the gated forward, B1 H8 T4096 D64, float32, 1 thread, by hand).
+template <typename T>
+void exp_affine(int64_t n, int64_t m, T a, T s, const T* x, T* out) {
+  int64_t j = 0;
+#ifdef FWP_VECTOR_PRODUCTS
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 va = _mm512_set1_ps(a), vs = _mm512_set1_ps(s), low = _mm512_set1_ps(-104.f),
+                 high = _mm512_set1_ps(89.f), log2e = _mm512_set1_ps(1.44269504088896341f),
+                 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    for (; j < n; j += 16) {
+      const __mmask16 lanes = first_lanes(n - j), kept = first_lanes(m - j);
+      __m512 y = _mm512_fmadd_ps(vs, _mm512_maskz_loadu_ps(kept, x + j), va);
+      y = _mm512_min_ps(high, _mm512_max_ps(low, y));  // the second operand where y is NaN: NaN kept
+      const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(y, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, y));
+      __m512 p = _mm512_set1_ps(1.f / 5040);
+      for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+      _mm512_mask_storeu_ps(out + j, lanes, _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, k)));
+    }
+    return;
+  }
+#endif
+  for (; j < n; ++j) out[j] = j < m ? std::exp(a + s * x[j]) : T(0);
+}
+
+// The gated rule's decays of a chunk from its log-decays g [c]: gamma (cumulative), Gamma = exp(gamma), lambda =
+// exp(gamma_c - gamma), and D [c, c] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (from the differences:
+// no under/overflow). Empty (C = 0) for the rules without decay.
+template <typename T>
+struct Decays {
+  std::vector<T> gamma, Gamma, lambda, D;
+  explicit Decays(int64_t C) : gamma(C), Gamma(C), lambda(C), D(C * C) {}
+  template <typename G>
+  void compute(int64_t c, const G* g) {
+    T acc = 0;
+    for (int64_t i = 0; i < c; ++i) gamma[i] = acc += T(g[i]);
+    exp_affine(c, c, T(0), T(1), gamma.data(), Gamma.data());
+    exp_affine(c, c, gamma[c - 1], T(-1), gamma.data(), lambda.data());
+    for (int64_t i = 0; i < c; ++i) exp_affine(c, i + 1, gamma[i], T(-1), gamma.data(), D.data() + i * c);
+  }
+};
+
+// The delta rule's new values of a chunk (eqs. 20-24, stacked): u_i = beta_i (v_i - S_{i-1} k_i) with S_{i-1} = S +
+// sum_{j<i} u_j k_j^T, that is (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) X, X = V - K S^T, solved into Un
+// [c, Dv] from KS = [K S^T | K K^T] (row stride ld; the gated rule's decays already applied to it: decay_products);
+// X written to x where kept (what the backward's dbeta needs).
+template <typename T, typename In>
+void new_values(int64_t c, int64_t Dv, const In* V, const In* b, const T* KS, int64_t ld, T* x, T* Un) {
+  for (int64_t i = 0; i < c; ++i) {  // beta_i x_i, x_i = v_i - S k_i
+    T* u = Un + i * Dv;
+    const In* vi = V + i * Dv;
+    const T* ks = KS + i * ld;
+    const T bi = T(b[i]);
+    if (x == nullptr) {
+#pragma omp simd
+      for (int64_t j = 0; j < Dv; ++j) u[j] = bi * (T(vi[j]) - ks[j]);
+      continue;
+    }
+    T* xi = x + i * Dv;
+#pragma omp simd
+    for (int64_t j = 0; j < Dv; ++j) {
+      xi[j] = T(vi[j]) - ks[j];
+      u[j] = bi * xi[j];
+    }
+  }
+  unit_lower_forward_substitution<T>(c, Dv, KS + Dv, ld, [b](int64_t i) { return T(b[i]); }, Un);
+}
+
+// The gated rule's decays on a chunk's first product Y = [Q; K] [S^T | K^T] (rows of stride ld: cq query rows, then
+// key rows up to `rows`), in place (Gated DeltaNet sec. 3.1; kernels/README.md, "Gated delta rule"):
+//   [Q S^T | Q K^T] -> [diag(Gamma) Q S^T | tril(Q K^T) * D],   [K S^T | K K^T] -> [diag(Gamma) K S^T | (K K^T) * D]
+// so that the delta rule's steps that follow compute O = diag(Gamma) Q S^T + P U' and (I + A) U' = diag(beta) (V -
+// diag(Gamma) K S^T), A = strictly_lower(diag(beta) (K K^T * D)).
+template <typename T>
+void decay_products(const Decays<T>& d, int64_t cq, int64_t c, int64_t rows, int64_t Dv, T* Y, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r < cq ? r : r - cq;
+    T* y = Y + r * ld;
+    const T gamma = d.Gamma[i];
+    const T* D = d.D.data() + i * c;
+#pragma omp simd
+    for (int64_t j = 0; j < Dv; ++j) y[j] *= gamma;
+#pragma omp simd
+    for (int64_t j = 0; j < c; ++j) y[Dv + j] *= D[j];
+  }
+}
+
+// One sequence: q, k [L, Dk], v [L, Dv], beta [L] (nullptr: sum rule), g [L] (the gated rule's log-decays, with beta;
+// nullptr: no decay). S [Dv, Dk] holds the initial state on entry and the final one on return. Writes o [L, Dv] (unless
+// nullptr) and what `record` asks for. `work` holds chunk_workspace(C, Dk, Dv) elements.
+// In: the type of q, k, v, beta, g and o (T, or bfloat16 with T = float: the state, sums and products' results
+// float32).
 template <typename T, typename Gemm, typename In = T>
 void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
-                       const In* beta, T* S, std::type_identity_t<In>* o, const ForwardRecord<T>& record, T* work,
-                       const Gemm& gemm) {
+                       const In* beta, const std::type_identity_t<In>* g, T* S, std::type_identity_t<In>* o,
+                       const ForwardRecord<T>& record, T* work, const Gemm& gemm) {
   // The state is kept transposed, St = S^T [Dk, Dv], beside K^T [Dk, c], and the chunk's queries and keys are stacked,
   // X = [Q; K] [2c, Dk]. One buffer Z [Dk + 2C, Dv + C] (row stride ld) holds
   //   rows 0 .. Dk:             [ S^T | K^T ]
@@ -833,6 +957,7 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
   T* U_buf = Z + (Dk + 2 * C) * ld;      // U' when the caller does not keep it   [C, Dv]
   T* St = Z;
   ChunkProducts<T, Gemm, In> products(gemm, C, Dk, Dv, ld, X, Z);
+  Decays<T> decays(g != nullptr ? C : 0);
   for (int64_t i = 0; i < Dv; ++i)
     for (int64_t j = 0; j < Dk; ++j) St[j * ld + i] = S[i * Dk + j];
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
@@ -853,6 +978,10 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
     next.fetch(k, Dk);
     T* P = Y + Dv;  // tril(Q K^T), diagonal included: position i reads the writes of positions j <= i
     for (int64_t i = 0; i < cq; ++i) std::fill(P + i * ld + i + 1, P + i * ld + c, T(0));
+    if (g != nullptr) {
+      decays.compute(c, g + t0);
+      decay_products(decays, cq, c, rows, Dv, Y, ld);
+    }
 
     const T* U = U_buf;  // sum rule: the values themselves are written (eq. 17)
     if (beta == nullptr) {
@@ -861,34 +990,20 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
       } else {
         convert_copy(V, c * Dv, U_buf);
       }
-    } else {
-      // Delta rule within the chunk, u_i = beta_i (v_i - S_{i-1} k_i) with S_{i-1} = S + sum_{j<i} u_j k_j^T
-      // (eqs. 20-24), stacked: (I + strictly_lower(diag(beta) K K^T)) U' = diag(beta) (V - K S^T).
+    } else {  // the delta rule within the chunk
       T* Un = record.u_new != nullptr ? record.u_new + t0 * Dv : U_buf;
-      const In* b = beta + t0;
-      const T* KS = Y + cq * ld;
-      for (int64_t i = 0; i < c; ++i) {  // beta_i x_i, x_i = v_i - S k_i (kept for the backward where asked)
-        T* u = Un + i * Dv;
-        const In* vi = V + i * Dv;
-        const T* ks = KS + i * ld;
-        const T bi = T(b[i]);
-        if (record.x == nullptr) {
-#pragma omp simd
-          for (int64_t j = 0; j < Dv; ++j) u[j] = bi * (T(vi[j]) - ks[j]);
-          continue;
-        }
-        T* x = record.x + (t0 + i) * Dv;
-#pragma omp simd
-        for (int64_t j = 0; j < Dv; ++j) {
-          x[j] = T(vi[j]) - ks[j];
-          u[j] = bi * x[j];
-        }
-      }
-      unit_lower_forward_substitution<T>(c, Dv, KS + Dv, ld, [b](int64_t i) { return T(b[i]); }, Un);
+      new_values(c, Dv, V, beta + t0, Y + cq * ld, ld, record.x != nullptr ? record.x + t0 * Dv : nullptr, Un);
       if (record.u_new_rows != nullptr) record_rows(c, Dv, Un, record.u_new_rows + t0 * round_up(Dv, 2));
       U = Un;
     }
     next.fetch(v, Dv);
+    if (g != nullptr) {  // the gated rule's writes: S^T <- Gamma_c S^T + K^T diag(lambda) U'
+      const T decay = decays.Gamma[c - 1];
+      for (int64_t j = 0; j < Dk; ++j)
+#pragma omp simd
+        for (int64_t i = 0; i < Dv; ++i) St[j * ld + i] *= decay;
+      products.scale_keys(decays.lambda.data());
+    }
     // [S^T; O] += [K^T; P] U': the chunk's writes (S^T <- S^T + K^T U') and their reads (O = Q S^T + P U')
     products.writes_and_reads(cq, c, U);
     for (int64_t i = 0; i < cq; ++i) convert_copy(Y + i * ld, Dv, o + (t0 + i) * Dv);
@@ -985,7 +1100,7 @@ struct ChunkGradients {
 };
 
 inline int64_t chunk_backward_workspace(int64_t C, int64_t Dk, int64_t Dv) {
-  return 4 * C * C + 3 * C * Dk + 2 * C * Dv + ChunkInputs<float>::size(C, Dk, Dv) +
+  return 4 * C * C + 3 * C * Dk + 2 * C * Dv + C * std::max(Dk, Dv) + C + ChunkInputs<float>::size(C, Dk, Dv) +
          ChunkGradients<float, float>::size(C, Dk, Dv);
 }
 
@@ -1001,11 +1116,14 @@ struct BackwardBuffers {
   T* bK;   // diag(beta) K                                   [c, Dk]
   T* Kt;   // K^T, for tril(Q K^T) and K K^T                 [Dk, c]
   T* Ut;   // U'^T, for dP and dA                            [Dv, c]
+  T* G;    // the gated rule's diag(Gamma) Q, diag(Gamma) dV    [c, max(Dk, Dv)]
+  T* dgam;  // the gated rule's gradient of gamma               [c]
   T* in;   // the chunk's inputs widened to T (ChunkInputs; bfloat16 inputs)
   T* out;  // its gradients before they are rounded (ChunkGradients; bfloat16 outputs)
   BackwardBuffers(T* work, int64_t C, int64_t Dk, int64_t Dv)
-      : P(work), A(P + C * C), dP(A + C * C), dA(dP + C * C), dR(dA + C * C), M(dR + C * Dv),
-        bK(M + C * Dk), Kt(bK + C * Dk), Ut(Kt + C * Dk), in(Ut + C * Dv), out(in + ChunkInputs<T>::size(C, Dk, Dv)) {}
+      : P(work), A(P + C * C), dP(A + C * C), dA(dP + C * C), dR(dA + C * C), M(dR + C * Dv), bK(M + C * Dk),
+        Kt(bK + C * Dk), Ut(Kt + C * Dk), G(Ut + C * Dv), dgam(G + C * std::max(Dk, Dv)), in(dgam + C),
+        out(in + ChunkInputs<T>::size(C, Dk, Dv)) {}
 };
 
 // The backward's products, each C [m, n] = alpha op(A) op(B) + beta C, read their matrices through forms made once per
@@ -1195,25 +1313,89 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
 //   (I + A) U' = diag(beta) X, X = V - K S^T, A = strictly_lower(diag(beta) K K^T):
 //     dR = (I + A)^-T dU',  dV = diag(beta) dR,  dbeta = rowsum(dR * X) + rowsum((dA K) * K),
 //     dA = -strictly_lower(dR U'^T),  dK += -dV S + diag(beta) dA K + dA^T diag(beta) K,  dS -= dV^T K
+// The gated rule's decays in a chunk's backward (Gated DeltaNet sec. 3.1; kernels/README.md, "Gated delta rule"): its
+// Decays, and dgam [c], the gradient of gamma (cumulative log-decay) that each step adds to. nullptr for no decay.
+template <typename T>
+struct DecayGradients {
+  const Decays<T>& d;
+  T* dgam;
+  // O reads diag(Gamma) Q S^T: dQ = dO S given, scaled in place to diag(Gamma) dO S; dgam_i += Gamma_i (dO S)_i . q_i
+  void queries(int64_t c, int64_t Dk, const T* Q, T* dQ) const {
+    for (int64_t i = 0; i < c; ++i) {
+      dgam[i] += d.Gamma[i] * dot(Dk, dQ + i * Dk, Q + i * Dk);
+      for (int64_t j = 0; j < Dk; ++j) dQ[i * Dk + j] *= d.Gamma[i];
+    }
+  }
+  // S' = Gamma_c S + U'^T diag(lambda) K: dK = U' dS' given, scaled to diag(lambda) U' dS'; dgam_i = -lambda_i (U'
+  // dS')_i . k_i (the first term of dgam), and dgam_c gets sum_i lambda_i (U' dS')_i . k_i + Gamma_c <S, dS'>
+  void keys(int64_t c, int64_t Dk, int64_t Dv, const T* K, T* dK, const T* S, const T* dS) const {
+    T lambda_sum = 0;
+    for (int64_t i = 0; i < c; ++i) {
+      const T acc = d.lambda[i] * dot(Dk, dK + i * Dk, K + i * Dk);
+      dgam[i] = -acc;
+      lambda_sum += acc;
+      for (int64_t j = 0; j < Dk; ++j) dK[i * Dk + j] *= d.lambda[i];
+    }
+    dgam[c - 1] += lambda_sum + d.Gamma[c - 1] * dot(Dv * Dk, S, dS);
+  }
+  // X [c, c] = M * D (P, or KD = K K^T * D) read as M: with its gradient dX (rows scaled by `rows` where given:
+  // diag(beta) dA for KD), dgam_i += sum_j H_ij - sum_j H_ji, H = dX * X; then dX <- dX * D, the gradient of M
+  template <typename B>
+  void through_D(int64_t c, const T* X, T* dX, const B& rows) const {
+    for (int64_t i = 0; i < c; ++i) {
+      T acc = 0;
+      for (int64_t j = 0; j <= i; ++j) {
+        const T h = rows(i) * dX[i * c + j] * X[i * c + j];
+        acc += h;
+        dgam[j] -= h;
+      }
+      dgam[i] += acc;
+    }
+    for (int64_t i = 0; i < c * c; ++i) dX[i] *= d.D[i];
+  }
+  // out_i = Gamma_i x_i for rows x [c, n]
+  void gamma_rows(int64_t c, int64_t n, const T* x, T* out) const {
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t j = 0; j < n; ++j) out[i * n + j] = d.Gamma[i] * x[i * n + j];
+  }
+};
+
+// The delta rule's part of a chunk's backward, through (I + A) U' = diag(beta) X, X = V - K S^T (kept by the forward),
+// A = strictly_lower(diag(beta) K K^T), from dR = dU' (kernels/README.md, "Backward of the CPU kernel"); the gated
+// rule's decays where `decay` is given (X = V - diag(Gamma) K S^T, A = strictly_lower(diag(beta) (K K^T * D)); V as T
+// for its dgam).
 template <typename T, typename Products>
-void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* X, const T* b,
+void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, const T* X, const T* b,
                                const BackwardBuffers<T>& w, Products& mm, const typename Products::Inputs& in,
                                const typename Products::Operand& Ut, const typename Products::Operand& Sp, T* dS,
-                               T* dK, T* dV, T* db) {
+                               T* dK, T* dV, T* db, const DecayGradients<T>* decay) {
   // Recompute A, then dR = (I + A)^-T dU'
   mm(c, c, Dk, in.K, in.Kt, T(1), T(0), w.A, c);
+  if (decay != nullptr)
+    for (int64_t i = 0; i < c * c; ++i) w.A[i] *= decay->d.D[i];
   unit_lower_transposed_back_substitution<T>(c, Dv, w.A, c, [b](int64_t i) { return b[i]; }, w.dR);
-  // dV = diag(beta) dR;  dbeta = rowsum(dR * X)
+  // dV = diag(beta) dR;  dbeta = rowsum(dR * X);  gated: dgam_i -= dV_i . (Gamma K S^T)_i, Gamma K S^T = V - X
   for (int64_t i = 0; i < c; ++i) {
     db[i] = dot(Dv, w.dR + i * Dv, X + i * Dv);
     for (int64_t j = 0; j < Dv; ++j) dV[i * Dv + j] = b[i] * w.dR[i * Dv + j];
+    if (decay == nullptr) continue;
+    T acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < Dv; ++j) acc += dV[i * Dv + j] * (V[i * Dv + j] - X[i * Dv + j]);
+    decay->dgam[i] -= acc;
   }
-  // dK -= dV S;  dS -= dV^T K
-  mm(c, Dk, Dv, mm.rows(dV, c, Dv, Dv), Sp, T(-1), T(1), dK, Dk);
-  mm.update_state_gradient(c, mm.pairs(dV, c, Dv, Dv), in.Kp, T(-1), dS);
-  // dA = -strictly_lower(dR U'^T)
+  // dK -= dX S;  dS -= dX^T K   (dX = dV; gated: diag(Gamma) dV)
+  const T* dX = dV;
+  if (decay != nullptr) {
+    decay->gamma_rows(c, Dv, dV, w.G);
+    dX = w.G;
+  }
+  mm(c, Dk, Dv, mm.rows(dX, c, Dv, Dv), Sp, T(-1), T(1), dK, Dk);
+  mm.update_state_gradient(c, mm.pairs(dX, c, Dv, Dv), in.Kp, T(-1), dS);
+  // dA = -strictly_lower(dR U'^T)  (gated: through D, dA <- dA * D)
   mm(c, c, Dv, mm.rows(w.dR, c, Dv, Dv), Ut, T(-1), T(0), w.dA, c);
   for (int64_t i = 0; i < c; ++i) std::fill(w.dA + i * c + i, w.dA + (i + 1) * c, T(0));
+  if (decay != nullptr) decay->through_D(c, w.A, w.dA, [b](int64_t i) { return b[i]; });
   // M = dA K:  dK += diag(beta) M,  dbeta += rowsum(M * K);  dK += dA^T diag(beta) K
   mm(c, Dk, c, mm.rows(w.dA, c, c, c), in.Kp, T(1), T(0), w.M, Dk);
   for (int64_t i = 0; i < c; ++i) {
@@ -1226,78 +1408,119 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
   mm(c, Dk, c, mm.pairs(w.dA, c, c, c), mm.pairs(w.bK, c, Dk, Dk), T(1), T(1), dK, Dk);
 }
 
+// The gradients that reach a chunk's outputs and the state leaving it (see chunk_backward_seq): dU' (into dU), dK =
+// U' dS' + dP^T Q, dQ = dO S + dP K, dP = tril(dO U'^T), P = tril(Q K^T) recomputed into w.P; the gated rule's decays
+// where `decay` is given (dU' = diag(lambda) K dS'^T + P^T dO, P = tril(Q K^T) * D, ...: DecayGradients). S: the state
+// entering the chunk as T (the gated rule's <S, dS'>). fetch(stage): the caller's prefetches, stages 1 and 2.
+template <typename T, typename Products, typename Fetch>
+void output_gradients(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K, const T* S, const T* dS, T* dU,
+                      T* dQ, T* dK, const BackwardBuffers<T>& w, Products& mm, const typename Products::Inputs& in,
+                      const typename Products::Operand& Ur, const typename Products::Operand& Ut,
+                      const typename Products::Operand& Sp, const DecayGradients<T>* decay, const Fetch& fetch) {
+  mm(c, c, Dk, in.Q, in.Kt, T(1), T(0), w.P, c);
+  for (int64_t i = 0; i < c; ++i) std::fill(w.P + i * c + i + 1, w.P + (i + 1) * c, T(0));
+  if (decay != nullptr)
+    for (int64_t i = 0; i < c * c; ++i) w.P[i] *= decay->d.D[i];
+  // dU' = K dS'^T + P^T dO
+  mm(c, Dv, Dk, in.K, mm.transposed(dS, Dv, Dk, Dk), T(1), T(0), dU, Dv);
+  if (decay != nullptr)
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t j = 0; j < Dv; ++j) dU[i * Dv + j] *= decay->d.lambda[i];
+  mm(c, Dv, c, mm.pairs(w.P, c, c, c), in.dOp, T(1), T(1), dU, Dv);
+  fetch(1);
+  // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
+  mm(c, Dk, Dv, Ur, mm.state_gradient_pairs(dS), T(1), T(0), dK, Dk);
+  if (decay != nullptr) decay->keys(c, Dk, Dv, K, dK, S, dS);
+  // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q
+  mm(c, c, Dv, in.dO, Ut, T(1), T(0), w.dP, c);
+  for (int64_t i = 0; i < c; ++i) std::fill(w.dP + i * c + i + 1, w.dP + (i + 1) * c, T(0));
+  mm(c, Dk, Dv, in.dO, Sp, T(1), T(0), dQ, Dk);
+  if (decay != nullptr) {
+    decay->queries(c, Dk, Q, dQ);
+    decay->through_D(c, w.P, w.dP, [](int64_t) { return T(1); });
+  }
+  mm(c, Dk, c, mm.rows(w.dP, c, c, c), in.Kp, T(1), T(1), dQ, Dk);
+  fetch(2);
+  mm(c, Dk, c, mm.pairs(w.dP, c, c, c), in.Qp, T(1), T(1), dK, Dk);
+}
+
 // The backward of one sequence, chunks from last to first. Given what `chunk_forward_seq` kept (`kept`: the states
-// entering the chunks; U' and X for the delta rule), the output
-// gradient do [L, Dv] and, in dS [Dv, Dk], the gradient of the final state (replaced by that of the
-// initial state). Per chunk, with S entering it and dS' the gradient of the state leaving it
-// (derivation: kernels/README.md, "Backward of the CPU kernel"):
+// entering the chunks; U' and X for the delta rule), the output gradient do [L, Dv] and, in dS [Dv, Dk], the gradient
+// of the final state (replaced by that of the initial state). Per chunk, with S entering it and dS' the gradient of the
+// state leaving it (derivation: kernels/README.md, "Backward of the CPU kernel"):
 //   O = Q S^T + P U', P = tril(Q K^T), S' = S + U'^T K:
 //     dU' = K dS'^T + P^T dO,  dP = tril(dO U'^T),  dQ = dO S + dP K,  dK = U' dS' + dP^T Q,
 //     dS = dS' + dO^T Q
 //   delta rule: delta_rule_chunk_backward;  sum rule: dV = dU'.
-// In: the type of q, k, v, beta and do; Out: of dq, dk, dv and dbeta (T, or bfloat16 with T = float: widened as
+// The gated rule (g: its log-decays, dg their gradient; kernels/README.md, "Gated delta rule"): the same steps with its
+// decays, O = diag(Gamma) Q S^T + P U', P = tril(Q K^T) * D, S' = Gamma_c S + U'^T diag(lambda) K (DecayGradients).
+// In: the type of q, k, v, beta, g and do; Out: of dq, dk, dv, dbeta and dg (T, or bfloat16 with T = float: widened as
 // they are read, rounded as they are written, the rest float32).
 template <typename T, typename Gemm, typename In = T, typename Out = In>
 void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
-                        const In* beta, const ForwardRecord<T>& kept, const In* dout, T* dS, Out* dq, Out* dk,
-                        Out* dv, Out* dbeta, T* work, const Gemm& gemm) {
+                        const In* beta, const std::type_identity_t<In>* g, const ForwardRecord<T>& kept,
+                        const In* dout, T* dS, Out* dq, Out* dk, Out* dv, Out* dbeta, Out* dg, T* work,
+                        const Gemm& gemm) {
   const BackwardBuffers<T> w(work, C, Dk, Dv);
   using Products = BackwardProducts<T, Gemm, In>;
   Products mm(gemm, C, Dk, Dv);
-  const int64_t N = (L + C - 1) / C;
-  for (int64_t n = N - 1; n >= 0; --n) {
+  Decays<T> decays(g != nullptr ? C : 0);
+  const DecayGradients<T> decay_gradients{decays, w.dgam};
+  const DecayGradients<T>* decay = g != nullptr ? &decay_gradients : nullptr;
+  for (int64_t n = (L + C - 1) / C - 1; n >= 0; --n) {
     const int64_t t0 = n * C, c = std::min(C, L - t0);
     mm.begin_chunk();
-    // (q, dout and, for the sum rule, V (its U') only where the products read them widened)
+    // (q, dout and, for the sum rule, V (its U') only where the products read them widened; q and V for the decays)
     constexpr bool kWiden = !Products::kReadsInputsInPlace;
-    const ChunkInputs<T> x(t0, c, C, Dk, Dv, kWiden ? q : nullptr, k, kWiden && beta == nullptr ? v : nullptr, beta,
-                           (const In*)nullptr, kWiden ? dout : nullptr, w.in);
+    const ChunkInputs<T> x(t0, c, C, Dk, Dv, kWiden || decay ? q : nullptr, k,
+                           (kWiden && beta == nullptr) || decay ? v : nullptr, beta, g, kWiden ? dout : nullptr, w.in);
     const typename Products::Inputs in = mm.inputs(x, q + t0 * Dk, k + t0 * Dk, dout + t0 * Dv, c, w.Kt);
-    const ChunkGradients<T, Out> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, (Out*)nullptr, w.out);
-    T *dQ = d.dQ, *dK = d.dK, *dV = d.dV;
+    const ChunkGradients<T, Out> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, dg, w.out);
     // the previous chunk's rows and state (read next) on their way while this one computes, a few at each stage
     const RowsAhead previous = previous_chunk(t0, C);
     previous.fetch(q, Dk);
     previous.fetch(k, Dk);
+    if (decay != nullptr) decays.compute(c, x.g);
     // U' (the sum rule: V), as T where the products read it so (nullptr for the bfloat16 products: its rows form only)
     const T* U = beta == nullptr ? x.V : kept.u_new != nullptr ? kept.u_new + t0 * Dv : nullptr;
     const typename Products::Operand Ur = beta != nullptr ? mm.new_values(kept, t0, c) : mm.values(U, v + t0 * Dv, c);
-
-    mm(c, c, Dk, in.Q, in.Kt, T(1), T(0), w.P, c);
-    for (int64_t i = 0; i < c; ++i) std::fill(w.P + i * c + i + 1, w.P + (i + 1) * c, T(0));
-    // dU' = K dS'^T + P^T dO   (into dV for the sum rule, where dV = dU')
-    T* dU = beta != nullptr ? w.dR : dV;
-    mm(c, Dv, Dk, in.K, mm.transposed(dS, Dv, Dk, Dk), T(1), T(0), dU, Dv);
-    mm(c, Dv, c, mm.pairs(w.P, c, c, c), in.dOp, T(1), T(1), dU, Dv);
-    previous.fetch(dout, Dv);
-    if constexpr (Products::kKeepsBfloat16) {
-      previous.fetch_chunk(kept.entering_pairs, C, state_pairs_size(Dk, Dv));
-    } else {
-      previous.fetch_chunk(kept.entering, C, Dv * Dk);
-    }
-    // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
-    mm(c, Dk, Dv, Ur, mm.state_gradient_pairs(dS), T(1), T(0), dK, Dk);
-    // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q;  dS = dS' + dO^T Q
     const typename Products::Operand Ut = mm.transposed(U, c, Dv, Dv, w.Ut, &Ur), Sp = mm.state(kept, n);
-    mm(c, c, Dv, in.dO, Ut, T(1), T(0), w.dP, c);
-    for (int64_t i = 0; i < c; ++i) std::fill(w.dP + i * c + i + 1, w.dP + (i + 1) * c, T(0));
-    mm(c, Dk, Dv, in.dO, Sp, T(1), T(0), dQ, Dk);
-    mm(c, Dk, c, mm.rows(w.dP, c, c, c), in.Kp, T(1), T(1), dQ, Dk);
-    if (beta != nullptr && Products::kKeepsBfloat16) {
-      previous.fetch(kept.u_new_rows, round_up(Dv, 2));
-    } else if (beta != nullptr) {
-      previous.fetch(kept.u_new, Dv);
-    } else {
-      previous.fetch(v, Dv);
+    const auto fetch = [&](int stage) {
+      if (stage == 1) {
+        previous.fetch(dout, Dv);
+        if constexpr (Products::kKeepsBfloat16) {
+          previous.fetch_chunk(kept.entering_pairs, C, state_pairs_size(Dk, Dv));
+        } else {
+          previous.fetch_chunk(kept.entering, C, Dv * Dk);
+        }
+      } else if (beta == nullptr) {
+        previous.fetch(v, Dv);
+      } else if constexpr (Products::kKeepsBfloat16) {
+        previous.fetch(kept.u_new_rows, round_up(Dv, 2));
+      } else {
+        previous.fetch(kept.u_new, Dv);
+      }
+    };
+    const T* S = decay != nullptr ? kept.entering + n * Dv * Dk : nullptr;
+    T* dU = beta != nullptr ? w.dR : d.dV;  // dU' (the sum rule's dV)
+    output_gradients(c, Dk, Dv, x.Q, x.K, S, dS, dU, d.dQ, d.dK, w, mm, in, Ur, Ut, Sp, decay, fetch);
+    // dS = dS' + dO^T Q  (gated: Gamma_c dS' + dO^T diag(Gamma) Q), the delta rule's part, then its last update
+    typename Products::Operand Qp = in.Qp;
+    if (decay != nullptr) {
+      for (int64_t i = 0; i < Dv * Dk; ++i) dS[i] *= decays.Gamma[c - 1];
+      decay->gamma_rows(c, Dk, x.Q, w.G);
+      Qp = mm.pairs(w.G, c, Dk, Dk);
     }
-    mm(c, Dk, c, mm.pairs(w.dP, c, c, c), in.Qp, T(1), T(1), dK, Dk);
     if (beta != nullptr) {
-      mm(Dv, Dk, c, in.dOp, in.Qp, T(1), T(1), dS, Dk);
+      mm(Dv, Dk, c, in.dOp, Qp, T(1), T(1), dS, Dk);
       previous.fetch(kept.x, Dv);
-      delta_rule_chunk_backward(c, Dk, Dv, x.K, kept.x + t0 * Dv, x.b, w, mm, in, Ut, Sp, dS, dK, dV, d.db);
+      delta_rule_chunk_backward(c, Dk, Dv, x.K, x.V, kept.x + t0 * Dv, x.b, w, mm, in, Ut, Sp, dS, d.dK, d.dV, d.db,
+                                decay);
     } else {
-      mm.update_state_gradient(c, in.dOp, in.Qp, T(1), dS);
+      mm.update_state_gradient(c, in.dOp, Qp, T(1), dS);
     }
+    T acc = 0;  // gamma = cumsum(g): dg_j = sum_{i >= j} dgam_i
+    for (int64_t i = c - 1; decay != nullptr && i >= 0; --i) d.dgs[i] = acc += w.dgam[i];
     // the previous chunk's gradient rows, about to be written (a store that misses waits for its line: by hand,
     // bfloat16, B1 H8 T4096 D64, 1 thread, the backward op 14.5 -> 13.2-14.6 ms)
     previous.fetch<true>(dq, Dk);
@@ -1384,7 +1607,7 @@ static ChunkShapes chunk_shapes(const at::Tensor& q, const at::Tensor& k, const 
 // The forward of value_blocks(BH, L, Dv) = nb > 1 column blocks, one task per (sequence, block): see value_blocks.
 template <typename T, typename Gemm, typename In>
 void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const In* k, const In* v, const In* beta,
-                          T* S, In* o, const Gemm& gemm) {
+                          const In* g, T* S, In* o, const Gemm& gemm) {
   parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
     std::vector<In> columns;
     std::vector<T> work;
@@ -1396,8 +1619,8 @@ void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const I
       In* ob = vb + s.L * n;
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       chunk_forward_seq<T>(s.L, s.Dk, n, s.C, q + bh * s.L * s.Dk, k + bh * s.L * s.Dk, vb,
-                           beta != nullptr ? beta + bh * s.L : nullptr, S + (bh * s.Dv + j0) * s.Dk, ob,
-                           ForwardRecord<T>{}, work.data(), gemm);
+                           beta != nullptr ? beta + bh * s.L : nullptr, g != nullptr ? g + bh * s.L : nullptr,
+                           S + (bh * s.Dv + j0) * s.Dk, ob, ForwardRecord<T>{}, work.data(), gemm);
       scatter_columns(ob, s.L, s.Dv, j0, n, o + bh * s.L * s.Dv);
     }
   });
@@ -1436,17 +1659,39 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
       const In* qs = q + bh * s.L * s.Dk;
       const In* ks = k + bh * s.L * s.Dk;
       const In* bs = beta != nullptr ? beta + bh * s.L : nullptr;
-      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, state, nullptr, kept, state + n * s.Dk, gemm);
+      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, nullptr, state, nullptr, kept, state + n * s.Dk, gemm);
       const int64_t part = j * s.BH + bh;
-      chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, kept, dob,
+      chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, nullptr, kept, dob,
                                          dS + (bh * s.Dv + j0) * s.Dk, dqp + part * s.L * s.Dk,
-                                         dkp + part * s.L * s.Dk, dvb, dbp + part * s.L, state + n * s.Dk, gemm);
+                                         dkp + part * s.L * s.Dk, dvb, dbp + part * s.L, nullptr, state + n * s.Dk,
+                                         gemm);
       scatter_columns(dvb, s.L, s.Dv, j0, n, dv + bh * s.L * s.Dv);
     }
   });
   dq.copy_(dq_parts.sum(0));
   dk.copy_(dk_parts.sum(0));
   if (dbeta.has_value()) dbeta->copy_(db_parts.sum(0).view_as(*dbeta));
+}
+
+// The forward of every sequence (chunk_forward and the gated rule's forward; g nullptr without decay): one task per
+// sequence, or per (sequence, value block) for fewer sequences than threads (value_blocks). entering [BH, N, Dv, Dk]
+// and u_new [BH, L, Dv] are kept where given (the backward's own call, which splits by itself: no value blocks).
+template <typename T, typename Gemm, typename In>
+void forward_sequences(const ChunkShapes& s, const In* q, const In* k, const In* v, const In* beta, const In* g,
+                       T* S, In* o, T* entering, T* u_new, const Gemm& gemm) {
+  const int64_t nb = o != nullptr && entering == nullptr && u_new == nullptr ? value_blocks(s.BH, s.L, s.Dv) : 1;
+  if (nb > 1) return forward_value_blocks<T>(s, nb, q, k, v, beta, g, S, o, gemm);
+  const int64_t L = s.L, Dk = s.Dk, Dv = s.Dv;
+  for_sequences(s.BH, [&](int64_t begin, int64_t end) {
+    std::vector<T> work(chunk_workspace(s.C, Dk, Dv));
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const ForwardRecord<T> record{entering != nullptr ? entering + bh * s.N * Dv * Dk : nullptr,
+                                    u_new != nullptr ? u_new + bh * L * Dv : nullptr};
+      chunk_forward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv,
+                           beta != nullptr ? beta + bh * L : nullptr, g != nullptr ? g + bh * L : nullptr,
+                           S + bh * Dv * Dk, o != nullptr ? o + bh * L * Dv : nullptr, record, work.data(), gemm);
+    }
+  });
 }
 
 // q, k [BH, L, Dk], v [BH, L, Dv], beta [BH, L] or None (sum rule); S [BH, Dv, Dk]: initial state in,
@@ -1458,7 +1703,7 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const std::optional<at::Tensor>& o, const std::optional<at::Tensor>& entering,
                    const std::optional<at::Tensor>& u_new, int64_t products) {
   const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
-  const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, C = shapes.C, N = shapes.N;
+  const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, N = shapes.N;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   for (auto* x : {&k, &v}) check(*x, q, "input");
   TORCH_CHECK(S.device().is_cpu() && S.is_contiguous() && S.scalar_type() == at::toOpMathType(q.scalar_type()),
@@ -1482,52 +1727,37 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     check(*u_new, q, "u_new");
     TORCH_CHECK(u_new->numel() == BH * L * Dv, "fwp_chunk: u_new must be [BH, L, Dv]");
   }
-  // the states entering the chunks and U' are kept only by the backward's own call, which splits by itself
-  const int64_t nb = o.has_value() && !entering.has_value() && !u_new.has_value() ? value_blocks(BH, L, Dv) : 1;
   dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
     using In = decltype(in);
     using T = at::opmath_type<In>;
-    In* const beta_p = optional_data<In>(beta);
-    if (nb > 1) {
-      return forward_value_blocks<T>(shapes, nb, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), beta_p,
-                                     S.data_ptr<T>(), o->data_ptr<In>(), gemm);
-    }
-    for_sequences(BH, [&](int64_t begin, int64_t end) {
-      std::vector<T> work(chunk_workspace(C, Dk, Dv));
-      T *entering_p = optional_data<T>(entering), *u_new_p = optional_data<T>(u_new);
-      In* o_p = optional_data<In>(o);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        chunk_forward_seq<T>(L, Dk, Dv, C, q.data_ptr<In>() + bh * L * Dk, k.data_ptr<In>() + bh * L * Dk,
-                             v.data_ptr<In>() + bh * L * Dv, beta_p != nullptr ? beta_p + bh * L : nullptr,
-                             S.data_ptr<T>() + bh * Dv * Dk, o_p != nullptr ? o_p + bh * L * Dv : nullptr,
-                             ForwardRecord<T>{entering_p != nullptr ? entering_p + bh * N * Dv * Dk : nullptr,
-                                              u_new_p != nullptr ? u_new_p + bh * L * Dv : nullptr},
-                             work.data(), gemm);
-      }
-    });
+    forward_sequences<T>(shapes, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), optional_data<In>(beta),
+                         (const In*)nullptr, S.data_ptr<T>(), optional_data<In>(o), optional_data<T>(entering),
+                         optional_data<T>(u_new), gemm);
   });
 }
 
-// The backward of sequences [begin, end) one after another (chunk_backward without value blocks): the states entering
-// the chunks and U' recomputed per sequence into the thread's buffers.
+// The backward of sequences [begin, end) one after another (chunk_backward without value blocks, and the gated rule's
+// backward: g and dg given): the states entering the chunks and U' recomputed per sequence into the thread's buffers.
 template <typename T, typename Gemm, typename In>
 void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const In* q, const In* k, const In* v,
-                        const In* beta, const T* s0, const In* dout, T* dS, In* dq, In* dk, In* dv, In* dbeta,
-                        const Gemm& gemm) {
+                        const In* beta, const In* g, const T* s0, const In* dout, T* dS, In* dq, In* dk, In* dv,
+                        In* dbeta, In* dg, const Gemm& gemm) {
   const int64_t L = s.L, Dk = s.Dk, Dv = s.Dv;
   std::vector<T> work(std::max(chunk_workspace(s.C, Dk, Dv), chunk_backward_workspace(s.C, Dk, Dv)));
   std::vector<T> state(Dv * Dk);
   KeptBuffers<T> keep;
   const ForwardRecord<T> kept =
-      keep.record(L, s.N, Dk, Dv, beta != nullptr, BackwardProducts<T, Gemm, In>::kKeepsBfloat16);
+      keep.record(L, s.N, Dk, Dv, beta != nullptr, BackwardProducts<T, Gemm, In>::kKeepsBfloat16, g != nullptr);
   for (int64_t bh = begin; bh < end; ++bh) {
+    const In *qs = q + bh * L * Dk, *ks = k + bh * L * Dk, *vs = v + bh * L * Dv;
     const In* bs = beta != nullptr ? beta + bh * L : nullptr;
+    const In* gs = g != nullptr ? g + bh * L : nullptr;
     std::memcpy(state.data(), s0 + bh * Dv * Dk, sizeof(T) * Dv * Dk);
-    chunk_forward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv, bs, state.data(), nullptr,
-                         kept, work.data(), gemm);
-    chunk_backward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv, bs, kept,
-                          dout + bh * L * Dv, dS + bh * Dv * Dk, dq + bh * L * Dk, dk + bh * L * Dk,
-                          dv + bh * L * Dv, bs != nullptr ? dbeta + bh * L : nullptr, work.data(), gemm);
+    chunk_forward_seq<T>(L, Dk, Dv, s.C, qs, ks, vs, bs, gs, state.data(), nullptr, kept, work.data(), gemm);
+    chunk_backward_seq<T>(L, Dk, Dv, s.C, qs, ks, vs, bs, gs, kept, dout + bh * L * Dv, dS + bh * Dv * Dk,
+                          dq + bh * L * Dk, dk + bh * L * Dk, dv + bh * L * Dv,
+                          bs != nullptr ? dbeta + bh * L : nullptr, gs != nullptr ? dg + bh * L : nullptr, work.data(),
+                          gemm);
   }
 }
 
@@ -1567,8 +1797,9 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     }
     for_sequences(BH, [&](int64_t begin, int64_t end) {
       backward_sequences<T>(shapes, begin, end, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(),
-                            optional_data<In>(beta), s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(),
-                            dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(), optional_data<In>(dbeta), gemm);
+                            optional_data<In>(beta), (const In*)nullptr, s0.data_ptr<T>(), dout.data_ptr<In>(),
+                            dS.data_ptr<T>(), dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(),
+                            optional_data<In>(dbeta), (In*)nullptr, gemm);
     });
   });
 }
@@ -1953,246 +2184,16 @@ void token_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 //
 //   W_t = a_t W_{t-1} + beta_t (v_t - a_t W_{t-1} k_t) k_t^T,   a_t = exp(g_t),   o_t = W_t q_t,
 //
-// one (batch, head) sequence per task, its chunks in order; its products through the same Gemm policies as the
-// delta rule's, its triangular systems by the same substitutions. Derivation: kernels/README.md, "Gated delta rule".
-// Per chunk of c rows, with the state S [Dv, Dk] entering it (y = S q), the cumulative log-decay
+// the delta rule's chunk loops (chunk_forward_seq, chunk_backward_seq) with its decays applied to their products
+// (decay_products, DecayGradients): the same Gemm policies, forms, substitutions and tasks; these are its ops' checks.
+// Derivation: kernels/README.md, "Gated delta rule". Per chunk of c rows, with the state S [Dv, Dk] entering it
+// (y = S q), the cumulative log-decay
 // gamma_i = g_1 + ... + g_i, Gamma_i = exp(gamma_i), D_ij = exp(gamma_i - gamma_j) (j <= i), lambda_j =
 // exp(gamma_c - gamma_j):
 //
 //   (I + A) U' = diag(beta) X,   X = V - diag(Gamma) K S^T,   A = diag(beta) KD,   KD = strictly_lower(K K^T * D)
 //   O = diag(Gamma) Q S^T + P U',   P = tril(Q K^T) * D,    S <- Gamma_c S + U'^T diag(lambda) K
 namespace gated {
-
-// The chunk's decays from g [c]: gamma (cumulative), Gamma = exp(gamma), lambda = exp(gamma_c - gamma), and
-// D [c, c] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (from the differences: no under/overflow).
-template <typename T>
-struct Decays {
-  std::vector<T> gamma, Gamma, lambda, D;
-  explicit Decays(int64_t C) : gamma(C), Gamma(C), lambda(C), D(C * C) {}
-  void compute(int64_t c, const T* g) {
-    T acc = 0;
-    for (int64_t i = 0; i < c; ++i) gamma[i] = acc += g[i];
-    for (int64_t i = 0; i < c; ++i) {
-      Gamma[i] = std::exp(gamma[i]);
-      lambda[i] = std::exp(gamma[c - 1] - gamma[i]);
-      for (int64_t j = 0; j < c; ++j) D[i * c + j] = j <= i ? std::exp(gamma[i] - gamma[j]) : T(0);
-    }
-  }
-};
-
-// Per-chunk buffers of forward and backward, [c, c] and [c, D] matrices at the chunk length C.
-template <typename T>
-struct Work {
-  Decays<T> dec;
-  std::vector<T> P, KD, dP, dA, X, dR, Kl, M1, M2;
-  std::vector<T> in, out;  // a chunk's inputs widened to T and its outputs before rounding (bfloat16 inputs)
-  Work(int64_t C, int64_t Dk, int64_t Dv)
-      : dec(C), P(C * C), KD(C * C), dP(C * C), dA(C * C), X(C * Dv), dR(C * Dv), Kl(C * Dk), M1(C * Dk),
-        M2(C * Dk), in(ChunkInputs<T>::size(C, Dk, Dv)), out(ChunkGradients<T, T>::size(C, Dk, Dv)) {}
-};
-
-// KD = strictly_lower(K K^T * D); A = diag(beta) KD is applied as the substitutions read it.
-template <typename T, typename Gemm>
-void build_KD(int64_t c, int64_t Dk, const T* K, Work<T>& w, const Gemm& gemm) {
-  gemm(false, true, c, c, Dk, T(1), K, Dk, K, Dk, T(0), w.KD.data(), c);
-  for (int64_t i = 0; i < c; ++i)
-    for (int64_t j = 0; j < c; ++j) {
-      T& kd = w.KD[i * c + j];
-      kd = j < i ? kd * w.dec.D[i * c + j] : T(0);
-    }
-}
-
-// X = V - diag(Gamma) K S^T (into w.X), then U' = (I + A)^-1 diag(beta) X (into Un).
-template <typename T, typename Gemm>
-void solve_values(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, const T* b, const T* S, T* Un,
-                  Work<T>& w, const Gemm& gemm) {
-  gemm(false, true, c, Dv, Dk, T(1), K, Dk, S, Dk, T(0), w.X.data(), Dv);
-  for (int64_t i = 0; i < c; ++i)
-    for (int64_t j = 0; j < Dv; ++j) {
-      T& x = w.X[i * Dv + j];
-      x = V[i * Dv + j] - w.dec.Gamma[i] * x;
-      Un[i * Dv + j] = b[i] * x;
-    }
-  unit_lower_forward_substitution<T>(c, Dv, w.KD.data(), c, [b](int64_t i) { return b[i]; }, Un);
-}
-
-// One sequence: q, k [L, Dk], v [L, Dv], beta, g [L]; S [Dv, Dk]: initial state in, final state out. Writes o
-// [L, Dv] (unless nullptr) and what `record` asks for (the states entering the chunks, U', X = V - diag(Gamma) K S^T).
-template <typename T, typename Gemm, typename In>
-void forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v, const In* beta,
-                 const In* g, T* S, In* o, const ForwardRecord<T>& record, Work<T>& w, std::vector<T>& u_buf,
-                 const Gemm& gemm) {
-  for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
-    const int64_t c = std::min(C, L - t0);
-    const ChunkInputs<T> x(t0, c, C, Dk, Dv, o != nullptr ? q : nullptr, k, v, beta, g, (const In*)nullptr,
-                           w.in.data());
-    const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b;
-    T* Un = record.u_new != nullptr ? record.u_new + t0 * Dv : u_buf.data();
-    if (record.entering != nullptr) std::memcpy(record.entering + n * Dv * Dk, S, sizeof(T) * Dv * Dk);
-    const RowsAhead next = next_chunk(t0, C, L);
-    if (o != nullptr) next.fetch(q, Dk);
-    w.dec.compute(c, x.g);
-    build_KD(c, Dk, K, w, gemm);
-    next.fetch(k, Dk);
-    solve_values(c, Dk, Dv, K, V, b, S, Un, w, gemm);
-    next.fetch(v, Dv);
-    if (record.x != nullptr) std::memcpy(record.x + t0 * Dv, w.X.data(), sizeof(T) * c * Dv);
-    if (o != nullptr) {  // O = diag(Gamma) Q S^T + (tril(Q K^T) * D) U'
-      T* O = rows_for(o + t0 * Dv, w.out.data());
-      gemm(false, true, c, c, Dk, T(1), Q, Dk, K, Dk, T(0), w.P.data(), c);
-      for (int64_t i = 0; i < c * c; ++i) w.P[i] *= w.dec.D[i];
-      gemm(false, true, c, Dv, Dk, T(1), Q, Dk, S, Dk, T(0), O, Dv);
-      for (int64_t i = 0; i < c; ++i)
-        for (int64_t j = 0; j < Dv; ++j) O[i * Dv + j] *= w.dec.Gamma[i];
-      gemm(false, false, c, Dv, c, T(1), w.P.data(), c, Un, Dv, T(1), O, Dv);
-      store_rows(O, c * Dv, o + t0 * Dv);
-      next.fetch<true>(o, Dv);
-    }
-    // S <- Gamma_c S + U'^T diag(lambda) K
-    for (int64_t i = 0; i < c; ++i)
-      for (int64_t j = 0; j < Dk; ++j) w.Kl[i * Dk + j] = w.dec.lambda[i] * K[i * Dk + j];
-    gemm(true, false, Dv, Dk, c, T(1), Un, Dv, w.Kl.data(), Dk, w.dec.Gamma[c - 1], S, Dk);  // the decay as C's scale
-  }
-}
-
-// Gradients reaching O and S' (README: dU', dQ, dK's first terms, dS), with dgam collecting the decay's gradient.
-// dS: dS' in, Gamma_c dS' + dO^T diag(Gamma) Q out (the solve's term follows in backward_solve).
-template <typename T, typename Gemm>
-void backward_outputs(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K, const T* Un, const T* dO,
-                      const T* S, T* dS, T* dQ, T* dK, T* dgam, Work<T>& w, const Gemm& gemm) {
-  const Decays<T>& d = w.dec;
-  T* dU = w.dR.data();
-  // dU' = diag(lambda) K dS'^T + P^T dO   (P recomputed)
-  for (int64_t i = 0; i < c; ++i)
-    for (int64_t j = 0; j < Dk; ++j) w.Kl[i * Dk + j] = d.lambda[i] * K[i * Dk + j];
-  gemm(false, true, c, Dv, Dk, T(1), w.Kl.data(), Dk, dS, Dk, T(0), dU, Dv);
-  gemm(false, true, c, c, Dk, T(1), Q, Dk, K, Dk, T(0), w.P.data(), c);
-  for (int64_t i = 0; i < c * c; ++i) w.P[i] *= d.D[i];
-  gemm(true, false, c, Dv, c, T(1), w.P.data(), c, dO, Dv, T(1), dU, Dv);
-  // U' dS' -> dK = diag(lambda) U' dS', dlambda_i = (U' dS')_i . k_i;  Gamma_c <S, dS'>
-  T* UdS = w.M1.data();
-  gemm(false, false, c, Dk, Dv, T(1), Un, Dv, dS, Dk, T(0), UdS, Dk);
-  T dlam_sum = 0;
-  for (int64_t i = 0; i < c; ++i) {
-    const T acc = dot(Dk, UdS + i * Dk, K + i * Dk);
-    for (int64_t j = 0; j < Dk; ++j) dK[i * Dk + j] = d.lambda[i] * UdS[i * Dk + j];
-    dgam[i] = -d.lambda[i] * acc;
-    dlam_sum += d.lambda[i] * acc;
-  }
-  const T dGc = dot(Dv * Dk, S, dS);
-  dgam[c - 1] += dlam_sum + d.Gamma[c - 1] * dGc;
-  // dP = dO U'^T (lower); H = dP * P into w.dP's place later; dPD = dP * D
-  gemm(false, true, c, c, Dv, T(1), dO, Dv, Un, Dv, T(0), w.dP.data(), c);
-  // dO S -> dQ = diag(Gamma) dO S + dPD K, dgam_i += Gamma_i (dO S)_i . q_i
-  T* dOS = w.M2.data();
-  gemm(false, false, c, Dk, Dv, T(1), dO, Dv, S, Dk, T(0), dOS, Dk);
-  for (int64_t i = 0; i < c; ++i) {
-    for (int64_t j = 0; j < Dk; ++j) dQ[i * Dk + j] = d.Gamma[i] * dOS[i * Dk + j];
-    dgam[i] += d.Gamma[i] * dot(Dk, dOS + i * Dk, Q + i * Dk);
-  }
-  // dS = Gamma_c dS' + dO^T diag(Gamma) Q
-  for (int64_t i = 0; i < Dv * Dk; ++i) dS[i] *= d.Gamma[c - 1];
-  T* GQ = w.M2.data();
-  for (int64_t i = 0; i < c; ++i)
-    for (int64_t j = 0; j < Dk; ++j) GQ[i * Dk + j] = d.Gamma[i] * Q[i * Dk + j];
-  gemm(true, false, Dv, Dk, c, T(1), dO, Dv, GQ, Dk, T(1), dS, Dk);
-}
-
-// Through D: dgam_i += sum_j H_ij - sum_j H_ji with H = dP * P + dKD * KD; then dQ += (dP * D) K, dK += (dP * D)^T Q
-// (+ dE K + dE^T K, dE = dKD * D). On entry w.dP = dO U'^T, w.dA = dKD = diag(beta) dA.
-template <typename T, typename Gemm>
-void backward_decay_products(int64_t c, int64_t Dk, const T* Q, const T* K, T* dQ, T* dK, T* dgam, Work<T>& w,
-                             const Gemm& gemm) {
-  const T* D = w.dec.D.data();
-  for (int64_t i = 0; i < c; ++i)
-    for (int64_t j = 0; j <= i; ++j) {
-      const T h = w.dP[i * c + j] * w.P[i * c + j] + w.dA[i * c + j] * w.KD[i * c + j];
-      dgam[i] += h;
-      dgam[j] -= h;
-    }
-  for (int64_t i = 0; i < c * c; ++i) {
-    w.dP[i] *= D[i];  // zero above the diagonal
-    w.dA[i] *= D[i];  // dE, strictly lower
-  }
-  gemm(false, false, c, Dk, c, T(1), w.dP.data(), c, K, Dk, T(1), dQ, Dk);
-  gemm(true, false, c, Dk, c, T(1), w.dP.data(), c, Q, Dk, T(1), dK, Dk);
-  gemm(false, false, c, Dk, c, T(1), w.dA.data(), c, K, Dk, T(1), dK, Dk);
-  gemm(true, false, c, Dk, c, T(1), w.dA.data(), c, K, Dk, T(1), dK, Dk);
-}
-
-// Through the solve (I + A) U' = diag(beta) X, X = V - diag(Gamma) K S^T (kept by the forward), w.dR = dU' on entry:
-// dR = (I + A)^-T dU', dX = diag(beta) dR = dV, dbeta = rowsum(dR * X) + rowsum(dA * KD), dA = -strictly_lower(dR
-// U'^T); dK -= diag(Gamma) dX S, dS -= dX^T diag(Gamma) K, dgam_i -= Gamma_i dX_i . (K S^T)_i.
-template <typename T, typename Gemm>
-void backward_solve(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, const T* X, const T* b, const T* Un,
-                    const T* S, T* dS, T* dK, T* dV, T* db, T* dgam, Work<T>& w, const Gemm& gemm) {
-  const Decays<T>& d = w.dec;
-  unit_lower_transposed_back_substitution<T>(c, Dv, w.KD.data(), c, [b](int64_t i) { return b[i]; }, w.dR.data());
-  for (int64_t i = 0; i < c; ++i) {
-    db[i] = dot(Dv, w.dR.data() + i * Dv, X + i * Dv);
-    T acc = 0;  // dX_i . (K S^T)_i, with K S^T = (V - X) / Gamma written as Gamma (K S^T) = V - X
-#pragma omp simd reduction(+ : acc)
-    for (int64_t j = 0; j < Dv; ++j) {
-      dV[i * Dv + j] = b[i] * w.dR[i * Dv + j];
-      acc += dV[i * Dv + j] * (V[i * Dv + j] - X[i * Dv + j]);
-    }
-    dgam[i] -= acc;
-  }
-  T* GK = w.M1.data();
-  for (int64_t i = 0; i < c; ++i)
-    for (int64_t j = 0; j < Dk; ++j) GK[i * Dk + j] = d.Gamma[i] * K[i * Dk + j];
-  T* dVS = w.M2.data();
-  gemm(false, false, c, Dk, Dv, T(1), dV, Dv, S, Dk, T(0), dVS, Dk);
-  for (int64_t i = 0; i < c; ++i)
-    for (int64_t j = 0; j < Dk; ++j) dK[i * Dk + j] -= d.Gamma[i] * dVS[i * Dk + j];
-  gemm(true, false, Dv, Dk, c, T(-1), dV, Dv, GK, Dk, T(1), dS, Dk);
-  // dA = -strictly_lower(dR U'^T); dbeta += rowsum(dA * KD); w.dA <- dKD = diag(beta) dA
-  gemm(false, true, c, c, Dv, T(-1), w.dR.data(), Dv, Un, Dv, T(0), w.dA.data(), c);
-  for (int64_t i = 0; i < c; ++i) {
-    T acc = 0;
-    for (int64_t j = 0; j < c; ++j) {
-      T& a = w.dA[i * c + j];
-      if (j >= i) a = T(0);
-      acc += a * w.KD[i * c + j];
-      a *= b[i];
-    }
-    db[i] += acc;
-  }
-}
-
-// The backward of one sequence, chunks from last to first, from what forward_seq kept (`kept`: the states entering
-// the chunks, U' and X). dS: the final state's gradient in, the initial state's out.
-template <typename T, typename Gemm, typename In>
-void backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
-                  const In* beta, const In* g, const ForwardRecord<T>& kept, const In* dout, T* dS, In* dq, In* dk,
-                  In* dv, In* dbeta, In* dg, Work<T>& w, std::vector<T>& dgam, const Gemm& gemm) {
-  const int64_t N = (L + C - 1) / C;
-  for (int64_t n = N - 1; n >= 0; --n) {
-    const int64_t t0 = n * C, c = std::min(C, L - t0);
-    const ChunkInputs<T> x(t0, c, C, Dk, Dv, q, k, v, beta, g, dout, w.in.data());
-    const T *Q = x.Q, *K = x.K, *V = x.V, *b = x.b, *Un = kept.u_new + t0 * Dv;
-    const ChunkGradients<T, In> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, dg, w.out.data());
-    T *dQ = d.dQ, *dK = d.dK, *dV = d.dV, *db = d.db, *dgs = d.dgs;
-    const T* S = kept.entering + n * Dv * Dk;
-    // the previous chunk's rows and state (read next) on their way while this one computes, a few at each stage
-    const RowsAhead previous = previous_chunk(t0, C);
-    previous.fetch(q, Dk);
-    previous.fetch(k, Dk);
-    w.dec.compute(c, x.g);
-    build_KD(c, Dk, K, w, gemm);
-    previous.fetch(dout, Dv);
-    previous.fetch_chunk(kept.entering, C, Dv * Dk);
-    backward_outputs(c, Dk, Dv, Q, K, Un, x.dO, S, dS, dQ, dK, dgam.data(), w, gemm);
-    previous.fetch(kept.u_new, Dv);
-    previous.fetch(v, Dv);
-    backward_solve(c, Dk, Dv, K, V, kept.x + t0 * Dv, b, Un, S, dS, dK, dV, db, dgam.data(), w, gemm);
-    previous.fetch(kept.x, Dv);
-    backward_decay_products(c, Dk, Q, K, dQ, dK, dgam.data(), w, gemm);
-    T acc = 0;  // gamma = cumsum(g): dg_j = sum_{i >= j} dgamma_i
-    for (int64_t i = c - 1; i >= 0; --i) dgs[i] = acc += dgam[i];
-    d.store();
-  }
-}
 
 void check(const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype && x.is_contiguous() && x.numel() == numel,
@@ -2227,16 +2228,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
     using In = decltype(in);
     using T = at::opmath_type<In>;
-    parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
-      Work<T> w(s.C, s.Dk, s.Dv);
-      std::vector<T> u_buf(s.C * s.Dv);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        forward_seq<T>(s.L, s.Dk, s.Dv, s.C, q.data_ptr<In>() + bh * s.L * s.Dk, k.data_ptr<In>() + bh * s.L * s.Dk,
-                       v.data_ptr<In>() + bh * s.L * s.Dv, beta.data_ptr<In>() + bh * s.L, g.data_ptr<In>() + bh * s.L,
-                       S.data_ptr<T>() + bh * s.Dv * s.Dk, o.data_ptr<In>() + bh * s.L * s.Dv, ForwardRecord<T>{}, w,
-                       u_buf, gemm);
-      }
-    });
+    forward_sequences<T>(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, q.data_ptr<In>(), k.data_ptr<In>(),
+                         v.data_ptr<In>(), beta.data_ptr<In>(), g.data_ptr<In>(), S.data_ptr<T>(), o.data_ptr<In>(),
+                         (T*)nullptr, (T*)nullptr, gemm);
   });
 }
 
@@ -2255,20 +2249,11 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
     using In = decltype(in);
     using T = at::opmath_type<In>;
-    parallel_tasks(s.BH, [&](int64_t begin, int64_t end) {
-      Work<T> w(s.C, s.Dk, s.Dv);
-      std::vector<T> entering(s.N * s.Dv * s.Dk), state(s.Dv * s.Dk), values(2 * s.L * s.Dv), dgam(s.C);
-      const ForwardRecord<T> kept{entering.data(), values.data(), values.data() + s.L * s.Dv};  // U', then X
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t ok = bh * s.L * s.Dk, ov = bh * s.L * s.Dv, ob = bh * s.L, os = bh * s.Dv * s.Dk;
-        const In *qs = q.data_ptr<In>() + ok, *ks = k.data_ptr<In>() + ok, *vs = v.data_ptr<In>() + ov;
-        const In *bs = beta.data_ptr<In>() + ob, *gs = g.data_ptr<In>() + ob;
-        std::memcpy(state.data(), s0.data_ptr<T>() + os, sizeof(T) * s.Dv * s.Dk);
-        forward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, state.data(), (In*)nullptr, kept, w, values, gemm);
-        backward_seq<T>(s.L, s.Dk, s.Dv, s.C, qs, ks, vs, bs, gs, kept, dout.data_ptr<In>() + ov,
-                        dS.data_ptr<T>() + os, dq.data_ptr<In>() + ok, dk.data_ptr<In>() + ok, dv.data_ptr<In>() + ov,
-                        dbeta.data_ptr<In>() + ob, dg.data_ptr<In>() + ob, w, dgam, gemm);
-      }
+    for_sequences(s.BH, [&](int64_t begin, int64_t end) {
+      backward_sequences<T>(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, begin, end, q.data_ptr<In>(),
+                            k.data_ptr<In>(), v.data_ptr<In>(), beta.data_ptr<In>(), g.data_ptr<In>(),
+                            s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(), dq.data_ptr<In>(),
+                            dk.data_ptr<In>(), dv.data_ptr<In>(), dbeta.data_ptr<In>(), dg.data_ptr<In>(), gemm);
     });
   });
 }
