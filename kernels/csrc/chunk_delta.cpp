@@ -653,8 +653,11 @@ struct ChunkProducts {
   void states_and_keys(int64_t rows, int64_t c, T* Y) const {
     gemm(false, false, rows, Dv + c, Dk, T(1), X, Dk, Z, ld, T(0), Y, ld);
   }
-  // [S^T; O] += [K^T; P] U', U' [c, Dv], with O and P = tril(Q K^T) the first cq rows of Y = Z + Dk ld
-  void writes_and_reads(int64_t cq, int64_t c, const T* U) const {
+  // [decay S^T; O] += [K^T; P] U', U' [c, Dv], with O and P = tril(Q K^T) the first cq rows of Y = Z + Dk ld
+  void writes_and_reads(int64_t cq, int64_t c, const T* U, T decay) const {
+    for (int64_t j = 0; decay != T(1) && j < Dk; ++j)
+#pragma omp simd
+      for (int64_t i = 0; i < Dv; ++i) Z[j * ld + i] *= decay;
     gemm(false, false, Dk + cq, Dv, c, T(1), Z + Dv, ld, U, Dv, T(1), Z, ld);
   }
 };
@@ -705,11 +708,11 @@ struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     if (rows > cq)
       vector_gemm<Bfloat16Factors>(rows - cq, Dv + c, k2 / 2, Kr, k2, 2, B, 2 * np, 1.f, Y + cq * ld, ld, 0.f);
   }
-  void writes_and_reads(int64_t, int64_t, const float* Un) {
+  void writes_and_reads(int64_t, int64_t, const float* Un, float decay) {
     const int64_t cp = (c + 1) / 2;
     pack_pairs(c, Dv, Un, Dv, U, nvp);
-    // S^T += K^T U', S^T's pairs for the next chunk's first product written from the tiles' registers
-    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, 1.f, B, 2 * np);
+    // S^T <- decay S^T + K^T U', S^T's pairs for the next chunk's first product written from the tiles' registers
+    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, decay, B, 2 * np);
     state_in_B = true;
     if (cq == 0) return;
     float* O = Z + Dk * ld;
@@ -997,15 +1000,10 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
       U = Un;
     }
     next.fetch(v, Dv);
-    if (g != nullptr) {  // the gated rule's writes: S^T <- Gamma_c S^T + K^T diag(lambda) U'
-      const T decay = decays.Gamma[c - 1];
-      for (int64_t j = 0; j < Dk; ++j)
-#pragma omp simd
-        for (int64_t i = 0; i < Dv; ++i) St[j * ld + i] *= decay;
-      products.scale_keys(decays.lambda.data());
-    }
-    // [S^T; O] += [K^T; P] U': the chunk's writes (S^T <- S^T + K^T U') and their reads (O = Q S^T + P U')
-    products.writes_and_reads(cq, c, U);
+    if (g != nullptr) products.scale_keys(decays.lambda.data());
+    // [S^T; O] += [K^T; P] U': the chunk's writes (S^T <- S^T + K^T U') and their reads (O = Q S^T + P U'); the gated
+    // rule's S^T <- Gamma_c S^T + K^T diag(lambda) U'
+    products.writes_and_reads(cq, c, U, g != nullptr ? decays.Gamma[c - 1] : T(1));
     for (int64_t i = 0; i < cq; ++i) convert_copy(Y + i * ld, Dv, o + (t0 + i) * Dv);
     if (o != nullptr) next.fetch<true>(o, Dv);
   }
@@ -1322,8 +1320,10 @@ struct DecayGradients {
   // O reads diag(Gamma) Q S^T: dQ = dO S given, scaled in place to diag(Gamma) dO S; dgam_i += Gamma_i (dO S)_i . q_i
   void queries(int64_t c, int64_t Dk, const T* Q, T* dQ) const {
     for (int64_t i = 0; i < c; ++i) {
-      dgam[i] += d.Gamma[i] * dot(Dk, dQ + i * Dk, Q + i * Dk);
-      for (int64_t j = 0; j < Dk; ++j) dQ[i * Dk + j] *= d.Gamma[i];
+      const T gamma = d.Gamma[i];
+      dgam[i] += gamma * dot(Dk, dQ + i * Dk, Q + i * Dk);
+#pragma omp simd
+      for (int64_t j = 0; j < Dk; ++j) dQ[i * Dk + j] *= gamma;
     }
   }
   // S' = Gamma_c S + U'^T diag(lambda) K: dK = U' dS' given, scaled to diag(lambda) U' dS'; dgam_i = -lambda_i (U'
@@ -1331,10 +1331,11 @@ struct DecayGradients {
   void keys(int64_t c, int64_t Dk, int64_t Dv, const T* K, T* dK, const T* S, const T* dS) const {
     T lambda_sum = 0;
     for (int64_t i = 0; i < c; ++i) {
-      const T acc = d.lambda[i] * dot(Dk, dK + i * Dk, K + i * Dk);
+      const T lambda = d.lambda[i], acc = lambda * dot(Dk, dK + i * Dk, K + i * Dk);
       dgam[i] = -acc;
       lambda_sum += acc;
-      for (int64_t j = 0; j < Dk; ++j) dK[i * Dk + j] *= d.lambda[i];
+#pragma omp simd
+      for (int64_t j = 0; j < Dk; ++j) dK[i * Dk + j] *= lambda;
     }
     dgam[c - 1] += lambda_sum + d.Gamma[c - 1] * dot(Dv * Dk, S, dS);
   }
@@ -1343,20 +1344,40 @@ struct DecayGradients {
   template <typename B>
   void through_D(int64_t c, const T* X, T* dX, const B& rows) const {
     for (int64_t i = 0; i < c; ++i) {
+      const T row = rows(i);
+      const T *Xi = X + i * c, *Di = d.D.data() + i * c;
+      T* dXi = dX + i * c;
       T acc = 0;
+#pragma omp simd reduction(+ : acc)
       for (int64_t j = 0; j <= i; ++j) {
-        const T h = rows(i) * dX[i * c + j] * X[i * c + j];
+        const T h = row * dXi[j] * Xi[j];
         acc += h;
         dgam[j] -= h;
+        dXi[j] *= Di[j];
       }
       dgam[i] += acc;
     }
-    for (int64_t i = 0; i < c * c; ++i) dX[i] *= d.D[i];
+  }
+  // x_i <- lambda_i x_i for rows x [c, n]
+  void lambda_rows(int64_t c, int64_t n, T* x) const {
+    for (int64_t i = 0; i < c; ++i) {
+      const T lambda = d.lambda[i];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) x[i * n + j] *= lambda;
+    }
   }
   // out_i = Gamma_i x_i for rows x [c, n]
   void gamma_rows(int64_t c, int64_t n, const T* x, T* out) const {
-    for (int64_t i = 0; i < c; ++i)
-      for (int64_t j = 0; j < n; ++j) out[i * n + j] = d.Gamma[i] * x[i * n + j];
+    for (int64_t i = 0; i < c; ++i) {
+      const T gamma = d.Gamma[i];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[i * n + j] = gamma * x[i * n + j];
+    }
+  }
+  // x <- x * y elementwise, n elements
+  static void scale(int64_t n, const T* y, T* x) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) x[i] *= y[i];
   }
 };
 
@@ -1371,8 +1392,7 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
                                T* dK, T* dV, T* db, const DecayGradients<T>* decay) {
   // Recompute A, then dR = (I + A)^-T dU'
   mm(c, c, Dk, in.K, in.Kt, T(1), T(0), w.A, c);
-  if (decay != nullptr)
-    for (int64_t i = 0; i < c * c; ++i) w.A[i] *= decay->d.D[i];
+  if (decay != nullptr) decay->scale(c * c, decay->d.D.data(), w.A);
   unit_lower_transposed_back_substitution<T>(c, Dv, w.A, c, [b](int64_t i) { return b[i]; }, w.dR);
   // dV = diag(beta) dR;  dbeta = rowsum(dR * X);  gated: dgam_i -= dV_i . (Gamma K S^T)_i, Gamma K S^T = V - X
   for (int64_t i = 0; i < c; ++i) {
@@ -1419,13 +1439,10 @@ void output_gradients(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K,
                       const typename Products::Operand& Sp, const DecayGradients<T>* decay, const Fetch& fetch) {
   mm(c, c, Dk, in.Q, in.Kt, T(1), T(0), w.P, c);
   for (int64_t i = 0; i < c; ++i) std::fill(w.P + i * c + i + 1, w.P + (i + 1) * c, T(0));
-  if (decay != nullptr)
-    for (int64_t i = 0; i < c * c; ++i) w.P[i] *= decay->d.D[i];
+  if (decay != nullptr) decay->scale(c * c, decay->d.D.data(), w.P);
   // dU' = K dS'^T + P^T dO
   mm(c, Dv, Dk, in.K, mm.transposed(dS, Dv, Dk, Dk), T(1), T(0), dU, Dv);
-  if (decay != nullptr)
-    for (int64_t i = 0; i < c; ++i)
-      for (int64_t j = 0; j < Dv; ++j) dU[i * Dv + j] *= decay->d.lambda[i];
+  if (decay != nullptr) decay->lambda_rows(c, Dv, dU);
   mm(c, Dv, c, mm.pairs(w.P, c, c, c), in.dOp, T(1), T(1), dU, Dv);
   fetch(1);
   // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
@@ -1506,13 +1523,14 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     output_gradients(c, Dk, Dv, x.Q, x.K, S, dS, dU, d.dQ, d.dK, w, mm, in, Ur, Ut, Sp, decay, fetch);
     // dS = dS' + dO^T Q  (gated: Gamma_c dS' + dO^T diag(Gamma) Q), the delta rule's part, then its last update
     typename Products::Operand Qp = in.Qp;
+    T state_decay = 1;  // the gated rule's Gamma_c, as the product's scale of dS'
     if (decay != nullptr) {
-      for (int64_t i = 0; i < Dv * Dk; ++i) dS[i] *= decays.Gamma[c - 1];
+      state_decay = decays.Gamma[c - 1];
       decay->gamma_rows(c, Dk, x.Q, w.G);
       Qp = mm.pairs(w.G, c, Dk, Dk);
     }
     if (beta != nullptr) {
-      mm(Dv, Dk, c, in.dOp, Qp, T(1), T(1), dS, Dk);
+      mm(Dv, Dk, c, in.dOp, Qp, T(1), state_decay, dS, Dk);
       previous.fetch(kept.x, Dv);
       delta_rule_chunk_backward(c, Dk, Dv, x.K, x.V, kept.x + t0 * Dv, x.b, w, mm, in, Ut, Sp, dS, d.dK, d.dV, d.db,
                                 decay);
