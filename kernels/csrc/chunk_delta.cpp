@@ -1644,18 +1644,20 @@ void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const I
   });
 }
 
-// The backward in nb > 1 column blocks. dV and the rows of dS split like V and S; dQ, dK and dbeta are sums over
-// the value columns (dQ = dO S + dP K, dP = tril(dO U'^T), ...): each block writes its part in T, summed at the end
-// (and then rounded, for bfloat16 gradients).
+// The backward in nb > 1 column blocks. dV and the rows of dS split like V and S; dQ, dK, dbeta and (gated rule) dg
+// are sums over the value columns (dQ = dO S + dP K, dP = tril(dO U'^T), ...; dg's terms, such as <S, dS'>, alike):
+// each block writes its part in T, summed at the end (and then rounded, for bfloat16 gradients).
 template <typename T, typename Gemm, typename In>
 void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const In* k, const In* v, const In* beta,
-                           const T* s0, const In* dout, T* dS, const at::Tensor& dq, const at::Tensor& dk, In* dv,
-                           const std::optional<at::Tensor>& dbeta, const Gemm& gemm) {
+                           const In* g, const T* s0, const In* dout, T* dS, const at::Tensor& dq, const at::Tensor& dk,
+                           In* dv, const std::optional<at::Tensor>& dbeta, const std::optional<at::Tensor>& dg,
+                           const Gemm& gemm) {
   const at::TensorOptions in_T = dq.options().dtype(c10::CppTypeToScalarType<T>::value);
   const at::Tensor dq_parts = dq.new_empty({nb, s.BH, s.L, s.Dk}, in_T);
   const at::Tensor dk_parts = dq.new_empty({nb, s.BH, s.L, s.Dk}, in_T);
-  const at::Tensor db_parts = dq.new_empty({nb, s.BH, s.L}, in_T);
-  T *dqp = dq_parts.data_ptr<T>(), *dkp = dk_parts.data_ptr<T>(), *dbp = db_parts.data_ptr<T>();
+  const at::Tensor gate_parts = dq.new_empty({2, nb, s.BH, s.L}, in_T);  // dbeta's, then dg's
+  T *dqp = dq_parts.data_ptr<T>(), *dkp = dk_parts.data_ptr<T>(), *dbp = gate_parts.data_ptr<T>();
+  T* dgp = dbp + nb * s.BH * s.L;
   parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
     std::vector<In> columns;
     std::vector<T> buf;
@@ -1670,25 +1672,27 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
       T* dvb = buf.data();      // the block's columns of dV            [L, n]
       T* state = dvb + s.L * n;  // its rows of the state                [n, Dk]
       const ForwardRecord<T> kept = keep.record(s.L, s.N, s.Dk, n, beta != nullptr,
-                                                BackwardProducts<T, Gemm, In>::kKeepsBfloat16);
+                                                BackwardProducts<T, Gemm, In>::kKeepsBfloat16, g != nullptr);
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       gather_columns(dout + bh * s.L * s.Dv, s.L, s.Dv, j0, n, dob);
       std::memcpy(state, s0 + (bh * s.Dv + j0) * s.Dk, sizeof(T) * n * s.Dk);
       const In* qs = q + bh * s.L * s.Dk;
       const In* ks = k + bh * s.L * s.Dk;
       const In* bs = beta != nullptr ? beta + bh * s.L : nullptr;
-      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, nullptr, state, nullptr, kept, state + n * s.Dk, gemm);
+      const In* gs = g != nullptr ? g + bh * s.L : nullptr;
+      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, gs, state, nullptr, kept, state + n * s.Dk, gemm);
       const int64_t part = j * s.BH + bh;
-      chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, nullptr, kept, dob,
+      chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, gs, kept, dob,
                                          dS + (bh * s.Dv + j0) * s.Dk, dqp + part * s.L * s.Dk,
-                                         dkp + part * s.L * s.Dk, dvb, dbp + part * s.L, nullptr, state + n * s.Dk,
-                                         gemm);
+                                         dkp + part * s.L * s.Dk, dvb, dbp + part * s.L, dgp + part * s.L,
+                                         state + n * s.Dk, gemm);
       scatter_columns(dvb, s.L, s.Dv, j0, n, dv + bh * s.L * s.Dv);
     }
   });
   dq.copy_(dq_parts.sum(0));
   dk.copy_(dk_parts.sum(0));
-  if (dbeta.has_value()) dbeta->copy_(db_parts.sum(0).view_as(*dbeta));
+  if (dbeta.has_value()) dbeta->copy_(gate_parts[0].sum(0).view_as(*dbeta));
+  if (dg.has_value()) dg->copy_(gate_parts[1].sum(0).view_as(*dg));
 }
 
 // The forward of every sequence (chunk_forward and the gated rule's forward; g nullptr without decay): one task per
@@ -1779,6 +1783,31 @@ void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const 
   }
 }
 
+// The backward of every sequence (chunk_backward, and the gated rule's backward: g and dg given): in value blocks for
+// fewer sequences than threads (value_blocks), else one task per sequence.
+void backward_all(const ChunkShapes& shapes, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& g, const at::Tensor& s0,
+                  const at::Tensor& dout, const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk,
+                  const at::Tensor& dv, const std::optional<at::Tensor>& dbeta, const std::optional<at::Tensor>& dg,
+                  int64_t products) {
+  const int64_t nb = value_blocks(shapes.BH, shapes.L, shapes.Dv);
+  dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
+    using In = decltype(in);
+    using T = at::opmath_type<In>;
+    const In *q_p = q.data_ptr<In>(), *k_p = k.data_ptr<In>(), *v_p = v.data_ptr<In>(), *dout_p = dout.data_ptr<In>();
+    const In *beta_p = optional_data<In>(beta), *g_p = optional_data<In>(g);
+    if (nb > 1) {
+      return backward_value_blocks<T>(shapes, nb, q_p, k_p, v_p, beta_p, g_p, s0.data_ptr<T>(), dout_p,
+                                      dS.data_ptr<T>(), dq, dk, dv.data_ptr<In>(), dbeta, dg, gemm);
+    }
+    for_sequences(shapes.BH, [&](int64_t begin, int64_t end) {
+      backward_sequences<T>(shapes, begin, end, q_p, k_p, v_p, beta_p, g_p, s0.data_ptr<T>(), dout_p,
+                            dS.data_ptr<T>(), dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(),
+                            optional_data<In>(dbeta), optional_data<In>(dg), gemm);
+    });
+  });
+}
+
 // Gradients of chunk_forward. dS [BH, Dv, Dk]: the final state's gradient in, the initial state's out.
 // dq, dk [BH, L, Dk], dv [BH, L, Dv], dbeta [BH, L] (delta rule) are written. The states entering the
 // chunks and U' are recomputed per sequence (one state per chunk, in a per-thread buffer). bfloat16 q, k, v, beta
@@ -1804,22 +1833,7 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     check(*dbeta, q, "dbeta");
     TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
-  const int64_t nb = value_blocks(BH, L, Dv);
-  dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
-    using In = decltype(in);
-    using T = at::opmath_type<In>;
-    if (nb > 1) {
-      return backward_value_blocks<T>(shapes, nb, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(),
-                                      optional_data<In>(beta), s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(),
-                                      dq, dk, dv.data_ptr<In>(), dbeta, gemm);
-    }
-    for_sequences(BH, [&](int64_t begin, int64_t end) {
-      backward_sequences<T>(shapes, begin, end, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(),
-                            optional_data<In>(beta), (const In*)nullptr, s0.data_ptr<T>(), dout.data_ptr<In>(),
-                            dS.data_ptr<T>(), dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(),
-                            optional_data<In>(dbeta), (In*)nullptr, gemm);
-    });
-  });
+  backward_all(shapes, q, k, v, beta, std::nullopt, s0, dout, dS, dq, dk, dv, dbeta, std::nullopt, products);
 }
 
 // One position for every sequence (decoding), each row of the state read and written once. Row i of S [Dv, Dk]
@@ -2264,16 +2278,8 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   for (auto* x : {&v, &dout, &dv}) check(*x, s.in, s.BH * s.L * s.Dv, "v / dout / dv");
   for (auto* x : {&beta, &g, &dbeta, &dg}) check(*x, s.in, s.BH * s.L, "beta / g / dbeta / dg");
   for (auto* x : {&s0, &dS}) check(*x, s.state, s.BH * s.Dv * s.Dk, "s0 / dS");
-  dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
-    using In = decltype(in);
-    using T = at::opmath_type<In>;
-    for_sequences(s.BH, [&](int64_t begin, int64_t end) {
-      backward_sequences<T>(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, begin, end, q.data_ptr<In>(),
-                            k.data_ptr<In>(), v.data_ptr<In>(), beta.data_ptr<In>(), g.data_ptr<In>(),
-                            s0.data_ptr<T>(), dout.data_ptr<In>(), dS.data_ptr<T>(), dq.data_ptr<In>(),
-                            dk.data_ptr<In>(), dv.data_ptr<In>(), dbeta.data_ptr<In>(), dg.data_ptr<In>(), gemm);
-    });
-  });
+  backward_all(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, q, k, v, beta, g, s0, dout, dS, dq, dk, dv, dbeta, dg,
+               products);
 }
 
 }  // namespace gated
