@@ -435,6 +435,19 @@ void transposed_pairs(int64_t n, int64_t k, const float* x, int64_t ld, bf16_bit
   }
 }
 
+// <A, B> of two [k, n] matrices held as bfloat16 pairs (pack_pairs' layout, pair row stride 2 n_out), vdpbf16ps.
+float pairs_dot(int64_t k, int64_t n, const bf16_bits* a, const bf16_bits* b, int64_t n_out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t p = 0; 2 * p < k; ++p)
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = first_lanes(n - j);
+      const int64_t at = 2 * (p * n_out + j);
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi32(lanes, a + at),
+                             (__m512bh)_mm512_maskz_loadu_epi32(lanes, b + at));
+    }
+  return _mm512_reduce_add_ps(acc);
+}
+
 template <>
 struct VectorGemm<Bfloat16Factors> {
   void operator()(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
@@ -816,28 +829,23 @@ struct ForwardRecord {
 };
 
 // What a forward keeps of one sequence of L positions (N chunks, states [Dv, Dk]) for its backward, in buffers of its
-// own: the states entering the chunks and (delta rule) U' as T or as bfloat16 (`as_bfloat16`), X as T; the states
-// also as T where `states_as_T` (the gated rule's <S, dS'>).
+// own: the states entering the chunks and (delta rule) U' as T or as bfloat16 (`as_bfloat16`), X as T.
 template <typename T>
 struct KeptBuffers {
   std::vector<T> values;
   std::vector<uint16_t> bfloat16;
-  ForwardRecord<T> record(int64_t L, int64_t N, int64_t Dk, int64_t Dv, bool delta, bool as_bfloat16,
-                          bool states_as_T = false) {
+  ForwardRecord<T> record(int64_t L, int64_t N, int64_t Dk, int64_t Dv, bool delta, bool as_bfloat16) {
     const int64_t states = N * Dv * Dk, per_position = delta ? L * Dv : 0, pairs = N * state_pairs_size(Dk, Dv);
-    states_as_T = states_as_T || !as_bfloat16;
-    values.resize((states_as_T ? states : 0) + (as_bfloat16 ? 0 : per_position) + per_position);
+    values.resize((as_bfloat16 ? 0 : states + per_position) + per_position);
     bfloat16.resize(as_bfloat16 ? pairs + (delta ? L * round_up(Dv, 2) : 0) : 0);
     ForwardRecord<T> kept;
     T* next = values.data();
-    if (states_as_T) {
-      kept.entering = next;
-      next += states;
-    }
     if (as_bfloat16) {
       kept.entering_pairs = bfloat16.data();
       if (delta) kept.u_new_rows = bfloat16.data() + pairs;
     } else {
+      kept.entering = next;
+      next += states;
       if (delta) kept.u_new = next;
       next += per_position;
     }
@@ -1182,6 +1190,21 @@ struct BackwardProducts {
     (*this)(Dv, Dk, k, a, b, alpha, T(1), dS, Dk);
   }
   Operand state_gradient_pairs(const T* dS) { return pairs(dS, Dv, Dk, Dk); }
+  // <S, dS'> (the gated rule's decay of the state), S entering chunk n: with bfloat16 factors both rounded, as any
+  // product reads them (pairs_dot, as the bfloat16 specialization computes it)
+  T state_dot(const ForwardRecord<T>& kept, int64_t n, const T* dS) const {
+    const T* S = kept.entering + n * Dv * Dk;
+#ifdef FWP_NATIVE_BF16
+    if constexpr (std::is_same_v<Gemm, VectorGemm<Bfloat16Factors>>) {
+      const int64_t size = state_pairs_size(Dk, Dv);
+      bf16_bits* pairs = scratch<bf16_bits>(1, 2 * size);
+      pack_pairs(Dv, Dk, S, Dk, pairs, round_up(Dk, 16));
+      pack_pairs(Dv, Dk, dS, Dk, pairs + size, round_up(Dk, 16));
+      return pairs_dot(Dv, Dk, pairs, pairs + size, round_up(Dk, 16));
+    }
+#endif
+    return dot(Dv * Dk, S, dS);
+  }
 };
 
 #ifdef FWP_NATIVE_BF16
@@ -1271,6 +1294,11 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     if (dS_pairs_kept) return {dS_pairs, 2 * round_up(Dk, 16), Form::kPairs};
     return pairs(dS, Dv, Dk, Dk);  // the final state's gradient, before any update
   }
+  // <S, dS'> from the pairs the products read (the generic one's with these factors)
+  float state_dot(const ForwardRecord<float>& kept, int64_t n, const float* dS) {
+    const Operand dSp = state_gradient_pairs(dS);
+    return pairs_dot(Dv, Dk, state(kept, n).x, dSp.x, round_up(Dk, 16));
+  }
 
  private:
   bf16_bits* take(int64_t n) {
@@ -1328,7 +1356,7 @@ struct DecayGradients {
   }
   // S' = Gamma_c S + U'^T diag(lambda) K: dK = U' dS' given, scaled to diag(lambda) U' dS'; dgam_i = -lambda_i (U'
   // dS')_i . k_i (the first term of dgam), and dgam_c gets sum_i lambda_i (U' dS')_i . k_i + Gamma_c <S, dS'>
-  void keys(int64_t c, int64_t Dk, int64_t Dv, const T* K, T* dK, const T* S, const T* dS) const {
+  void keys(int64_t c, int64_t Dk, const T* K, T* dK, T state_dot) const {
     T lambda_sum = 0;
     for (int64_t i = 0; i < c; ++i) {
       const T lambda = d.lambda[i], acc = lambda * dot(Dk, dK + i * Dk, K + i * Dk);
@@ -1337,19 +1365,19 @@ struct DecayGradients {
 #pragma omp simd
       for (int64_t j = 0; j < Dk; ++j) dK[i * Dk + j] *= lambda;
     }
-    dgam[c - 1] += lambda_sum + d.Gamma[c - 1] * dot(Dv * Dk, S, dS);
+    dgam[c - 1] += lambda_sum + d.Gamma[c - 1] * state_dot;
   }
   // X [c, c] = M * D (P, or KD = K K^T * D) read as M: with its gradient dX (rows scaled by `rows` where given:
   // diag(beta) dA for KD), dgam_i += sum_j H_ij - sum_j H_ji, H = dX * X; then dX <- dX * D, the gradient of M
   template <typename B>
   void through_D(int64_t c, const T* X, T* dX, const B& rows) const {
-    for (int64_t i = 0; i < c; ++i) {
+    for (int64_t i = 0; i < c; ++i) {  // (whole rows: the vector loop has no ragged end; above the diagonal dX is 0)
       const T row = rows(i);
       const T *Xi = X + i * c, *Di = d.D.data() + i * c;
       T* dXi = dX + i * c;
       T acc = 0;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t j = 0; j <= i; ++j) {
+      for (int64_t j = 0; j < c; ++j) {
         const T h = row * dXi[j] * Xi[j];
         acc += h;
         dgam[j] -= h;
@@ -1430,10 +1458,10 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
 
 // The gradients that reach a chunk's outputs and the state leaving it (see chunk_backward_seq): dU' (into dU), dK =
 // U' dS' + dP^T Q, dQ = dO S + dP K, dP = tril(dO U'^T), P = tril(Q K^T) recomputed into w.P; the gated rule's decays
-// where `decay` is given (dU' = diag(lambda) K dS'^T + P^T dO, P = tril(Q K^T) * D, ...: DecayGradients). S: the state
-// entering the chunk as T (the gated rule's <S, dS'>). fetch(stage): the caller's prefetches, stages 1 and 2.
+// where `decay` is given (dU' = diag(lambda) K dS'^T + P^T dO, P = tril(Q K^T) * D, ...: DecayGradients), with
+// state_dot = <S, dS'> (S entering the chunk). fetch(stage): the caller's prefetches, stages 1 and 2.
 template <typename T, typename Products, typename Fetch>
-void output_gradients(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K, const T* S, const T* dS, T* dU,
+void output_gradients(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K, T state_dot, const T* dS, T* dU,
                       T* dQ, T* dK, const BackwardBuffers<T>& w, Products& mm, const typename Products::Inputs& in,
                       const typename Products::Operand& Ur, const typename Products::Operand& Ut,
                       const typename Products::Operand& Sp, const DecayGradients<T>* decay, const Fetch& fetch) {
@@ -1447,7 +1475,7 @@ void output_gradients(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K,
   fetch(1);
   // dK = U' dS' (dS' still the gradient of the state leaving the chunk)
   mm(c, Dk, Dv, Ur, mm.state_gradient_pairs(dS), T(1), T(0), dK, Dk);
-  if (decay != nullptr) decay->keys(c, Dk, Dv, K, dK, S, dS);
+  if (decay != nullptr) decay->keys(c, Dk, K, dK, state_dot);
   // dP = tril(dO U'^T);  dQ = dO S + dP K;  dK += dP^T Q
   mm(c, c, Dv, in.dO, Ut, T(1), T(0), w.dP, c);
   for (int64_t i = 0; i < c; ++i) std::fill(w.dP + i * c + i + 1, w.dP + (i + 1) * c, T(0));
@@ -1505,22 +1533,17 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const auto fetch = [&](int stage) {
       if (stage == 1) {
         previous.fetch(dout, Dv);
-        if constexpr (Products::kKeepsBfloat16) {
-          previous.fetch_chunk(kept.entering_pairs, C, state_pairs_size(Dk, Dv));
-        } else {
-          previous.fetch_chunk(kept.entering, C, Dv * Dk);
-        }
-      } else if (beta == nullptr) {
-        previous.fetch(v, Dv);
-      } else if constexpr (Products::kKeepsBfloat16) {
-        previous.fetch(kept.u_new_rows, round_up(Dv, 2));
-      } else {
-        previous.fetch(kept.u_new, Dv);
+        if (Products::kKeepsBfloat16) previous.fetch_chunk(kept.entering_pairs, C, state_pairs_size(Dk, Dv));
+        if (!Products::kKeepsBfloat16) previous.fetch_chunk(kept.entering, C, Dv * Dk);
+        return;
       }
+      if (beta == nullptr || decay != nullptr) previous.fetch(v, Dv);  // the sum rule's U', the gated rule's V
+      if (beta != nullptr && Products::kKeepsBfloat16) previous.fetch(kept.u_new_rows, round_up(Dv, 2));
+      if (beta != nullptr && !Products::kKeepsBfloat16) previous.fetch(kept.u_new, Dv);
     };
-    const T* S = decay != nullptr ? kept.entering + n * Dv * Dk : nullptr;
+    const T state_dot = decay != nullptr ? mm.state_dot(kept, n, dS) : T(0);  // <S, dS'>
     T* dU = beta != nullptr ? w.dR : d.dV;  // dU' (the sum rule's dV)
-    output_gradients(c, Dk, Dv, x.Q, x.K, S, dS, dU, d.dQ, d.dK, w, mm, in, Ur, Ut, Sp, decay, fetch);
+    output_gradients(c, Dk, Dv, x.Q, x.K, state_dot, dS, dU, d.dQ, d.dK, w, mm, in, Ur, Ut, Sp, decay, fetch);
     // dS = dS' + dO^T Q  (gated: Gamma_c dS' + dO^T diag(Gamma) Q), the delta rule's part, then its last update
     typename Products::Operand Qp = in.Qp;
     T state_decay = 1;  // the gated rule's Gamma_c, as the product's scale of dS'
@@ -1672,7 +1695,7 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
       T* dvb = buf.data();      // the block's columns of dV            [L, n]
       T* state = dvb + s.L * n;  // its rows of the state                [n, Dk]
       const ForwardRecord<T> kept = keep.record(s.L, s.N, s.Dk, n, beta != nullptr,
-                                                BackwardProducts<T, Gemm, In>::kKeepsBfloat16, g != nullptr);
+                                                BackwardProducts<T, Gemm, In>::kKeepsBfloat16);
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       gather_columns(dout + bh * s.L * s.Dv, s.L, s.Dv, j0, n, dob);
       std::memcpy(state, s0 + (bh * s.Dv + j0) * s.Dk, sizeof(T) * n * s.Dk);
@@ -1769,7 +1792,7 @@ void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const 
   std::vector<T> state(Dv * Dk);
   KeptBuffers<T> keep;
   const ForwardRecord<T> kept =
-      keep.record(L, s.N, Dk, Dv, beta != nullptr, BackwardProducts<T, Gemm, In>::kKeepsBfloat16, g != nullptr);
+      keep.record(L, s.N, Dk, Dv, beta != nullptr, BackwardProducts<T, Gemm, In>::kKeepsBfloat16);
   for (int64_t bh = begin; bh < end; ++bh) {
     const In *qs = q + bh * L * Dk, *ks = k + bh * L * Dk, *vs = v + bh * L * Dv;
     const In* bs = beta != nullptr ? beta + bh * L : nullptr;
