@@ -1381,6 +1381,7 @@ struct DecayGradients {
   // diag(beta) dA for KD), dgam_i += sum_j H_ij - sum_j H_ji, H = dX * X; then dX <- dX * D, the gradient of M
   template <typename B>
   void through_D(int64_t c, const T* X, T* dX, const B& rows) const {
+    T* const dg = dgam;  // (read through `this` in the loop, GCC gathered and scattered dgam[j]: the op 5% slower)
     for (int64_t i = 0; i < c; ++i) {  // (whole rows: the vector loop has no ragged end; above the diagonal dX is 0)
       const T row = rows(i);
       const T *Xi = X + i * c, *Di = d.D.data() + i * c;
@@ -1390,10 +1391,10 @@ struct DecayGradients {
       for (int64_t j = 0; j < c; ++j) {
         const T h = row * dXi[j] * Xi[j];
         acc += h;
-        dgam[j] -= h;
+        dg[j] -= h;
         dXi[j] *= Di[j];
       }
-      dgam[i] += acc;
+      dg[i] += acc;
     }
   }
   // x_i <- lambda_i x_i for rows x [c, n]
