@@ -87,9 +87,28 @@ def _products(flat) -> int:
     """The C++ kernel's products for the tensors it is handed: the delta rule's choice (``chunk.cpu_products``), for
     this rule runs the delta rule's chunk loops with its decays applied to their products. bfloat16 factors (AVX-512
     BF16) for bfloat16 inputs since those loops carry the decays (before, this rule's own loops with bfloat16 factors
-    gained nothing over float32 ones, and it took float32 factors)."""
-    q, k, v, *gates = flat
-    return chunk.cpu_products(q, k, v, tuple(gates))
+    gained nothing over float32 ones, and it took float32 factors). g is no factor of a product: its dtype (bfloat16,
+    or float32 beside bfloat16 inputs: ``_io_dtypes``) does not choose."""
+    q, k, v, beta, _ = flat
+    return chunk.cpu_products(q, k, v, (beta,))
+
+
+def _io_dtypes(q, k, v, gates, acc: torch.dtype) -> Tuple[torch.dtype, torch.dtype]:
+    """The dtypes in which the C++ gated ops take q, k, v, beta (the output gradient; write o and those gradients) and
+    g (and write dg): bfloat16 inputs go in as they are with g in bfloat16 or in float32, as a bfloat16 model computes
+    its log-decays (``GatedDeltaNetLayer.log_decay``: before, float32 g made the kernel take float32 copies of
+    everything and float32 factors); else ``chunk.io_dtype``'s choice for all."""
+    beta, g = gates
+    if chunk.io_dtype(q, k, v, (beta,), acc) == torch.bfloat16 and g.dtype in (torch.bfloat16, torch.float32):
+        return torch.bfloat16, g.dtype
+    io = chunk.io_dtype(q, k, v, gates, acc)
+    return io, io
+
+
+def _flat_inputs(q, k, v, gates, io: torch.dtype, g_io: torch.dtype) -> list:
+    """q, k, v, beta, g as the gated ops take them: ``[B*H, T, ...]`` in `io` (g in `g_io`)."""
+    beta, g = gates
+    return [_flat(x, io) for x in (q, k, v, beta)] + [_flat(g, g_io)]
 
 
 class GatedIntra(NamedTuple):
@@ -126,9 +145,9 @@ class GatedDeltaRuleChunks(ChunkRule):
         if q.shape[2] == 1 and chunk.cpu_kernel_available():  # a decode step: the delta rule's one-pass kernel, gated
             return chunk.decode_cpu(q, k, v, gates, initial_state)
         acc = acc_dtype(q, k, v, initial_state, *gates)
-        io = chunk.io_dtype(q, k, v, gates, acc)
+        io, g_io = _io_dtypes(q, k, v, gates, acc)
         state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
-        flat = [_flat(x, io) for x in (q, k, v, *gates)]
+        flat = _flat_inputs(q, k, v, gates, io, g_io)
         _CPU_KERNEL.ops.gated_forward(*flat, state, chunk_size, o, _products(flat))
         return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
@@ -136,8 +155,8 @@ class GatedDeltaRuleChunks(ChunkRule):
         acc = acc_dtype(q, k, v, initial_state, *gates)
         B, H, T, Dk = q.shape
         Dv = v.shape[-1]
-        io = chunk.io_dtype(q, k, v, gates, acc)
-        flat = [_flat(x, io) for x in (q, k, v, *gates)]
+        io, g_io = _io_dtypes(q, k, v, gates, acc)
+        flat = _flat_inputs(q, k, v, gates, io, g_io)
         s0 = q.new_zeros(B * H, Dv, Dk, dtype=acc) if initial_state is None else _flat(initial_state, acc)
         do = torch.zeros_like(flat[2]) if do is None else _flat(do, io)
         dS = q.new_zeros(B * H, Dv, Dk, dtype=acc)  # in: the final state's gradient, out: the initial state's

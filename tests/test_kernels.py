@@ -820,6 +820,52 @@ def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, 
     assert calls[1] == [[bf16] * 5 + [f32, bf16, f32] + [bf16] * 5]  # ..., s0, dout, dS, their gradients
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 1, 150, 17, 40, 16)])
+def test_gated_bfloat16_with_float32_decays(threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
+    """A bfloat16 model computes its log-decays g in float32 (GatedDeltaNetLayer.log_decay): the C++ gated ops take
+    bfloat16 q, k, v, beta (and dout) as they are beside float32 g and write a float32 dg, exactly the ops on the
+    widened q, k, v, beta with the same g (every product kind; B*H = 1 at 2 threads: value blocks); the public function
+    hands them so (no float32 copies), picks bfloat16 factors where built, and stays within the bfloat16 bound of the
+    float64 step loop."""
+    from fwp_kernels import chunk
+
+    _cpp_kernel_or_skip()
+    inputs = {n: x.detach() for n, x in make_inputs("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T).items()}
+    flat = [x.reshape(B * H, T, -1).squeeze(-1) for x in positional("gated", inputs)]  # q, k, v, beta, g
+    g32 = F.logsigmoid(torch.randn(B * H, T, generator=torch.Generator().manual_seed(3)) + 2)
+    s0 = inputs["initial_state"].float().reshape(B * H, Dv, Dk)
+    do = torch.randn(B * H, T, Dv, generator=torch.Generator().manual_seed(1)).bfloat16()
+    d_final = torch.randn(B * H, Dv, Dk, generator=torch.Generator().manual_seed(2))
+    ops = chunk._CPU_KERNEL.ops
+
+    def forward_and_backward(dtype, products):
+        x = [t.to(dtype) for t in flat[:4]] + [g32]
+        S, o = s0.clone(), torch.empty_like(x[2])
+        dS, grads = d_final.clone(), [torch.empty_like(t) for t in x]
+        _with_threads(threads, lambda: ops.gated_forward(*x, S, chunk_size, o, products))
+        _with_threads(threads, lambda: ops.gated_backward(*x, s0, chunk_size, do.to(dtype), dS, *grads, products))
+        return [o, S, dS, *grads]
+
+    for products in sorted(chunk.cpu_product_kinds()):
+        got, widened = forward_and_backward(torch.bfloat16, products), forward_and_backward(torch.float32, products)
+        for a, b in zip(got, widened):
+            assert torch.equal(a, b.to(a.dtype)), products
+        assert [t.dtype for t in got] == [torch.bfloat16] + [torch.float32] * 2 + [torch.bfloat16] * 4 + [torch.float32]
+    calls = [_spy_op_dtypes(monkeypatch, op) for op in ("gated_forward", "gated_backward")]
+    chosen = _spy_products(monkeypatch)
+    inputs["g"] = g32.reshape(B, H, T).requires_grad_()
+    inputs = {n: x.requires_grad_() if x.is_floating_point() else x for n, x in inputs.items()}
+    got = _with_threads(threads, lambda: outputs_and_grads("gated", inputs, mode="chunk", chunk_size=chunk_size))
+    assert_close(got, reference("gated", inputs), TOL[torch.bfloat16])
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert calls[0] == [[bf16] * 4 + [f32, f32, bf16]]  # q, k, v, beta, g, S, o
+    assert calls[1] == [[bf16] * 4 + [f32, f32, bf16, f32] + [bf16] * 4 + [f32]]  # ..., s0, dout, dS, the gradients
+    assert got["dg"].dtype == f32 and got["o"].dtype == bf16
+    if chunk.BFLOAT16_PRODUCTS in chunk.cpu_product_kinds():
+        assert set(chosen) == {chunk.BFLOAT16_PRODUCTS}
+
+
 @pytest.mark.parametrize("qk_l2norm", [False, True])
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
 def test_gated_delta_rule_matches_transformers(mode, qk_l2norm):

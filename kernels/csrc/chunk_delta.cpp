@@ -509,6 +509,16 @@ In* optional_data(const std::optional<at::Tensor>& x) {
   return x.has_value() ? x->data_ptr<In>() : nullptr;
 }
 
+// Runs f(g's data) as In*, or as T* where g is float32 beside bfloat16 inputs (a bfloat16 model's log-decays, computed
+// in float32); f((In*)nullptr) without g.
+template <typename In, typename T, typename F>
+void with_decays(const std::optional<at::Tensor>& g, const F& f) {
+  if constexpr (!std::is_same_v<In, T>) {
+    if (g.has_value() && g->scalar_type() == c10::CppTypeToScalarType<T>::value) return f(g->data_ptr<T>());
+  }
+  f(optional_data<In>(g));
+}
+
 // The kinds of products this build has, a bit per Products value.
 int64_t product_kinds() {
   int64_t kinds = 1 << kBlas;
@@ -949,12 +959,12 @@ void decay_products(const Decays<T>& d, int64_t cq, int64_t c, int64_t rows, int
 // One sequence: q, k [L, Dk], v [L, Dv], beta [L] (nullptr: sum rule), g [L] (the gated rule's log-decays, with beta;
 // nullptr: no decay). S [Dv, Dk] holds the initial state on entry and the final one on return. Writes o [L, Dv] (unless
 // nullptr) and what `record` asks for. `work` holds chunk_workspace(C, Dk, Dv) elements.
-// In: the type of q, k, v, beta, g and o (T, or bfloat16 with T = float: the state, sums and products' results
-// float32).
-template <typename T, typename Gemm, typename In = T>
+// In: the type of q, k, v, beta and o (T, or bfloat16 with T = float: the state, sums and products' results float32);
+// G: of g (In, or T: a bfloat16 model computes its log-decays in float32).
+template <typename T, typename Gemm, typename In = T, typename G = In>
 void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
-                       const In* beta, const std::type_identity_t<In>* g, T* S, std::type_identity_t<In>* o,
-                       const ForwardRecord<T>& record, T* work, const Gemm& gemm) {
+                       const In* beta, const G* g, T* S, std::type_identity_t<In>* o, const ForwardRecord<T>& record,
+                       T* work, const Gemm& gemm) {
   // The state is kept transposed, St = S^T [Dk, Dv], beside K^T [Dk, c], and the chunk's queries and keys are stacked,
   // X = [Q; K] [2c, Dk]. One buffer Z [Dk + 2C, Dv + C] (row stride ld) holds
   //   rows 0 .. Dk:             [ S^T | K^T ]
@@ -1076,9 +1086,9 @@ template <typename T>
 struct ChunkInputs {
   const T *Q, *K, *V, *b, *g, *dO;
   static int64_t size(int64_t C, int64_t Dk, int64_t Dv) { return 2 * C * (Dk + Dv + 1); }
-  template <typename In>
+  template <typename In, typename G>
   ChunkInputs(int64_t t0, int64_t c, int64_t C, int64_t Dk, int64_t Dv, const In* q, const In* k, const In* v,
-              const In* beta, const In* gs, const In* dout, T* buf) {
+              const In* beta, const G* gs, const In* dout, T* buf) {
     Q = q != nullptr ? rows_as(q + t0 * Dk, c * Dk, buf) : nullptr;
     K = rows_as(k + t0 * Dk, c * Dk, buf + C * Dk);
     V = v != nullptr ? rows_as(v + t0 * Dv, c * Dv, buf + 2 * C * Dk) : nullptr;
@@ -1090,14 +1100,15 @@ struct ChunkInputs {
 
 // Where a backward computes its chunk's gradients, positions [t0, t0 + c): in the outputs themselves, or in `buf`
 // (rows_for; size(C, Dk, Dv) elements), rounded into the outputs by store; nullptr where the caller passes none.
-template <typename T, typename Out>
+template <typename T, typename Out, typename GOut = Out>
 struct ChunkGradients {
   int64_t t0, c, Dk, Dv;
-  Out *dq, *dk, *dv, *dbeta, *dg;
+  Out *dq, *dk, *dv, *dbeta;
+  GOut* dg;  // (the type of g: Out, or T)
   T *dQ, *dK, *dV, *db, *dgs;
   static int64_t size(int64_t C, int64_t Dk, int64_t Dv) { return 2 * C * (Dk + 1) + C * Dv; }
   ChunkGradients(int64_t t0, int64_t c, int64_t C, int64_t Dk, int64_t Dv, Out* dq, Out* dk, Out* dv, Out* dbeta,
-                 Out* dg, T* buf)
+                 GOut* dg, T* buf)
       : t0(t0), c(c), Dk(Dk), Dv(Dv), dq(dq + t0 * Dk), dk(dk + t0 * Dk), dv(dv + t0 * Dv),
         dbeta(dbeta != nullptr ? dbeta + t0 : nullptr), dg(dg != nullptr ? dg + t0 : nullptr) {
     dQ = rows_for(this->dq, buf);
@@ -1344,11 +1355,6 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
 };
 #endif  // FWP_NATIVE_BF16
 
-// The delta rule's part of a chunk's backward (after the products that the sum rule shares), with dU' in dR, X kept by
-// the forward, and the forms of U'^T and S that the shared part made:
-//   (I + A) U' = diag(beta) X, X = V - K S^T, A = strictly_lower(diag(beta) K K^T):
-//     dR = (I + A)^-T dU',  dV = diag(beta) dR,  dbeta = rowsum(dR * X) + rowsum((dA K) * K),
-//     dA = -strictly_lower(dR U'^T),  dK += -dV S + diag(beta) dA K + dA^T diag(beta) K,  dS -= dV^T K
 // The gated rule's decays in a chunk's backward (Gated DeltaNet sec. 3.1; kernels/README.md, "Gated delta rule"): its
 // Decays, and dgam [c], the gradient of gamma (cumulative log-decay) that each step adds to. nullptr for no decay.
 template <typename T>
@@ -1420,10 +1426,13 @@ struct DecayGradients {
   }
 };
 
-// The delta rule's part of a chunk's backward, through (I + A) U' = diag(beta) X, X = V - K S^T (kept by the forward),
-// A = strictly_lower(diag(beta) K K^T), from dR = dU' (kernels/README.md, "Backward of the CPU kernel"); the gated
-// rule's decays where `decay` is given (X = V - diag(Gamma) K S^T, A = strictly_lower(diag(beta) (K K^T * D)); V as T
-// for its dgam).
+// The delta rule's part of a chunk's backward (after the products that the sum rule shares), with dU' in dR, X kept by
+// the forward, and the forms of U'^T and S that the shared part made:
+//   (I + A) U' = diag(beta) X, X = V - K S^T, A = strictly_lower(diag(beta) K K^T):
+//     dR = (I + A)^-T dU',  dV = diag(beta) dR,  dbeta = rowsum(dR * X) + rowsum((dA K) * K),
+//     dA = -strictly_lower(dR U'^T),  dK += -dV S + diag(beta) dA K + dA^T diag(beta) K,  dS -= dV^T K
+// The gated rule's decays where `decay` is given: X = V - diag(Gamma) K S^T, A = strictly_lower(diag(beta) (K K^T *
+// D)), so dV S and dV^T K take diag(Gamma) dV, dA goes through D, and dgam_i -= dV_i . (V - X)_i (V as T).
 template <typename T, typename Products>
 void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, const T* V, const T* X, const T* b,
                                const BackwardBuffers<T>& w, Products& mm, const typename Products::Inputs& in,
@@ -1510,16 +1519,17 @@ void output_gradients(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K,
 //   delta rule: delta_rule_chunk_backward;  sum rule: dV = dU'.
 // The gated rule (g: its log-decays, dg their gradient; kernels/README.md, "Gated delta rule"): the same steps with its
 // decays, O = diag(Gamma) Q S^T + P U', P = tril(Q K^T) * D, S' = Gamma_c S + U'^T diag(lambda) K (DecayGradients).
-// In: the type of q, k, v, beta, g and do; Out: of dq, dk, dv, dbeta and dg (T, or bfloat16 with T = float: widened as
-// they are read, rounded as they are written, the rest float32).
-template <typename T, typename Gemm, typename In = T, typename Out = In>
+// In: the type of q, k, v, beta and do; Out: of dq, dk, dv and dbeta (T, or bfloat16 with T = float: widened as they
+// are read, rounded as they are written, the rest float32); G, GOut: of g and dg (In and Out, or T for both: a bfloat16
+// model computes its log-decays in float32).
+template <typename T, typename Gemm, typename In = T, typename Out = In, typename G = In, typename GOut = Out>
 void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
-                        const In* beta, const std::type_identity_t<In>* g, const ForwardRecord<T>& kept,
-                        const In* dout, T* dS, Out* dq, Out* dk, Out* dv, Out* dbeta, Out* dg, T* work,
-                        const Gemm& gemm) {
+                        const In* beta, const G* g, const ForwardRecord<T>& kept, const In* dout, T* dS, Out* dq,
+                        Out* dk, Out* dv, Out* dbeta, GOut* dg, T* work, const Gemm& gemm) {
   const BackwardBuffers<T> w(work, C, Dk, Dv);
   using Products = BackwardProducts<T, Gemm, In>;
   Products mm(gemm, C, Dk, Dv);
+  TORCH_CHECK(g == nullptr || beta != nullptr, "fwp_chunk: decays only with the delta rule");
   Decays<T> decays(g != nullptr ? C : 0);
   const DecayGradients<T> decay_gradients{decays, w.dgam};
   const DecayGradients<T>* decay = g != nullptr ? &decay_gradients : nullptr;
@@ -1531,7 +1541,7 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const ChunkInputs<T> x(t0, c, C, Dk, Dv, kWiden || decay ? q : nullptr, k,
                            (kWiden && beta == nullptr) || decay ? v : nullptr, beta, g, kWiden ? dout : nullptr, w.in);
     const typename Products::Inputs in = mm.inputs(x, q + t0 * Dk, k + t0 * Dk, dout + t0 * Dv, c, w.Kt);
-    const ChunkGradients<T, Out> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, dg, w.out);
+    const ChunkGradients<T, Out, GOut> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, dg, w.out);
     // the previous chunk's rows and state (read next) on their way while this one computes, a few at each stage
     const RowsAhead previous = previous_chunk(t0, C);
     previous.fetch(q, Dk);
@@ -1657,9 +1667,9 @@ static ChunkShapes chunk_shapes(const at::Tensor& q, const at::Tensor& k, const 
 }
 
 // The forward of value_blocks(BH, L, Dv) = nb > 1 column blocks, one task per (sequence, block): see value_blocks.
-template <typename T, typename Gemm, typename In>
+template <typename T, typename Gemm, typename In, typename G>
 void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const In* k, const In* v, const In* beta,
-                          const In* g, T* S, In* o, const Gemm& gemm) {
+                          const G* g, T* S, In* o, const Gemm& gemm) {
   parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
     std::vector<In> columns;
     std::vector<T> work;
@@ -1681,9 +1691,9 @@ void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const I
 // The backward in nb > 1 column blocks. dV and the rows of dS split like V and S; dQ, dK, dbeta and (gated rule) dg
 // are sums over the value columns (dQ = dO S + dP K, dP = tril(dO U'^T), ...; dg's terms, such as <S, dS'>, alike):
 // each block writes its part in T, summed at the end (and then rounded, for bfloat16 gradients).
-template <typename T, typename Gemm, typename In>
+template <typename T, typename Gemm, typename In, typename G>
 void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const In* k, const In* v, const In* beta,
-                           const In* g, const T* s0, const In* dout, T* dS, const at::Tensor& dq, const at::Tensor& dk,
+                           const G* g, const T* s0, const In* dout, T* dS, const at::Tensor& dq, const at::Tensor& dk,
                            In* dv, const std::optional<at::Tensor>& dbeta, const std::optional<at::Tensor>& dg,
                            const Gemm& gemm) {
   const at::TensorOptions in_T = dq.options().dtype(c10::CppTypeToScalarType<T>::value);
@@ -1713,7 +1723,7 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
       const In* qs = q + bh * s.L * s.Dk;
       const In* ks = k + bh * s.L * s.Dk;
       const In* bs = beta != nullptr ? beta + bh * s.L : nullptr;
-      const In* gs = g != nullptr ? g + bh * s.L : nullptr;
+      const G* gs = g != nullptr ? g + bh * s.L : nullptr;
       chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, gs, state, nullptr, kept, state + n * s.Dk, gemm);
       const int64_t part = j * s.BH + bh;
       chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, gs, kept, dob,
@@ -1732,8 +1742,8 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
 // The forward of every sequence (chunk_forward and the gated rule's forward; g nullptr without decay): one task per
 // sequence, or per (sequence, value block) for fewer sequences than threads (value_blocks). entering [BH, N, Dv, Dk]
 // and u_new [BH, L, Dv] are kept where given (the backward's own call, which splits by itself: no value blocks).
-template <typename T, typename Gemm, typename In>
-void forward_sequences(const ChunkShapes& s, const In* q, const In* k, const In* v, const In* beta, const In* g,
+template <typename T, typename Gemm, typename In, typename G>
+void forward_sequences(const ChunkShapes& s, const In* q, const In* k, const In* v, const In* beta, const G* g,
                        T* S, In* o, T* entering, T* u_new, const Gemm& gemm) {
   const int64_t nb = o != nullptr && entering == nullptr && u_new == nullptr ? value_blocks(s.BH, s.L, s.Dv) : 1;
   if (nb > 1) return forward_value_blocks<T>(s, nb, q, k, v, beta, g, S, o, gemm);
@@ -1794,10 +1804,10 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 // The backward of sequences [begin, end) one after another (chunk_backward without value blocks, and the gated rule's
 // backward: g and dg given): the states entering the chunks and U' recomputed per sequence into the thread's buffers.
-template <typename T, typename Gemm, typename In>
+template <typename T, typename Gemm, typename In, typename G>
 void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const In* q, const In* k, const In* v,
-                        const In* beta, const In* g, const T* s0, const In* dout, T* dS, In* dq, In* dk, In* dv,
-                        In* dbeta, In* dg, const Gemm& gemm) {
+                        const In* beta, const G* g, const T* s0, const In* dout, T* dS, In* dq, In* dk, In* dv,
+                        In* dbeta, G* dg, const Gemm& gemm) {
   const int64_t L = s.L, Dk = s.Dk, Dv = s.Dv;
   std::vector<T> work(std::max(chunk_workspace(s.C, Dk, Dv), chunk_backward_workspace(s.C, Dk, Dv)));
   std::vector<T> state(Dv * Dk);
@@ -1807,7 +1817,7 @@ void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const 
   for (int64_t bh = begin; bh < end; ++bh) {
     const In *qs = q + bh * L * Dk, *ks = k + bh * L * Dk, *vs = v + bh * L * Dv;
     const In* bs = beta != nullptr ? beta + bh * L : nullptr;
-    const In* gs = g != nullptr ? g + bh * L : nullptr;
+    const G* gs = g != nullptr ? g + bh * L : nullptr;
     std::memcpy(state.data(), s0 + bh * Dv * Dk, sizeof(T) * Dv * Dk);
     chunk_forward_seq<T>(L, Dk, Dv, s.C, qs, ks, vs, bs, gs, state.data(), nullptr, kept, work.data(), gemm);
     chunk_backward_seq<T>(L, Dk, Dv, s.C, qs, ks, vs, bs, gs, kept, dout + bh * L * Dv, dS + bh * Dv * Dk,
@@ -1829,15 +1839,18 @@ void backward_all(const ChunkShapes& shapes, const at::Tensor& q, const at::Tens
     using In = decltype(in);
     using T = at::opmath_type<In>;
     const In *q_p = q.data_ptr<In>(), *k_p = k.data_ptr<In>(), *v_p = v.data_ptr<In>(), *dout_p = dout.data_ptr<In>();
-    const In *beta_p = optional_data<In>(beta), *g_p = optional_data<In>(g);
-    if (nb > 1) {
-      return backward_value_blocks<T>(shapes, nb, q_p, k_p, v_p, beta_p, g_p, s0.data_ptr<T>(), dout_p,
-                                      dS.data_ptr<T>(), dq, dk, dv.data_ptr<In>(), dbeta, dg, gemm);
-    }
-    for_sequences(shapes.BH, [&](int64_t begin, int64_t end) {
-      backward_sequences<T>(shapes, begin, end, q_p, k_p, v_p, beta_p, g_p, s0.data_ptr<T>(), dout_p,
-                            dS.data_ptr<T>(), dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(),
-                            optional_data<In>(dbeta), optional_data<In>(dg), gemm);
+    const In* beta_p = optional_data<In>(beta);
+    with_decays<In, T>(g, [&](auto* g_p) {
+      using G = std::remove_pointer_t<decltype(g_p)>;
+      if (nb > 1) {
+        return backward_value_blocks<T>(shapes, nb, q_p, k_p, v_p, beta_p, (const G*)g_p, s0.data_ptr<T>(), dout_p,
+                                        dS.data_ptr<T>(), dq, dk, dv.data_ptr<In>(), dbeta, dg, gemm);
+      }
+      for_sequences(shapes.BH, [&](int64_t begin, int64_t end) {
+        backward_sequences<T>(shapes, begin, end, q_p, k_p, v_p, beta_p, (const G*)g_p, s0.data_ptr<T>(), dout_p,
+                              dS.data_ptr<T>(), dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(),
+                              optional_data<In>(dbeta), optional_data<G>(dg), gemm);
+      });
     });
   });
 }
@@ -2272,6 +2285,11 @@ struct Shapes {
   at::ScalarType in, state;  // of q, k, v, the gates, o and the gradients; of the states (float32 for bfloat16 q)
 };
 
+// g (and dg) [BH, L]: of q's dtype, or float32 beside bfloat16 q (a bfloat16 model's log-decays, computed in float32)
+void check_decays(const Shapes& s, const at::Tensor& g, const char* name) {
+  check(g, g.scalar_type() == s.state ? s.state : s.in, s.BH * s.L, name);
+}
+
 Shapes shapes(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size) {
   TORCH_CHECK(q.dim() == 3 && v.dim() == 3 && chunk_size >= 1, "fwp_chunk.gated: q, v must be [BH, L, D]");
   const int64_t BH = q.size(0), L = q.size(1), Dk = q.size(2), Dv = v.size(2);
@@ -2283,26 +2301,30 @@ Shapes shapes(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size) {
 }
 
 // q, k [BH, L, Dk], v [BH, L, Dv], beta, g [BH, L]; S [BH, Dv, Dk]: initial state in, final state out; o [BH, L, Dv].
-// bfloat16 q, k, v, beta, g and o take a float32 S: widened chunk by chunk as they are read, o rounded as written.
+// bfloat16 q, k, v, beta and o take a float32 S (g bfloat16 or float32): widened chunk by chunk as they are read, o
+// rounded as written.
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
              const at::Tensor& g, const at::Tensor& S, int64_t chunk_size, const at::Tensor& o, int64_t products) {
   const Shapes s = shapes(q, v, chunk_size);
   check(k, s.in, s.BH * s.L * s.Dk, "k");
   for (auto* x : {&v, &o}) check(*x, s.in, s.BH * s.L * s.Dv, "v / o");
-  for (auto* x : {&beta, &g}) check(*x, s.in, s.BH * s.L, "beta / g");
+  check(beta, s.in, s.BH * s.L, "beta");
+  check_decays(s, g, "g");
   check(S, s.state, s.BH * s.Dv * s.Dk, "S");
   dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
     using In = decltype(in);
     using T = at::opmath_type<In>;
-    forward_sequences<T>(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, q.data_ptr<In>(), k.data_ptr<In>(),
-                         v.data_ptr<In>(), beta.data_ptr<In>(), g.data_ptr<In>(), S.data_ptr<T>(), o.data_ptr<In>(),
-                         (T*)nullptr, (T*)nullptr, gemm);
+    with_decays<In, T>(g, [&](auto* g_p) {
+      forward_sequences<T>(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, q.data_ptr<In>(), k.data_ptr<In>(),
+                           v.data_ptr<In>(), beta.data_ptr<In>(), g_p, S.data_ptr<T>(), o.data_ptr<In>(), (T*)nullptr,
+                           (T*)nullptr, gemm);
+    });
   });
 }
 
 // Gradients of gated_forward. dS [BH, Dv, Dk]: the final state's gradient in, the initial state's out. The states
 // entering the chunks and U' are recomputed per sequence (one state per chunk, in a per-thread buffer). bfloat16
-// inputs and dout take a float32 s0 and dS and write bfloat16 gradients (each rounded once).
+// inputs and dout take a float32 s0 and dS and write bfloat16 gradients (each rounded once; dg of g's dtype).
 void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
               const at::Tensor& g, const at::Tensor& s0, int64_t chunk_size, const at::Tensor& dout,
               const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
@@ -2310,7 +2332,9 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   const Shapes s = shapes(q, v, chunk_size);
   for (auto* x : {&k, &dq, &dk}) check(*x, s.in, s.BH * s.L * s.Dk, "k / dq / dk");
   for (auto* x : {&v, &dout, &dv}) check(*x, s.in, s.BH * s.L * s.Dv, "v / dout / dv");
-  for (auto* x : {&beta, &g, &dbeta, &dg}) check(*x, s.in, s.BH * s.L, "beta / g / dbeta / dg");
+  for (auto* x : {&beta, &dbeta}) check(*x, s.in, s.BH * s.L, "beta / dbeta");
+  check_decays(s, g, "g");
+  check(dg, g.scalar_type(), s.BH * s.L, "dg");
   for (auto* x : {&s0, &dS}) check(*x, s.state, s.BH * s.Dv * s.Dk, "s0 / dS");
   backward_all(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, q, k, v, beta, g, s0, dout, dS, dq, dk, dv, dbeta, dg,
                products);
