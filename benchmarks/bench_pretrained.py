@@ -145,8 +145,8 @@ def measure_recurrence(name: str, dtype: torch.dtype, prefill: int, steps: int, 
         o, s = fn(*(t.transpose(1, 2) for t in (q, k, v, decay, beta)), initial_state=state, output_final_state=True)
         return o.transpose(1, 2), s  # Qwen3-Next's state [B, H, Dk, Dv]; ours [B, H, Dv, Dk]: only timed here
 
-    # the inputs made before each timer starts (their random draws had been timed with the rule until session 53:
-    # about two thirds of each prefill call, for ours and Qwen3-Next's alike)
+    # the inputs made before each timer starts (their random draws had been timed with the rule until session 53: about
+    # 60% of our prefill call and 20% of Qwen3-Next's, float32, in bench_pretrained_zen5.json before and after)
     rates = []
     for _ in range(2):
         x = inputs(prefill)
