@@ -307,14 +307,21 @@ def _bfloat16_io(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple
 def io_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...],
              acc: torch.dtype) -> torch.dtype:
     """The dtype in which the C++ chunk kernels (every rule) read q, k, v, the gates and the output gradient and write
-    o and the gradients: bfloat16 when q, k, v and the gates all are (widened chunk by chunk as they are read, each
-    output rounded once as it is written; the state and the sums float32), else `acc`."""
-    return torch.bfloat16 if _bfloat16_io(q, k, v, gates) else acc
+    o and the gradients: bfloat16 when q, k, v and the gates all are and `acc` is float32 (widened chunk by chunk as
+    they are read, each output rounded once as it is written; the state and the sums float32), else `acc` (a float64
+    initial state makes it float64: the kernels' bfloat16 path keeps a float32 state, and refused it before)."""
+    return torch.bfloat16 if _bfloat16_io(q, k, v, gates) and acc == torch.float32 else acc
 
 
 def _flat(x: Optional[torch.Tensor], acc: torch.dtype) -> Optional[torch.Tensor]:
     """``[B, H, T, *D]`` -> contiguous ``[B*H, T, *D]`` in `acc` (a view when it already is)."""
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(acc).contiguous()
+
+
+def _flat_products(flat: list) -> int:
+    """``cpu_products`` for the tensors the ops are handed (q, k, v, beta or None, in the dtype they run in)."""
+    q, k, v, beta = flat
+    return cpu_products(q, k, v, () if beta is None else (beta,))
 
 
 def _op_beta(gates: Tuple[torch.Tensor, ...]) -> Optional[torch.Tensor]:
@@ -362,7 +369,7 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
     io = io_dtype(q, k, v, gates, acc)
     state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
     flat = [_flat(x, io) for x in (q, k, v, _op_beta(gates))]
-    _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None, cpu_products(q, k, v, gates))
+    _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None, _flat_products(flat))
     return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
 
@@ -381,8 +388,7 @@ def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):
         dS.copy_(d_final.reshape(B * H, Dv, Dk))
     dq, dk, dv = torch.empty_like(flat[0]), torch.empty_like(flat[1]), torch.empty_like(flat[2])
     dbeta = None if beta is None else torch.empty_like(flat[3])
-    products = cpu_products(q, k, v, gates)
-    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta, products)
+    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta, _flat_products(flat))
     dq, dk, dv = (g.view(x.shape).to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
     dgates = () if beta is None else (dbeta.view(beta.shape).to(beta.dtype),)
     ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)

@@ -820,6 +820,22 @@ def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, 
     assert calls[1] == [[bf16] * 5 + [f32, bf16, f32] + [bf16] * 5]  # ..., s0, dout, dS, their gradients
 
 
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("T", [1, 40])
+def test_bfloat16_inputs_with_a_float64_state(rule, T):
+    """bfloat16 inputs with a float64 initial state run in float64 on the C++ kernels (the chunk loops, T = 40, and the
+    decode step, T = 1; their bfloat16 path keeps a float32 state and refused the float64 one): o in bfloat16, the
+    final state in float64, within the bfloat16 bound of the float64 step loop, gradients included."""
+    _cpp_kernel_or_skip()
+    inputs = make_inputs(rule, 1, 2, T, 16, 16, torch.bfloat16, seed=T)
+    inputs["initial_state"] = inputs["initial_state"].detach().double().requires_grad_()
+    if rule == "gated":  # as a bfloat16 model computes it: float32
+        inputs["g"] = inputs["g"].detach().float().requires_grad_()
+    got = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=16)
+    assert got["o"].dtype == torch.bfloat16 and got["final_state"].dtype == torch.float64
+    assert_close(got, reference(rule, inputs), TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 1, 150, 17, 40, 16)])
 def test_gated_bfloat16_with_float32_decays(threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
