@@ -84,13 +84,12 @@ cpu_kernel_available = _CPU_KERNEL.available
 
 
 def _products(flat) -> int:
-    """The C++ kernel's products for the tensors it is handed: the delta rule's choice (``chunk.cpu_products``), for
-    this rule runs the delta rule's chunk loops with its decays applied to their products. bfloat16 factors (AVX-512
-    BF16) for bfloat16 inputs since those loops carry the decays (before, this rule's own loops with bfloat16 factors
-    gained nothing over float32 ones, and it took float32 factors). g is no factor of a product: its dtype (bfloat16,
-    or float32 beside bfloat16 inputs: ``_io_dtypes``) does not choose."""
-    q, k, v, beta, _ = flat
-    return chunk.cpu_products(q, k, v, (beta,))
+    """The C++ kernel's products for the tensors it is handed: the delta rule's choice for its q, k, v, beta
+    (``chunk._flat_products``), for this rule runs the delta rule's chunk loops with its decays applied to their
+    products. bfloat16 factors (AVX-512 BF16) for bfloat16 inputs since those loops carry the decays (before, this
+    rule's own loops with bfloat16 factors gained nothing over float32 ones, and it took float32 factors). g is no
+    factor of a product: its dtype (bfloat16, or float32 beside bfloat16 inputs: ``_io_dtypes``) does not choose."""
+    return chunk._flat_products(flat[:4])
 
 
 def _io_dtypes(q, k, v, gates, acc: torch.dtype) -> Tuple[torch.dtype, torch.dtype]:
