@@ -780,44 +780,51 @@ def test_gated_delta_rule_with_zero_gate_is_the_delta_rule(dtype, mode):
         assert torch.equal(gated[name], delta[name]), name
 
 
+@pytest.mark.parametrize("g_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 2, 53, 17, 19, 16)])
-def test_gated_bfloat16_widens_and_rounds(threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
-    """The C++ gated kernel takes bfloat16 q, k, v, beta, g (and dout) as they are and writes bfloat16 o and
-    gradients: exactly its forward and backward of the widened inputs, each output rounded once, with float32 factors
-    and with bfloat16 ones (ragged last chunks, odd Dk and Dv); the public function hands it bfloat16, returns
-    bfloat16, and stays within the bfloat16 bound of the float64 step loop with the products it picks (bfloat16
-    factors where the build has AVX-512 BF16)."""
+@pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 2, 53, 17, 19, 16),
+                                                    (1, 1, 150, 17, 40, 16)])
+def test_gated_bfloat16_widens_and_rounds(g_dtype, threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
+    """The C++ gated kernel takes bfloat16 q, k, v, beta (and dout) as they are, with g in bfloat16 or in float32 (as a
+    bfloat16 model computes its log-decays: GatedDeltaNetLayer.log_decay), and writes bfloat16 o and gradients, dg in
+    g's dtype: exactly its forward and backward of the widened inputs, each output rounded once, with every product
+    kind (ragged last chunks, odd Dk and Dv; B*H = 1 at 2 threads: value blocks); the public function hands them as
+    they are (no float32 copies), returns bfloat16, and stays within the bfloat16 bound of the float64 step loop with
+    the products it picks (bfloat16 factors where the build has AVX-512 BF16)."""
     from fwp_kernels import chunk
 
     _cpp_kernel_or_skip()
-    inputs = {n: x.detach() for n, x in make_inputs("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T).items()}
-    flat = [x.reshape(B * H, T, -1).squeeze(-1) for x in positional("gated", inputs)]  # q, k, v, beta, g
-    s0 = inputs["initial_state"].float().reshape(B * H, Dv, Dk)
+    inputs = make_inputs("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T)
+    inputs["g"] = inputs["g"].detach().to(g_dtype).requires_grad_()
+    flat = [x.detach().reshape(B * H, T, -1).squeeze(-1) for x in positional("gated", inputs)]  # q, k, v, beta, g
+    s0 = inputs["initial_state"].detach().float().reshape(B * H, Dv, Dk)
     do = torch.randn(B * H, T, Dv, generator=torch.Generator().manual_seed(1)).bfloat16()
     d_final = torch.randn(B * H, Dv, Dk, generator=torch.Generator().manual_seed(2))
-    ops, gates = chunk._CPU_KERNEL.ops, tuple(flat[3:])
-    kinds = {chunk.cpu_products(*flat[:3], gates), chunk.cpu_products(*flat[:3], gates, bfloat16_factors=False)}
+    ops = chunk._CPU_KERNEL.ops
 
     def forward_and_backward(dtype, products):
-        x = [t.to(dtype) for t in flat]
+        x = [t.to(dtype) for t in flat[:4]] + [flat[4].to(torch.promote_types(dtype, g_dtype))]
         S, o = s0.clone(), torch.empty_like(x[2])
         dS, grads = d_final.clone(), [torch.empty_like(t) for t in x]
         _with_threads(threads, lambda: ops.gated_forward(*x, S, chunk_size, o, products))
         _with_threads(threads, lambda: ops.gated_backward(*x, s0, chunk_size, do.to(dtype), dS, *grads, products))
         return [o, S, dS, *grads]
 
-    for products in kinds:
-        got, widened = forward_and_backward(torch.bfloat16, products), forward_and_backward(torch.float32, products)
+    bf16, f32 = torch.bfloat16, torch.float32
+    for products in sorted(chunk.cpu_product_kinds()):
+        got, widened = forward_and_backward(bf16, products), forward_and_backward(f32, products)
         for a, b in zip(got, widened):
             assert torch.equal(a, b.to(a.dtype)), products
-        assert [t.dtype for t in got] == [torch.bfloat16] + [torch.float32] * 2 + [torch.bfloat16] * 5
+        assert [t.dtype for t in got] == [bf16] + [f32] * 2 + [bf16] * 4 + [g_dtype]
     calls = [_spy_op_dtypes(monkeypatch, op) for op in ("gated_forward", "gated_backward")]
-    inputs, ref = case("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T)
-    assert_close(outputs_and_grads("gated", inputs, mode="chunk", chunk_size=chunk_size), ref, TOL[torch.bfloat16])
-    bf16, f32 = torch.bfloat16, torch.float32
-    assert calls[0] == [[bf16] * 5 + [f32, bf16]]  # q, k, v, beta, g, S, o
-    assert calls[1] == [[bf16] * 5 + [f32, bf16, f32] + [bf16] * 5]  # ..., s0, dout, dS, their gradients
+    chosen = _spy_products(monkeypatch)
+    got = _with_threads(threads, lambda: outputs_and_grads("gated", inputs, mode="chunk", chunk_size=chunk_size))
+    assert_close(got, reference("gated", inputs), TOL[bf16])
+    assert got["o"].dtype == bf16 and got["dg"].dtype == g_dtype
+    assert calls[0] == [[bf16] * 4 + [g_dtype, f32, bf16]]  # q, k, v, beta, g, S, o
+    assert calls[1] == [[bf16] * 4 + [g_dtype, f32, bf16, f32] + [bf16] * 4 + [g_dtype]]  # ..., s0, dout, dS, grads
+    if chunk.BFLOAT16_PRODUCTS in chunk.cpu_product_kinds():
+        assert set(chosen) == {chunk.BFLOAT16_PRODUCTS}
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -834,52 +841,6 @@ def test_bfloat16_inputs_with_a_float64_state(rule, T):
     got = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=16)
     assert got["o"].dtype == torch.bfloat16 and got["final_state"].dtype == torch.float64
     assert_close(got, reference(rule, inputs), TOL[torch.bfloat16])
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 1, 150, 17, 40, 16)])
-def test_gated_bfloat16_with_float32_decays(threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
-    """A bfloat16 model computes its log-decays g in float32 (GatedDeltaNetLayer.log_decay): the C++ gated ops take
-    bfloat16 q, k, v, beta (and dout) as they are beside float32 g and write a float32 dg, exactly the ops on the
-    widened q, k, v, beta with the same g (every product kind; B*H = 1 at 2 threads: value blocks); the public function
-    hands them so (no float32 copies), picks bfloat16 factors where built, and stays within the bfloat16 bound of the
-    float64 step loop."""
-    from fwp_kernels import chunk
-
-    _cpp_kernel_or_skip()
-    inputs = {n: x.detach() for n, x in make_inputs("gated", B, H, T, Dk, Dv, torch.bfloat16, seed=T).items()}
-    flat = [x.reshape(B * H, T, -1).squeeze(-1) for x in positional("gated", inputs)]  # q, k, v, beta, g
-    g32 = F.logsigmoid(torch.randn(B * H, T, generator=torch.Generator().manual_seed(3)) + 2)
-    s0 = inputs["initial_state"].float().reshape(B * H, Dv, Dk)
-    do = torch.randn(B * H, T, Dv, generator=torch.Generator().manual_seed(1)).bfloat16()
-    d_final = torch.randn(B * H, Dv, Dk, generator=torch.Generator().manual_seed(2))
-    ops = chunk._CPU_KERNEL.ops
-
-    def forward_and_backward(dtype, products):
-        x = [t.to(dtype) for t in flat[:4]] + [g32]
-        S, o = s0.clone(), torch.empty_like(x[2])
-        dS, grads = d_final.clone(), [torch.empty_like(t) for t in x]
-        _with_threads(threads, lambda: ops.gated_forward(*x, S, chunk_size, o, products))
-        _with_threads(threads, lambda: ops.gated_backward(*x, s0, chunk_size, do.to(dtype), dS, *grads, products))
-        return [o, S, dS, *grads]
-
-    for products in sorted(chunk.cpu_product_kinds()):
-        got, widened = forward_and_backward(torch.bfloat16, products), forward_and_backward(torch.float32, products)
-        for a, b in zip(got, widened):
-            assert torch.equal(a, b.to(a.dtype)), products
-        assert [t.dtype for t in got] == [torch.bfloat16] + [torch.float32] * 2 + [torch.bfloat16] * 4 + [torch.float32]
-    calls = [_spy_op_dtypes(monkeypatch, op) for op in ("gated_forward", "gated_backward")]
-    chosen = _spy_products(monkeypatch)
-    inputs["g"] = g32.reshape(B, H, T).requires_grad_()
-    inputs = {n: x.requires_grad_() if x.is_floating_point() else x for n, x in inputs.items()}
-    got = _with_threads(threads, lambda: outputs_and_grads("gated", inputs, mode="chunk", chunk_size=chunk_size))
-    assert_close(got, reference("gated", inputs), TOL[torch.bfloat16])
-    bf16, f32 = torch.bfloat16, torch.float32
-    assert calls[0] == [[bf16] * 4 + [f32, f32, bf16]]  # q, k, v, beta, g, S, o
-    assert calls[1] == [[bf16] * 4 + [f32, f32, bf16, f32] + [bf16] * 4 + [f32]]  # ..., s0, dout, dS, the gradients
-    assert got["dg"].dtype == f32 and got["o"].dtype == bf16
-    if chunk.BFLOAT16_PRODUCTS in chunk.cpu_product_kinds():
-        assert set(chosen) == {chunk.BFLOAT16_PRODUCTS}
 
 
 @pytest.mark.parametrize("qk_l2norm", [False, True])
