@@ -43,18 +43,39 @@ A Delta Net / Gated DeltaNet layer's whole decode step between its projections i
                            conv_weights, conv_states, feature_map, sum_normalization, value_silu, l2_eps,
                            query_scale, norm_weight, norm_eps, gate, gate_activation)  # -> (out, state, conv states)
 """
-from .delta_rule_kernels import delta_rule
-from .dense import (
-    cpu_ops_apply, dense_linear, dense_linears, linear_cross_entropy_input_gradient, normalize_rows,
-    reusing_cpu_buffers, short_conv, short_conv_step,
-)
-from .dispatch import MODES
-from .fast_rnn_scan_kernels import fast_rnn_scan
-from .gated_delta_rule_kernels import gated_delta_rule
-from .linear_attention_kernels import linear_attention
-from .recurrent_delta_rule_kernels import recurrent_delta_rule
-from .rfwp_scan import ScanState
-from .token_step import TOKEN_STEP_FEATURE_MAPS, fast_weight_token_step, token_step_applies
+import importlib
+import sys
+
+
+def _installed_package():
+    """The package ``fwp_kernels`` when this folder is being imported under another name, else None. Where the
+    repository's root is on ``sys.path`` the folder is also a top-level ``kernels``, and transformers' probe for the
+    Hub's ``kernels`` library imports any top-level ``kernels`` (``is_kernels_available``): as ``kernels`` it becomes
+    the same module object as ``fwp_kernels``, so that its modules, C++ builds and torch ops exist once per process."""
+    if __name__ == "fwp_kernels":
+        return None
+    try:
+        return importlib.import_module("fwp_kernels")
+    except ImportError:  # not installed: this folder is the package, under the name it was imported by
+        return None
+
+
+_PACKAGE = _installed_package()
+if _PACKAGE is not None:
+    sys.modules[__name__] = _PACKAGE
+else:
+    from .delta_rule_kernels import delta_rule
+    from .dense import (
+        cpu_ops_apply, dense_linear, dense_linears, linear_cross_entropy_input_gradient, normalize_rows,
+        reusing_cpu_buffers, short_conv, short_conv_step,
+    )
+    from .dispatch import MODES
+    from .fast_rnn_scan_kernels import fast_rnn_scan
+    from .gated_delta_rule_kernels import gated_delta_rule
+    from .linear_attention_kernels import linear_attention
+    from .recurrent_delta_rule_kernels import recurrent_delta_rule
+    from .rfwp_scan import ScanState
+    from .token_step import TOKEN_STEP_FEATURE_MAPS, fast_weight_token_step, token_step_applies
 
 __all__ = [
     "delta_rule",

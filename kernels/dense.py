@@ -101,10 +101,9 @@ def _define_onednn_linear() -> Callable:
     and its own lowering of F.linear runs MKL's AVX2 sgemm on AMD CPUs (a float32 prefill 2x slower). Eager code calls
     oneDNN's op directly: eager prefills through this op crashed the process now and then (segmentation faults inside
     the op's call in 1-4 of 20 fresh processes at times on 2026-11-29, torch 2.13; none in the same hour with the
-    direct call; the cause is not pinned down). Defined once per process: this file may be imported twice, as
-    ``fwp_kernels.dense`` and as ``kernels.dense`` (transformers' probe for the Hub's ``kernels`` library imports any
-    top-level ``kernels``: this repository's folder where its root is on ``sys.path``), and a second ``custom_op`` of
-    the name replaces the first's registration."""
+    direct call; the cause is not pinned down). Defined once per process, should this file run twice (a reload, or
+    the package's folder imported under a second name where ``fwp_kernels`` is not installed: ``__init__.py``): a
+    second ``custom_op`` of the name would replace the first's registration."""
     if not hasattr(torch.ops.fwp_kernels, "onednn_linear"):
         op = torch.library.custom_op("fwp_kernels::onednn_linear", _onednn_linear, mutates_args=())
         op.register_fake(lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))

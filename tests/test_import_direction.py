@@ -113,3 +113,28 @@ def test_training_installs_as_fwp_training_with_console_scripts():
     assert ({"fwp-train-lm", "fwp-finetune-fwl", "fwp-eval-lm", "fwp-demo", "fwp-train-transfo-xl"}
             <= set(report["scripts"]))
     assert all(report["scripts"].values()), report["scripts"]
+
+
+# From the repository's root, where this folder is also a top-level ``kernels``: transformers' probe for the Hub's
+# ``kernels`` library imports it (before fwp_kernels, or after), and a model loads.
+PROBE_KERNELS = r"""
+import sys
+from transformers.utils.import_utils import is_kernels_available
+probe_first = sys.argv[1] == "probe_first"
+if probe_first:
+    available = is_kernels_available()
+import fwp_kernels, modeling_fwp
+from transformers import AutoConfig
+if not probe_first:
+    available = is_kernels_available()
+print(available, sys.modules["kernels"] is fwp_kernels, sorted(m for m in sys.modules if m.startswith("kernels.")))
+"""
+
+
+@pytest.mark.parametrize("order", ["probe_first", "probe_after"])
+def test_kernels_folder_probed_by_transformers_is_the_installed_package(order):
+    out = subprocess.run([sys.executable, "-c", PROBE_KERNELS, order], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    # one module object under both names: no second copy of the kernels' modules, C++ builds and torch ops; and
+    # transformers does not take this folder for the Hub's library
+    assert out == ["False", "True", "[]"]
