@@ -111,7 +111,8 @@ class Source:
         commit = (self.get("run.git_commit") or "")[:7] + (" + local changes" if self.get("run.git_dirty") else "")
         threads = f"{machine['torch_threads']} torch thread(s) on " if machine.get("torch_threads") else ""
         flags = machine.get("cpu_flags")  # recorded since session 35
-        cpu = f"{machine['cpu_model']}" + (f", {' '.join(flags) or 'no AVX2'}" if flags is not None else "")
+        generation = f" {machine['cpu_generation']}" if machine.get("cpu_generation") else ""  # since session 54
+        cpu = f"{machine['cpu_model']}{generation}" + (f", {' '.join(flags) or 'no AVX2'}" if flags is not None else "")
         return (f"`{self.path}`: {versions}; {threads}{machine['cpus']} CPUs ({cpu}); "
                 f"commit {commit or NA}; {self.get('run.started')}")
 

@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -153,6 +154,8 @@ def test_run_record_written_with_results(tmp_path):
                                 "load_average_start", "load_average_end"}
     assert data["run"]["versions"]["python"] and data["run"]["machine"]["cpus"] == os.cpu_count()
     flags = data["run"]["machine"]["cpu_flags"]
+    generation = data["run"]["machine"]["cpu_generation"]
+    assert generation is None or re.fullmatch(r"family \d+ model \d+", generation), generation
     assert flags is None or set(flags) <= set(result_file.CPU_VECTOR_FLAGS)
     source = results_table.Source(tmp_path, "sub/x.json")
     data["run"]["machine"]["cpu_flags"] = ["avx2", "avx512f"]  # the provenance line says which kernels could run
@@ -160,7 +163,9 @@ def test_run_record_written_with_results(tmp_path):
     assert "avx2 avx512f); commit" in source.versions()
     data["run"]["machine"]["cpu_flags"] = []
     assert "no AVX2); commit" in source.versions()
-    del data["run"]["machine"]["cpu_flags"]  # a file written before the flags were recorded: nothing added
+    data["run"]["machine"]["cpu_generation"] = "family 25 model 17"  # Zen 4 and Zen 5 VMs share the model name
+    assert f"({data['run']['machine']['cpu_model']} family 25 model 17, no AVX2); commit" in source.versions()
+    del data["run"]["machine"]["cpu_flags"], data["run"]["machine"]["cpu_generation"]  # an older file: nothing added
     assert f"({data['run']['machine']['cpu_model']}); commit" in source.versions()
     assert (tmp_path / "copy.json").read_text() == path.read_text()
     with pytest.raises(ValueError, match="run"):

@@ -7,7 +7,8 @@ with a ``"run"`` record:
 - ``command``: the command line as run, relative to the repository root, with the thread / kernel environment
   variables that were set (``OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py --threads 1``);
 - ``versions``: python, torch, transformers, numpy (read from the installed distributions at run time);
-- ``machine``: platform, CPU model and vector extensions (``/proc/cpuinfo``), CPU count, torch intra-op threads;
+- ``machine``: platform, CPU model, family and vector extensions (``/proc/cpuinfo``), CPU count, torch intra-op
+  threads;
 - ``git_commit`` (and whether tracked files differed from it), ``started`` / ``finished`` (UTC), ``wall_s``;
 - ``load_average_start`` / ``load_average_end``: ``os.getloadavg()`` (1, 5, 15 minutes) before and after.
 
@@ -76,7 +77,8 @@ def cpuinfo_field(name: str) -> Optional[str]:
     such file)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(name)), "")
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if ":" in line and line.split(":", 1)[0].strip() == name), "")
     except OSError:
         return None
 
@@ -84,6 +86,14 @@ def cpuinfo_field(name: str) -> Optional[str]:
 def cpu_model() -> Optional[str]:
     """The ``model name`` line of /proc/cpuinfo (None where there is none)."""
     return cpuinfo_field("model name") or None
+
+
+def cpu_generation() -> Optional[str]:
+    """``"family F model M"`` from /proc/cpuinfo (None where it has neither): a VM's ``model name`` can be the same
+    for two generations (``AMD EPYC`` for Zen 4, family 25, and Zen 5, family 26), whose vector units differ (Zen 4
+    executes a 512-bit instruction as two 256-bit halves)."""
+    family, model = cpuinfo_field("cpu family"), cpuinfo_field("model")
+    return f"family {family} model {model}" if family and model else None
 
 
 # CPU features that change which kernels run (oneDNN's AVX-512 and bf16 paths, AMX): a ratio measured with them is
@@ -99,13 +109,14 @@ def cpu_vector_flags() -> Optional[List[str]]:
 
 
 def machine() -> Dict[str, Any]:
-    """Platform, CPU model and vector extensions, CPU count and (when torch is imported) torch's intra-op thread
+    """Platform, CPU model, family and vector extensions, CPU count and (when torch is imported) torch's intra-op thread
     count."""
     torch = sys.modules.get("torch")
     return {
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
         "cpu_flags": cpu_vector_flags(),
+        "cpu_generation": cpu_generation(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads() if torch is not None else None,
     }
