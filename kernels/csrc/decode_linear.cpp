@@ -68,14 +68,15 @@ inline float dot_portable(int64_t K, const W* w, const float* x) {
 
 // Each row is streamed on its own with four vector sums in flight: one memory stream per core, which the hardware
 // prefetcher follows best (four rows side by side reached 70% of x.sum()'s read bandwidth on one thread here; one
-// row, 90%: measured 2026-11-26, bfloat16 14.4 -> 24.5 GB/s). float32 also prefetches 2 KB ahead (73-76% -> 80-85% of
-// x.sum() on one thread, noisy).
+// row, 90%: measured 2026-11-26, bfloat16 14.4 -> 24.5 GB/s). No software prefetch: float32 prefetched W 2 KB ahead
+// from 2026-11-26 (then 73-76% -> 80-85% of x.sum() on one thread, noisy), but on the Zen 4 EPYC of 2026-11-29 it
+// cost 10-15% at one thread (8 weights 5632 x 2048, GB/s, median of 9-15 shuffled rounds, side by side: 21.6 / 21.0
+// / 20.5 with it, 25.3 / 23.8 / 22.8 without; 1 KB, 4 KB and 8 KB ahead or NTA between the two), 0-12% at two.
 #if defined(__AVX512F__)
 inline float dot_avx512(int64_t K, const float* w, const float* x) {
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 64 <= K; j += 64) {
-    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(w + j + 512 + 16 * l), _MM_HINT_T0);
     s0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), s0);
     s1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(x + j + 16), s1);
     s2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 32), _mm512_loadu_ps(x + j + 32), s2);
