@@ -667,6 +667,8 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen5_short_conv.json", decode_rows),
     ("benchmarks/results/bench_decode_zen5_session51.json", decode_rows),
     ("benchmarks/results/bench_cpu_zen5.json", cpu_limit_rows),
+    ("benchmarks/results/bench_cpu_zen4.json", cpu_limit_rows),
+    ("benchmarks/results/bench_decode_zen4.json", decode_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),
