@@ -116,7 +116,7 @@ def test_training_installs_as_fwp_training_with_console_scripts():
 
 
 # From the repository's root, where this folder is also a top-level ``kernels``: transformers' probe for the Hub's
-# ``kernels`` library imports it (before fwp_kernels, or after), and a model loads.
+# ``kernels`` library imports it (before fwp_kernels and modeling_fwp are imported, or after).
 PROBE_KERNELS = r"""
 import sys
 from transformers.utils.import_utils import is_kernels_available
