@@ -708,6 +708,29 @@ def test_decode_step_matches_step_loop(rule, threads, dtype, state):
 
 
 @pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("state", [True, False])
+def test_large_decode_states_written_around_the_caches(rule, threads, state):
+    """A decode step whose new states take 1 MB or more (csrc's kStreamStateBytes: B2 H8 D128 float32) writes them
+    with non-temporal stores: output and states bit for bit those of the same step one sequence at a time (512 KB,
+    written as usual), and the float64 step loop's within float32 rounding."""
+    from fwp_kernels import chunk
+
+    if not chunk.cpu_kernel_available():
+        pytest.skip("the C++ chunk kernel is not built")
+    made = make_inputs(rule, 2, 8, 1, 128, 128, torch.float32, seed=11, state=state)
+    inputs = {n: None if x is None else x.detach() for n, x in made.items()}
+    with torch.no_grad():
+        o, final = _with_threads(threads, lambda: run(rule, inputs, mode="auto"))
+        alone = [run(rule, {n: None if x is None else x[b:b + 1] for n, x in inputs.items()}, mode="auto")
+                 for b in range(2)]
+    assert torch.equal(o, torch.cat([a[0] for a in alone])) and torch.equal(final, torch.cat([a[1] for a in alone]))
+    ref = reference(rule, inputs)
+    assert_close({"o": o, "final_state": final}, {"o": ref["o"], "final_state": ref["final_state"]},
+                 TOL[torch.float32])
+
+
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_untracked_decode_step_skips_the_autograd_function(rule, dtype):
     """T = 1 outside autograd (a decode step of generate) goes to the one-pass kernel without the autograd Function

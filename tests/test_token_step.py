@@ -185,3 +185,21 @@ def test_a_traced_decode_step_keeps_the_token_step():
     torch._dynamo.reset()
     assert torch.equal(traced, eager)
     assert sum("token_step" in t for t in targets) == SIZES["num_hidden_layers"], targets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_step_with_large_states_equals_one_sequence_at_a_time(dtype):
+    """New states of 1 MB or more (B2 H8 D128) are written with non-temporal stores (csrc's kStreamStateBytes):
+    output and states bit for bit those of each sequence's own call (512 KB each, written as usual)."""
+    _kernel()
+    gen = torch.Generator().manual_seed(3)
+    B, H, D = 2, 8, 128
+    q, k, v = (torch.randn(B, H * D, generator=gen).to(dtype) for _ in range(3))
+    beta_logits = torch.randn(B, H, generator=gen).to(dtype)
+    state = 0.1 * torch.randn(B, H, D, D, generator=gen)
+    options = dict(beta_logits=beta_logits, state=state, l2_eps=1e-6, feature_map="silu")
+    out, new_state, _ = fast_weight_layers.fast_weight_token_step(q, k, v, H, H, **options)
+    for b in range(B):
+        one = dict(options, beta_logits=beta_logits[b:b + 1], state=state[b:b + 1])
+        out_b, state_b, _ = fast_weight_layers.fast_weight_token_step(q[b:b + 1], k[b:b + 1], v[b:b + 1], H, H, **one)
+        assert torch.equal(out[b:b + 1], out_b) and torch.equal(new_state[b:b + 1], state_b)
