@@ -1902,8 +1902,8 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 constexpr int64_t kStreamStateBytes = int64_t(1) << 20;
 
 // out [n] = a x + d k (x: a row of the state or nullptr for zeros; k: the key), with non-temporal stores when `stream`
-// (AVX-512 builds, float32, n a multiple of 16 and `out` 64-byte aligned; the same rounding as the loop: d k rounded,
-// then one fused multiply-add).
+// (AVX-512 builds, float32, n a multiple of 16 and `out` 64-byte aligned). Both paths round alike: d k rounded, then
+// one fused multiply-add (what GCC had contracted the loop's a x + d k to; spelled out, so that no compiler differs).
 template <typename T>
 inline void scaled_row_plus(int64_t n, T a, const T* x, T d, const T* k, T* out, bool stream) {
 #ifdef FWP_VECTOR_PRODUCTS
@@ -1920,7 +1920,7 @@ inline void scaled_row_plus(int64_t n, T a, const T* x, T d, const T* k, T* out,
 #endif
   if (x != nullptr) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) out[j] = a * x[j] + d * k[j];
+    for (int64_t j = 0; j < n; ++j) out[j] = std::fma(a, x[j], d * k[j]);
   } else {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) out[j] = d * k[j];
