@@ -2320,9 +2320,10 @@ void check(const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char*
               " elements");
 }
 
-struct Shapes {
-  int64_t BH, L, Dk, Dv, C, N;
-  at::ScalarType in, state;  // of q, k, v, the gates, o and the gradients; of the states (float32 for bfloat16 q)
+// chunk_shapes' sizes and the dtypes of q, k, v, the gates, o and the gradients (in) and of the states (float32 for
+// bfloat16 q)
+struct Shapes : ChunkShapes {
+  at::ScalarType in, state;
 };
 
 // g (and dg) [BH, L]: of q's dtype, or float32 beside bfloat16 q (a bfloat16 model's log-decays, computed in float32)
@@ -2330,14 +2331,8 @@ void check_decays(const Shapes& s, const at::Tensor& g, const char* name) {
   check(g, g.scalar_type() == s.state ? s.state : s.in, s.BH * s.L, name);
 }
 
-Shapes shapes(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size) {
-  TORCH_CHECK(q.dim() == 3 && v.dim() == 3 && chunk_size >= 1, "fwp_chunk.gated: q, v must be [BH, L, D]");
-  const int64_t BH = q.size(0), L = q.size(1), Dk = q.size(2), Dv = v.size(2);
-  const int64_t C = std::min(chunk_size, std::max<int64_t>(L, 1));
-  TORCH_CHECK(std::max({L * std::max(Dk, Dv), C * C, Dv * Dk}) < std::numeric_limits<int>::max(),
-              "fwp_chunk.gated: sizes exceed the 32-bit BLAS interface");
-  const at::ScalarType in = q.scalar_type(), state = at::toOpMathType(in);
-  return {BH, L, Dk, Dv, C, (L + C - 1) / C, in, state};
+Shapes shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t chunk_size) {
+  return {chunk_shapes(q, k, v, chunk_size), q.scalar_type(), at::toOpMathType(q.scalar_type())};
 }
 
 // q, k [BH, L, Dk], v [BH, L, Dv], beta, g [BH, L]; S [BH, Dv, Dk]: initial state in, final state out; o [BH, L, Dv].
@@ -2345,7 +2340,7 @@ Shapes shapes(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size) {
 // rounded as written.
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
              const at::Tensor& g, const at::Tensor& S, int64_t chunk_size, const at::Tensor& o, int64_t products) {
-  const Shapes s = shapes(q, v, chunk_size);
+  const Shapes s = shapes(q, k, v, chunk_size);
   check(k, s.in, s.BH * s.L * s.Dk, "k");
   for (auto* x : {&v, &o}) check(*x, s.in, s.BH * s.L * s.Dv, "v / o");
   check(beta, s.in, s.BH * s.L, "beta");
@@ -2355,9 +2350,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     using In = decltype(in);
     using T = at::opmath_type<In>;
     with_decays<In, T>(g, [&](auto* g_p) {
-      forward_sequences<T>(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, q.data_ptr<In>(), k.data_ptr<In>(),
-                           v.data_ptr<In>(), beta.data_ptr<In>(), g_p, S.data_ptr<T>(), o.data_ptr<In>(), (T*)nullptr,
-                           (T*)nullptr, gemm);
+      forward_sequences<T>(s, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), beta.data_ptr<In>(), g_p,
+                           S.data_ptr<T>(), o.data_ptr<In>(), (T*)nullptr, (T*)nullptr, gemm);
     });
   });
 }
@@ -2369,15 +2363,14 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const at::Tensor& g, const at::Tensor& s0, int64_t chunk_size, const at::Tensor& dout,
               const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
               const at::Tensor& dbeta, const at::Tensor& dg, int64_t products) {
-  const Shapes s = shapes(q, v, chunk_size);
+  const Shapes s = shapes(q, k, v, chunk_size);
   for (auto* x : {&k, &dq, &dk}) check(*x, s.in, s.BH * s.L * s.Dk, "k / dq / dk");
   for (auto* x : {&v, &dout, &dv}) check(*x, s.in, s.BH * s.L * s.Dv, "v / dout / dv");
   for (auto* x : {&beta, &dbeta}) check(*x, s.in, s.BH * s.L, "beta / dbeta");
   check_decays(s, g, "g");
   check(dg, g.scalar_type(), s.BH * s.L, "dg");
   for (auto* x : {&s0, &dS}) check(*x, s.state, s.BH * s.Dv * s.Dk, "s0 / dS");
-  backward_all(ChunkShapes{s.BH, s.L, s.Dk, s.Dv, s.C, s.N}, q, k, v, beta, g, s0, dout, dS, dq, dk, dv, dbeta, dg,
-               products);
+  backward_all(s, q, k, v, beta, g, s0, dout, dS, dq, dk, dv, dbeta, dg, products);
 }
 
 }  // namespace gated
