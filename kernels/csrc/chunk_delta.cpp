@@ -108,6 +108,59 @@ inline T dot(int64_t n, const T* x, const T* y) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Cache lines a chunk loop asks for ahead of their use (RowsAhead, with the vector products), issued a few at a time,
+// before each tile of those products, rather than a chunk's rows at once: a burst of 64-256 lines fills the core's
+// miss buffers, and the prefetch that finds none free holds the loop until one drains (by `perf`, B1 H8 T4096 D64,
+// float32, 1 thread: 16% of the forward's time on the instructions after its prefetches). 16 lines per tile reach
+// every line of a chunk in time at D = 64-128, C = 16-64 (a chunk's rows are 12-16 lines per tile at D = 64); fewer
+// fell behind and bunched again (12 per tile: the forward at C = 32 5% slower than with bursts), more per tile stall
+// again (20: 3% slower than 16 at C = 16, 32: 8%; by hand, side by side in one process). What a chunk asked for and
+// no tile issued goes at once when the next chunk begins (issue_all); what is left when the loop ends is dropped
+// (clear). One per thread.
+class PacedLines {
+ public:
+  static constexpr int64_t kPerTile = 16;
+  void add(const void* start, int64_t bytes, bool write) {
+    if (bytes <= 0) return;
+    if (count_ == kRanges) issue(lines_of(ranges_[first_]));  // (not reached: a chunk asks for 10 ranges at most)
+    ranges_[(first_ + count_++) % kRanges] = {static_cast<const char*>(start), static_cast<const char*>(start) + bytes,
+                                              write};
+  }
+  // issues up to `lines` of the oldest ranges
+  void issue(int64_t lines) {
+    while (count_ > 0 && lines > 0) {
+      Range& r = ranges_[first_];
+      for (; r.at < r.end && lines > 0; r.at += 64, --lines) {
+        if (r.write) {
+          __builtin_prefetch(r.at, 1);
+        } else {
+          __builtin_prefetch(r.at, 0);
+        }
+      }
+      if (r.at >= r.end) first_ = (first_ + 1) % kRanges, --count_;
+    }
+  }
+  void issue_all() {
+    while (count_ > 0) issue(lines_of(ranges_[first_]));
+  }
+  void clear() { count_ = 0; }
+
+ private:
+  struct Range {
+    const char* at = nullptr;
+    const char* end = nullptr;
+    bool write = false;
+  };
+  static int64_t lines_of(const Range& r) { return (r.end - r.at + 63) / 64; }
+  static constexpr int kRanges = 16;
+  Range ranges_[kRanges] = {};
+  int first_ = 0, count_ = 0;
+};
+inline PacedLines& paced_lines() {
+  thread_local PacedLines lines;
+  return lines;
+}
+
 #if defined(__AVX512F__)
 #define FWP_VECTOR_PRODUCTS 1
 #include <immintrin.h>
@@ -219,12 +272,14 @@ inline void tile_rows(int rows, int64_t steps, const typename F::Element* A, int
 template <typename F, int NV, bool kPairs>
 void tiles(int64_t m, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
            const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta,
-           __mmask16 lanes, uint16_t* pairs, int64_t pairs_ld) {
+           __mmask16 lanes, uint16_t* pairs, int64_t pairs_ld, PacedLines& lines) {
   constexpr int MR = NV >= 3 ? 6 : 8;
   int64_t i = 0;
-  for (; i + MR <= m; i += MR)
+  for (; i + MR <= m; i += MR) {
+    lines.issue(PacedLines::kPerTile);
     tile<F, MR, NV, kPairs>(steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, beta, lanes,
                             pairs + i / 2 * pairs_ld, pairs_ld);
+  }
   if (i < m)
     tile_rows<F, NV, kPairs>(int(m - i), steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc,
                              beta, lanes, pairs + i / 2 * pairs_ld, pairs_ld);
@@ -234,17 +289,17 @@ void tiles(int64_t m, int64_t steps, const typename F::Element* A, int64_t a_row
 template <typename F, bool kPairs>
 void column_block(int64_t m, int64_t w, int64_t steps, const typename F::Element* A, int64_t a_row, int64_t a_step,
                   const typename F::Element* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta,
-                  uint16_t* pairs, int64_t pairs_ld) {
+                  uint16_t* pairs, int64_t pairs_ld, PacedLines& lines) {
   const __mmask16 lanes = first_lanes(w - 16 * ((w - 1) / 16));
   switch ((w + 15) / 16) {
     case 4: return tiles<F, 4, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes, pairs,
-                                       pairs_ld);
+                                       pairs_ld, lines);
     case 3: return tiles<F, 3, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes, pairs,
-                                       pairs_ld);
+                                       pairs_ld, lines);
     case 2: return tiles<F, 2, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes, pairs,
-                                       pairs_ld);
+                                       pairs_ld, lines);
     default: return tiles<F, 1, kPairs>(m, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lanes,
-                                        pairs, pairs_ld);
+                                        pairs, pairs_ld, lines);
   }
 }
 
@@ -257,14 +312,15 @@ __attribute__((noinline)) void vector_gemm(int64_t m, int64_t n, int64_t steps, 
                                            int64_t a_row, int64_t a_step, const typename F::Element* B, int64_t b_step,
                                            float alpha, float* C, int64_t ldc, float beta, uint16_t* pairs = nullptr,
                                            int64_t pairs_ld = 0) {
+  PacedLines& lines = paced_lines();  // (a thread_local of a loaded library: a call of __tls_get_addr each time)
   for (int64_t j = 0; j < n; j += 64) {
     const int64_t w = std::min<int64_t>(64, n - j);
     const typename F::Element* Bj = B + F::kPerStep * j;
     if (pairs != nullptr) {
       column_block<F, true>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, beta, pairs + 2 * j,
-                            pairs_ld);
+                            pairs_ld, lines);
     } else {
-      column_block<F, false>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, beta, nullptr, 0);
+      column_block<F, false>(m, w, steps, A, a_row, a_step, Bj, b_step, alpha, C + j, ldc, beta, nullptr, 0, lines);
     }
   }
 }
@@ -771,26 +827,49 @@ inline void prefetch(const E* x, int64_t n) {
   for (int64_t b = 0; b < n * int64_t(sizeof(E)); b += 64) __builtin_prefetch(bytes + b, kWrite);
 }
 
-// Rows [start, start + count) of the chunk a loop reads after the current one (the next in a forward, the previous in a
-// backward; count 0 past the ends), asked for a few streams at each stage of the current chunk rather than all at its
-// start (against that, by hand, B1 H8 T4096 D64, 1 and 2 threads, caches flushed before each call: forward 7-14%
-// faster in float32 and bfloat16, backward 3-13%, the gated rule's forward 12-13% and backward 6-7%).
+// The thread's PacedLines where a Gemm policy's products issue them (the vector products, before each tile), else
+// nullptr (prefetched at once).
+template <typename Gemm>
+inline PacedLines* paced_lines_of(const Gemm&) {
+  return nullptr;
+}
+#ifdef FWP_VECTOR_PRODUCTS
+template <typename F>
+inline PacedLines* paced_lines_of(const VectorGemm<F>&) {
+  return &paced_lines();
+}
+#endif
+
+// Rows [start, start + count) of a chunk whose lines a loop asks for ahead (count 0 past the ends): the rows of the
+// chunk it reads after the current one (the next in a forward, the previous in a backward), and the current chunk's
+// rows about to be written. Asked for a few streams at each stage of the current chunk rather than all at its start
+// (against that, by hand, B1 H8 T4096 D64, 1 and 2 threads, caches flushed before each call: forward 7-14% faster in
+// float32 and bfloat16, backward 3-13%, the gated rule's forward 12-13% and backward 6-7%); `paced`: where they
+// go, PacedLines (paced_lines_of: products that issue them), or nullptr: prefetched at once.
 struct RowsAhead {
   int64_t start, count;
+  PacedLines* paced;
   // x [L, width]: the chunk's rows
   template <bool kWrite = false, typename E>
-  void fetch(const E* x, int64_t width) const { prefetch<kWrite>(x + start * width, count * width); }
+  void fetch(const E* x, int64_t width) const { lines<kWrite>(x + start * width, count * width); }
   // x [N, size]: one entry per chunk of C positions (the states entering them)
   template <typename E>
-  void fetch_chunk(const E* x, int64_t C, int64_t size) const { prefetch(x + start / C * size, count > 0 ? size : 0); }
+  void fetch_chunk(const E* x, int64_t C, int64_t size) const { lines(x + start / C * size, count > 0 ? size : 0); }
+
+ private:
+  template <bool kWrite = false, typename E>
+  void lines(const E* x, int64_t n) const {
+    if (paced != nullptr) return paced->add(x, n * int64_t(sizeof(E)), kWrite);
+    prefetch<kWrite>(x, n);
+  }
 };
-inline RowsAhead next_chunk(int64_t t0, int64_t C, int64_t L) {
+inline RowsAhead next_chunk(int64_t t0, int64_t C, int64_t L, PacedLines* paced) {
   const int64_t t1 = std::min(t0 + C, L);
-  return {t1, std::min(C, L - t1)};
+  return {t1, std::min(C, L - t1), paced};
 }
-inline RowsAhead previous_chunk(int64_t t0, int64_t C) {
+inline RowsAhead previous_chunk(int64_t t0, int64_t C, PacedLines* paced) {
   const int64_t p0 = std::max<int64_t>(t0 - C, 0);
-  return {p0, t0 - p0};
+  return {p0, t0 - p0, paced};
 }
 
 // Elements of one state S [Dv, Dk] as bfloat16 pairs of its rows: ceil(Dv / 2) pair rows of round_up(Dk, 16) pairs.
@@ -979,16 +1058,20 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
   T* St = Z;
   ChunkProducts<T, Gemm, In> products(gemm, C, Dk, Dv, ld, X, Z);
   Decays<T> decays(g != nullptr ? C : 0);
-  for (int64_t i = 0; i < Dv; ++i)
-    for (int64_t j = 0; j < Dk; ++j) St[j * ld + i] = S[i * Dk + j];
+  PacedLines* const paced = paced_lines_of(gemm);
+  transpose(Dv, Dk, S, Dk, St, ld);
   for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
     const int64_t c = std::min(C, L - t0);
     const In* V = v + t0 * Dv;
     record.keep_state(n, Dk, Dv, St, ld);
     // Without outputs to write (the backward's recomputation of the states) only the keys are stacked.
     const int64_t cq = o != nullptr ? c : 0;
+    if (paced != nullptr) paced->issue_all();  // what the previous chunk asked for and no tile issued
+    // this chunk's rows of o, written at its end (from the second chunk: asked for in the first, they made the forward
+    // at T = 16-64 2-7% slower, by hand)
+    if (o != nullptr && t0 > 0) RowsAhead{t0, c, paced}.fetch<true>(o, Dv);
     products.load(q + t0 * Dk, k + t0 * Dk, cq, c);
-    const RowsAhead next = next_chunk(t0, C, L);
+    const RowsAhead next = next_chunk(t0, C, L, paced);
     if (cq > 0) next.fetch(q, Dk);
 
     // [Q; K] [S^T | K^T]: Q S^T is what the state entering the chunk returns for each query (eq. 25 with W = S)
@@ -1023,10 +1106,9 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
     // rule's S^T <- Gamma_c S^T + K^T diag(lambda) U'
     products.writes_and_reads(cq, c, U, g != nullptr ? decays.Gamma[c - 1] : T(1));
     for (int64_t i = 0; i < cq; ++i) convert_copy(Y + i * ld, Dv, o + (t0 + i) * Dv);
-    if (o != nullptr) next.fetch<true>(o, Dv);
   }
-  for (int64_t i = 0; i < Dv; ++i)
-    for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] = St[j * ld + i];
+  if (paced != nullptr) paced->clear();
+  transpose(Dk, Dv, St, ld, S, Dk);
 }
 
 // The transposed system of the backward, (I + strictly_lower(diag(beta) G))^T R = D, in place (D in R), by back
@@ -1534,9 +1616,17 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
   Decays<T> decays(g != nullptr ? C : 0);
   const DecayGradients<T> decay_gradients{decays, w.dgam};
   const DecayGradients<T>* decay = g != nullptr ? &decay_gradients : nullptr;
+  PacedLines* const paced = paced_lines_of(gemm);
   for (int64_t n = (L + C - 1) / C - 1; n >= 0; --n) {
     const int64_t t0 = n * C, c = std::min(C, L - t0);
     mm.begin_chunk();
+    if (paced != nullptr) paced->issue_all();  // what the previous chunk asked for and no tile issued
+    // this chunk's gradient rows, written during it or at its end (a store that misses waits for its line: by hand,
+    // bfloat16, B1 H8 T4096 D64, 1 thread, the backward op 14.5 -> 13.2-14.6 ms, the rows asked for one chunk ahead)
+    const RowsAhead rows_written{t0, c, paced};
+    rows_written.fetch<true>(dq, Dk);
+    rows_written.fetch<true>(dk, Dk);
+    rows_written.fetch<true>(dv, Dv);
     // (q, dout and, for the sum rule, V (its U') only where the products read them widened; q and V for the decays)
     constexpr bool kWiden = !Products::kReadsInputsInPlace;
     const ChunkInputs<T> x(t0, c, C, Dk, Dv, kWiden || decay ? q : nullptr, k,
@@ -1544,7 +1634,7 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     const typename Products::Inputs in = mm.inputs(x, q + t0 * Dk, k + t0 * Dk, dout + t0 * Dv, c, w.Kt);
     const ChunkGradients<T, Out, GOut> d(t0, c, C, Dk, Dv, dq, dk, dv, dbeta, dg, w.out);
     // the previous chunk's rows and state (read next) on their way while this one computes, a few at each stage
-    const RowsAhead previous = previous_chunk(t0, C);
+    const RowsAhead previous = previous_chunk(t0, C, paced);
     previous.fetch(q, Dk);
     previous.fetch(k, Dk);
     if (decay != nullptr) decays.compute(c, x.g);
@@ -1584,13 +1674,9 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
     }
     T acc = 0;  // gamma = cumsum(g): dg_j = sum_{i >= j} dgam_i
     for (int64_t i = c - 1; decay != nullptr && i >= 0; --i) d.dgs[i] = acc += w.dgam[i];
-    // the previous chunk's gradient rows, about to be written (a store that misses waits for its line: by hand,
-    // bfloat16, B1 H8 T4096 D64, 1 thread, the backward op 14.5 -> 13.2-14.6 ms)
-    previous.fetch<true>(dq, Dk);
-    previous.fetch<true>(dk, Dk);
-    previous.fetch<true>(dv, Dv);
     d.store();
   }
+  if (paced != nullptr) paced->clear();
 }
 
 // MKL (the BLAS that libtorch_cpu links) would take its threaded path inside a task once torch.set_num_threads has
