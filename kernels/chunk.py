@@ -482,7 +482,11 @@ class CpuAutoChoice(NamedTuple):
 # bench's sum of the two picks 16 for width 64 and 32 for width 128 at both thread counts; session 44's runs picked 16
 # or 32 for width 128 by 1-3%, and one before the transposed operands were vectorized picked 64; session 47's runs
 # picked 16 or 32 for width 128 at 1 thread by 1-2%, 32 in the kept one at ce9bee2; the gated rule below, which
-# takes the same rows, is 10% slower at 16). The gated delta
+# takes the same rows, is 10% slower at 16). On a Zen 4 EPYC with the paced prefetches (bench_cpu_zen4.json, commit
+# 7e9f745, load 0.44), T = 2048, B*H = 8, forward / forward + backward ms, 1 thread: D = 64 C=16 6.4 / 25.0, C=32
+# 7.1 / 28.7, C=64 10.1 / 38.4; D = 128 C=16 19.2 / 82.2, C=32 21.2 / 85.3, C=64 25.4 / 101.7; 2 threads: D = 128
+# C=16 10.3 / 45.3, C=32 11.3 / 45.4; by hand, interleaved, D = 128, forward + backward C=16 / 32: delta float32 94.0
+# / 87.7 (1 thread), the gated rule 103.8 / 94.0 (1 thread) and 59.5 / 55.5 (2): 32 stays for width 128. The gated delta
 # rule's kernel (the same products) takes the same rows (it kept the caller's 64 before): by hand, interleaved, B*H = 8,
 # fp32, forward / forward + backward ms, C = 16, 32, 64, 1 thread: D = 64 (T = 4096) 11.7 / 50.7, 11.3 / 53.9,
 # 13.6 / 60.2; D = 128 (T = 2048) 18.0 / 77.0, 15.7 / 69.2, 16.8 / 72.4; 2 threads: D = 64 7.0 / 30.1, 6.8 / 31.4,
