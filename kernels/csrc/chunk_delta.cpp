@@ -1486,26 +1486,24 @@ struct DecayGradients {
     }
   }
   // x_i <- lambda_i x_i for rows x [c, n]
-  void lambda_rows(int64_t c, int64_t n, T* x) const {
-    for (int64_t i = 0; i < c; ++i) {
-      const T lambda = d.lambda[i];
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) x[i * n + j] *= lambda;
-    }
-  }
+  void lambda_rows(int64_t c, int64_t n, T* x) const { scale_rows(d.lambda.data(), c, n, x, x); }
   // out_i = Gamma_i x_i for rows x [c, n]
-  void gamma_rows(int64_t c, int64_t n, const T* x, T* out) const {
-    for (int64_t i = 0; i < c; ++i) {
-      const T gamma = d.Gamma[i];
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) out[i * n + j] = gamma * x[i * n + j];
-    }
-  }
+  void gamma_rows(int64_t c, int64_t n, const T* x, T* out) const { scale_rows(d.Gamma.data(), c, n, x, out); }
   // x <- x * D elementwise, x [c, c] (P or K K^T: their decays)
   void times_D(int64_t c, T* x) const {
     const T* D = d.D.data();
 #pragma omp simd
     for (int64_t i = 0; i < c * c; ++i) x[i] *= D[i];
+  }
+
+ private:
+  // out_i = scale_i x_i for rows x [c, n] (out may be x)
+  static void scale_rows(const T* scale, int64_t c, int64_t n, const T* x, T* out) {
+    for (int64_t i = 0; i < c; ++i) {
+      const T s = scale[i];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[i * n + j] = s * x[i * n + j];
+    }
   }
 };
 
