@@ -598,37 +598,41 @@ template <typename T, typename B>
 inline void unit_lower_forward_substitution(int64_t c, int64_t n, const T* G, int64_t ldg, const B& beta, T* U) {
   constexpr int64_t W = 64 / sizeof(T) * 4;  // a block of columns: 4 vectors of 64 bytes
   constexpr int64_t R = 4;                   // rows at a time
-  int64_t x0 = 0;
-  for (; x0 + W <= n; x0 += W) {
-    for (int64_t i0 = 0; i0 < c; i0 += R) {
-      const int64_t r = std::min(R, c - i0);
-      T sum[R][W];
-      T a[R];
+  // rows i0 .. i0 + r of the block of columns at x0 (r a constant for the full groups of four, so that the tests of
+  // k < r fold away: the bfloat16 forward 1% faster at 1 thread, by hand)
+  const auto rows = [&](int64_t x0, int64_t i0, auto r) {
+    T sum[R][W];
+    T a[R];
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < R; ++k)
+#pragma omp simd
+      for (int64_t x = 0; x < W; ++x) sum[k][x] = k < r ? U[(i0 + k) * n + x0 + x] : T(0);
+    for (int64_t j = 0; j < i0; ++j) {
+      const T* uj = U + j * n + x0;
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < R; ++k) a[k] = k < r ? beta(i0 + k) * G[(i0 + k) * ldg + j] : T(0);
 #pragma GCC unroll 4
       for (int64_t k = 0; k < R; ++k)
 #pragma omp simd
-        for (int64_t x = 0; x < W; ++x) sum[k][x] = k < r ? U[(i0 + k) * n + x0 + x] : T(0);
-      for (int64_t j = 0; j < i0; ++j) {
-        const T* uj = U + j * n + x0;
-#pragma GCC unroll 4
-        for (int64_t k = 0; k < R; ++k) a[k] = k < r ? beta(i0 + k) * G[(i0 + k) * ldg + j] : T(0);
-#pragma GCC unroll 4
-        for (int64_t k = 0; k < R; ++k)
-#pragma omp simd
-          for (int64_t x = 0; x < W; ++x) sum[k][x] -= a[k] * uj[x];
-      }
-      for (int64_t k = 1; k < r; ++k) {  // within the four rows
-        const T bk = beta(i0 + k);
-        for (int64_t j = 0; j < k; ++j) {
-          const T g = bk * G[(i0 + k) * ldg + i0 + j];
-#pragma omp simd
-          for (int64_t x = 0; x < W; ++x) sum[k][x] -= g * sum[j][x];
-        }
-      }
-      for (int64_t k = 0; k < r; ++k)
-#pragma omp simd
-        for (int64_t x = 0; x < W; ++x) U[(i0 + k) * n + x0 + x] = sum[k][x];
+        for (int64_t x = 0; x < W; ++x) sum[k][x] -= a[k] * uj[x];
     }
+    for (int64_t k = 1; k < r; ++k) {  // within the four rows
+      const T bk = beta(i0 + k);
+      for (int64_t j = 0; j < k; ++j) {
+        const T g = bk * G[(i0 + k) * ldg + i0 + j];
+#pragma omp simd
+        for (int64_t x = 0; x < W; ++x) sum[k][x] -= g * sum[j][x];
+      }
+    }
+    for (int64_t k = 0; k < r; ++k)
+#pragma omp simd
+      for (int64_t x = 0; x < W; ++x) U[(i0 + k) * n + x0 + x] = sum[k][x];
+  };
+  int64_t x0 = 0;
+  for (; x0 + W <= n; x0 += W) {
+    int64_t i0 = 0;
+    for (; i0 + R <= c; i0 += R) rows(x0, i0, std::integral_constant<int64_t, R>{});
+    if (i0 < c) rows(x0, i0, c - i0);
   }
   for (int64_t i = 1; i < c && x0 < n; ++i) {  // the last columns (fewer than W), a row at a time
     const T bi = beta(i);
