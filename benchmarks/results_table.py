@@ -682,14 +682,15 @@ def readme_table(root: Path) -> str:
     versions of every file's run."""
     lines = ["| what | ours | baseline (same run) | target | source: command as recorded; load average before -> "
              "after |", "|---|---|---|---|---|"]
-    sources = []
+    sources: Dict[str, Source] = {}  # one per file: a file with two kinds of rows is read and listed once
     for path, rows in README_ROWS:
-        source = Source(root, path)
-        sources.append(source)
+        if path not in sources:
+            sources[path] = Source(root, path)
+        source = sources[path]
         for i, row in enumerate(rows(source)):
             lines.append("| " + " | ".join(row + [source.provenance() if i == 0 else "same run"]) + " |")
     lines += ["", "Result files (the versions, threads, CPU, commit and date of each run, as recorded):", ""]
-    lines += [f"- {source.versions()}" for source in sources]
+    lines += [f"- {source.versions()}" for source in sources.values()]
     return "\n".join(lines)
 
 
