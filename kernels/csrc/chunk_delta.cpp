@@ -2069,9 +2069,7 @@ void decode_rows(int64_t r0, int64_t r1, int64_t Dv, int64_t Dk, const T* q, con
         }
       }
       const T d = bb != nullptr ? *bb * (v[r] - a * sk) : v[r];
-      T* So = S_out + r * Dk;
-#pragma omp simd
-      for (int64_t j = 0; j < Dk; ++j) So[j] = (S != nullptr ? a * S[r * Dk + j] : T(0)) + d * kk[j];
+      scaled_row_plus<T>(Dk, a, S != nullptr ? S + r * Dk : nullptr, d, kk, S_out + r * Dk, stream);
       o[r] = a * sq + d * kq;
     }
   }
