@@ -1,0 +1,129 @@
+"""Two builds of csrc/chunk_delta.cpp side by side in one process: the package's and the file at a git revision.
+
+    python benchmarks/bench_chunk_builds.py --base 3fcc71f
+
+For a change to the C++ chunk kernels that should only make them faster: the delta rule and the gated delta rule,
+float32 and bfloat16 inputs, forward and forward + backward, 1 and 2 threads, at B1 H8 T4096 D64 and at T = 16. Each
+case first checks that the two builds return the same outputs and gradients bit for bit (a build that changes the
+arithmetic is not a speed change: the script stops), then times the two in alternation, every round once each
+(``bench_kernels.timings``, round-robin: the machine's load hits both alike). Prints ms (median and best) and the
+base / package ratio of medians; writes benchmarks/results/bench_chunk_builds.json (``--out``;
+``training.result_file.RunRecord``: command, versions, machine, commit, load average before and after).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu import fwd_bwd  # noqa: E402
+from bench_kernels import make_inputs, timings  # noqa: E402
+from fwp_kernels import chunk, cpp_build, delta_rule, gated_delta_rule  # noqa: E402
+from training.result_file import RunRecord, ratio, scaled  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_chunk_builds.json"
+SOURCE = "kernels/csrc/chunk_delta.cpp"
+RULES = {"delta": delta_rule, "gated": gated_delta_rule}
+
+
+def base_ops(revision: str):
+    """The torch ops of csrc/chunk_delta.cpp as it was at `revision` (built once per source, like the package's)."""
+    text = subprocess.run(["git", "show", f"{revision}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+    kernel = cpp_build.CompiledCpuKernel(Path(f"/nonexistent/{revision}/chunk_delta.cpp"), text, "fwp_chunk",
+                                         "chunk_forward", cpp_build.KERNEL_CFLAGS)
+    if not kernel.available():
+        raise RuntimeError(f"the C++ chunk kernel at {revision} did not build: {kernel.status}")
+    return kernel.ops
+
+
+def with_ops(ops, fn: Callable) -> Callable:
+    """`fn` run on the kernel build `ops` (swapped into fwp_kernels' chunk kernel for the call)."""
+    def call():
+        package = chunk._CPU_KERNEL.ops
+        object.__setattr__(chunk._CPU_KERNEL, "ops", ops)
+        try:
+            return fn()
+        finally:
+            object.__setattr__(chunk._CPU_KERNEL, "ops", package)
+    return call
+
+
+def case_inputs(rule: str, T: int, dtype: torch.dtype) -> List[torch.Tensor]:
+    """q, k, v, beta (and g, log-decays in (log 0.5, 0)) at B1 H8 D64, leaves of autograd."""
+    x = make_inputs(1, 8, T, 64, dtype=dtype)
+    if rule == "gated":
+        x.append(F.logsigmoid(torch.randn(1, 8, T, generator=torch.Generator().manual_seed(1)) + 2).to(dtype))
+    return [t.requires_grad_() for t in x]
+
+
+def outputs_and_grads(fn: Callable, x: List[torch.Tensor]) -> List[torch.Tensor]:
+    for t in x:
+        t.grad = None
+    o, state = fn()
+    (o.float().square().sum() + state.square().sum()).backward()
+    return [o.detach(), state.detach()] + [t.grad.clone() for t in x]
+
+
+def compare(rule: str, T: int, dtype: torch.dtype, ops: Dict[str, object], repeats: int, calls: int) -> dict:
+    """One case: the bit-for-bit check, then forward and forward + backward times of each build (ms per call)."""
+    x = case_inputs(rule, T, dtype)
+    fn = lambda: RULES[rule](*x, output_final_state=True)  # noqa: E731
+    results = {name: outputs_and_grads(with_ops(o, fn), x) for name, o in ops.items()}
+    if not all(torch.equal(a, b) for a, b in zip(*results.values())):
+        raise SystemExit(f"{rule} T={T} {dtype}: the builds' outputs or gradients differ; no timing")
+
+    def repeated(f: Callable) -> Callable:
+        return lambda: [f() for _ in range(calls)]
+
+    with torch.no_grad():
+        forward = timings({name: repeated(with_ops(o, fn)) for name, o in ops.items()}, repeats, warm=True)
+    step = timings({name: repeated(with_ops(o, fwd_bwd(fn, x))) for name, o in ops.items()}, repeats, warm=True)
+    out = {}
+    for kind, t in (("forward", forward), ("fwd_bwd", step)):
+        ms = {name: scaled(t[name], 1e3 / calls) for name in ops}
+        out[kind] = {"ms": ms, "base_over_package": ratio(ms["base"], ms["package"])}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git revision whose csrc/chunk_delta.cpp is the baseline")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that the script runs")
+    parser.add_argument("--out", default=str(RESULTS), help="default: benchmarks/results/bench_chunk_builds.json")
+    args = parser.parse_args()
+    record = RunRecord.start("python benchmarks/bench_chunk_builds.py")
+    if not chunk.cpu_kernel_available():
+        raise SystemExit(f"the package's C++ chunk kernel is not available: {chunk.cpu_kernel_status()}")
+    ops = {"base": base_ops(args.base), "package": chunk._CPU_KERNEL.ops}
+    # (T, rounds, calls per timed round)
+    lengths = {"long": (4096, 9, 1), "short": (16, 15, 50)}
+    if args.quick:
+        lengths = {"long": (256, 2, 1), "short": (16, 2, 5)}
+    results = {"base": args.base, "quick": args.quick, "cases": {}}
+    threads_before = torch.get_num_threads()
+    print(f"ms per call, median (best); base {args.base} / package, ratio of medians")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for label, (T, repeats, calls) in lengths.items():
+            for rule in RULES:
+                for dtype in (torch.float32, torch.bfloat16):
+                    name = f"{rule}_{str(dtype)[6:]}_T{T}_threads{threads}"
+                    r = results["cases"][name] = compare(rule, T, dtype, ops, repeats, calls)
+                    cells = [f"{kind} {r[kind]['ms']['base']['median']:.3f} -> {r[kind]['ms']['package']['median']:.3f}"
+                             f" ({r[kind]['base_over_package']['of_medians']:.2f}x)" for kind in ("forward", "fwd_bwd")]
+                    print(f"  {name:<32}" + "   ".join(cells))
+    torch.set_num_threads(threads_before)
+    print(f"wrote {record.write(args.out, results)}")
+
+
+if __name__ == "__main__":
+    main()
