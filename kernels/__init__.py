@@ -32,6 +32,12 @@ A decode step's other per-token ops in one C++ pass each, where ``cpu_ops_apply(
     short_conv(x, cache, weight)                       # the same over T positions, channels last (a prefill)
     normalize_rows(x, weight, eps, mean_square)        # RMSNorm (mean_square) or L2 normalisation of each row
 
+A pre-norm RMSNorm / SwiGLU block's decode step around its mixing layer in two C++ calls, where
+``block_ops_apply(x, norm_weights, weights)``::
+
+    norm_linears(x, norm_weight, eps, weights)         # (RMSNorm(x) W_1^T, RMSNorm(x) W_2^T, ...)
+    swiglu_block(x, mixed, o_weight, norm_weight, eps, gate_weight, up_weight, down_weight)   # h + SwiGLU(norm(h))
+
 A model's CPU forward over many positions keeps its large freed buffers for reuse (no page faults on fresh memory)::
 
     with reusing_cpu_buffers(hidden_states): ...       # a no-op on GPU, for short inputs and under torch.compile
@@ -66,8 +72,8 @@ if _PACKAGE is not None:
 else:
     from .delta_rule_kernels import delta_rule
     from .dense import (
-        cpu_ops_apply, dense_linear, dense_linears, linear_cross_entropy_input_gradient, normalize_rows,
-        reusing_cpu_buffers, short_conv, short_conv_step,
+        block_ops_apply, cpu_ops_apply, dense_linear, dense_linears, linear_cross_entropy_input_gradient,
+        norm_linears, normalize_rows, reusing_cpu_buffers, short_conv, short_conv_step, swiglu_block,
     )
     from .dispatch import MODES
     from .fast_rnn_scan_kernels import fast_rnn_scan
@@ -91,6 +97,9 @@ __all__ = [
     "short_conv_step",
     "short_conv",
     "normalize_rows",
+    "block_ops_apply",
+    "norm_linears",
+    "swiglu_block",
     "reusing_cpu_buffers",
     "fast_weight_token_step",
     "token_step_applies",

@@ -253,6 +253,69 @@ def dense_linears(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Tuple[tor
     return out.view(*x.shape[:-1], -1).split(sizes, dim=-1)
 
 
+def block_ops_apply(x: torch.Tensor, norm_weights: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> bool:
+    """Whether ``norm_linears`` and ``swiglu_block`` may stand in for a decode step's unfused ops on ``x [*, D]``:
+    outside autograd and autocast, up to ``STREAMING_MAX_ROWS`` rows, CPU tensors of one dtype (float32 or
+    bfloat16), `weights` contiguous (as ``dense_linear`` streams them) and the C++ kernel built."""
+    dtype = x.dtype
+    if (dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or torch.is_grad_enabled()
+            or torch.is_autocast_enabled("cpu") or x.numel() > STREAMING_MAX_ROWS * x.shape[-1]):
+        return False
+    for w in norm_weights:  # plain loops: this runs once per layer and token
+        if w.dtype != dtype or not w.is_cpu:
+            return False
+    for w in weights:
+        if w.dtype != dtype or not w.is_cpu or not w.is_contiguous():
+            return False
+    return _CPU_KERNEL.available()
+
+
+def norm_linears(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 weights: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """``dense_linears(normalize_rows(x, norm_weight, eps, mean_square=True), weights)`` in one C++ call, where
+    ``block_ops_apply``: a pre-norm block's RMSNorm and its mixing layer's projections in a decode step, the same
+    values as the two calls (``csrc/decode_linear.cpp``, ``norm_linear_rows``).
+
+    Args:
+        x: ``[M, D]``; norm_weight: ``[D]``; weights: ``[N_g, D]`` each, no biases.
+    Returns:
+        ``[M, N_g]`` for each weight.
+    """
+    if x.dim() != 2 or norm_weight.shape != x.shape[1:] or any(w.dim() != 2 or w.shape[1] != x.shape[1]
+                                                                for w in weights):
+        raise ValueError(f"`x` must be [M, D], `norm_weight` [D] and `weights` [N_g, D], got {tuple(x.shape)}, "
+                         f"{tuple(norm_weight.shape)}, {[tuple(w.shape) for w in weights]}")
+    outs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+    _CPU_KERNEL.ops.norm_linear_rows(x.contiguous(), norm_weight, float(eps), list(weights), outs)
+    return tuple(outs)
+
+
+def swiglu_block(x: torch.Tensor, mixed: torch.Tensor, o_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
+    """A pre-norm block's rest after its mixing layer in one C++ call, where ``block_ops_apply`` (a decode step): ``h =
+    x + mixed W_o^T``, then ``h + (SiLU(n W_gate^T) * n W_up^T) W_down^T`` with ``n`` the RMSNorm of ``h`` (SwiGLU,
+    Shazeer 2020). The same values as ``dense_linear``, ``normalize_rows`` and torch's add, silu and mul one by one
+    (``csrc/decode_linear.cpp``, ``swiglu_block_rows``).
+
+    Args:
+        x: ``[M, D]``; mixed: ``[M, Dv]``; o_weight: ``[D, Dv]``; norm_weight: ``[D]``; gate_weight, up_weight:
+            ``[F, D]``; down_weight: ``[D, F]``; no biases.
+    Returns:
+        ``[M, D]``.
+    """
+    M, D = x.shape if x.dim() == 2 else (-1, -1)
+    F_, Dv = gate_weight.shape[0], o_weight.shape[-1]
+    for name, t, shape in (("mixed", mixed, (M, Dv)), ("o_weight", o_weight, (D, Dv)),
+                           ("norm_weight", norm_weight, (D,)), ("gate_weight", gate_weight, (F_, D)),
+                           ("up_weight", up_weight, (F_, D)), ("down_weight", down_weight, (D, F_))):
+        if t.shape != shape:
+            raise ValueError(f"`{name}` must be {shape} for `x` [M, D] = {tuple(x.shape)}, got {tuple(t.shape)}")
+    out = torch.empty_like(x)
+    _CPU_KERNEL.ops.swiglu_block_rows(x.contiguous(), mixed.contiguous(), o_weight, norm_weight, float(eps),
+                                      gate_weight, up_weight, down_weight, out)
+    return out
+
+
 def linear_cross_entropy_input_gradient(
     x: torch.Tensor,
     weight: torch.Tensor,

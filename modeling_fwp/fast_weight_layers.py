@@ -61,14 +61,28 @@ class Linear(nn.Linear):
         return dense_linear(input, self.weight, self.bias)
 
 
+def unhooked(module: nn.Module, kind: type) -> bool:
+    """Whether `module` is exactly a `kind` (no subclass, no wrapper such as PEFT's or accelerate's) whose forward
+    nothing replaced or hooks: a fused op may then stand in for its call."""
+    return (type(module) is kind and not (module._forward_hooks or module._forward_pre_hooks)
+            and "forward" not in module.__dict__)
+
+
+def plain_linears(*layers: nn.Module) -> bool:
+    """Whether all `layers` are this file's bias-free ``Linear``, ``unhooked``: their products may be fused."""
+    for layer in layers:  # a plain loop: this runs several times per layer and token
+        if not unhooked(layer, Linear) or layer.bias is not None:
+            return False
+    return True
+
+
 def project(x: torch.Tensor, *layers: nn.Linear) -> Tuple[torch.Tensor, ...]:
     """``tuple(layer(x) for layer in layers)`` for projections of one input (a layer's q, k, v, beta). Outside
-    autograd, where all are this file's bias-free ``Linear`` that no hook or wrapper (PEFT, accelerate) has touched:
-    one ``fwp_kernels.dense_linears`` call, which streams all their weights in one pass in a bfloat16 decode step."""
+    autograd, where all are ``plain_linears`` (no hook or wrapper, such as PEFT's or accelerate's, touched them): one
+    ``fwp_kernels.dense_linears`` call, which streams all their weights in one pass in a bfloat16 decode step."""
     weights = [layer.weight for layer in layers]
     tracked = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
-    if not tracked and all(type(layer) is Linear and layer.bias is None and "forward" not in layer.__dict__
-                           and not (layer._forward_hooks or layer._forward_pre_hooks) for layer in layers):
+    if not tracked and plain_linears(*layers):
         return dense_linears(x, weights)
     return tuple(layer(x) for layer in layers)
 
@@ -311,19 +325,32 @@ class FastWeightLinearAttention(nn.Module):
             return False
         convs = self._short_convs()
         stand_ins = [(feature_map, FeatureMap), *((c, CausalConv1d) for c in convs), (self.o_norm, RMSNorm)]
-        if any(m is not None and (type(m) is not kind or m._forward_hooks or m._forward_pre_hooks
-                                  or "forward" in m.__dict__) for m, kind in stand_ins) or _global_module_hooks():
+        if any(m is not None and not unhooked(m, kind) for m, kind in stand_ins) or _global_module_hooks():
             return False
         return token_step_applies(hidden_states, *(c.weight for c in convs))
+
+    def token_step_projections(self) -> Tuple[nn.Linear, ...]:
+        """The projections of a decode step's input, in the order ``token_step_from`` takes their outputs: q, k, v,
+        then beta's, the output gate's and the decay's where the layer has them."""
+        decay = self._token_decay()
+        layers = (self.q_proj, self.k_proj, self.v_proj, self.beta_proj, self.g_proj, decay and decay[0])
+        return tuple(m for m in layers if m is not None)
 
     def _token_step(self, hidden_states: torch.Tensor, state: Dict[str, torch.Tensor]
                     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``forward`` of a decode step (``_token_step_applies``): one pass over the projections (``project``), the
-        rest up to ``o_proj`` in one ``fwp_kernels.fast_weight_token_step`` call, the same arithmetic as the unfused
-        ops (rounded where they round)."""
+        rest up to ``o_proj`` in one ``fwp_kernels.fast_weight_token_step`` call (``token_step_from``), the same
+        arithmetic as the unfused ops (rounded where they round)."""
+        mixed, new_state = self.token_step_from(project(hidden_states[:, 0], *self.token_step_projections()), state)
+        return self.o_proj(mixed[:, None]), new_state
+
+    def token_step_from(self, projected: Tuple[torch.Tensor, ...], state: Dict[str, torch.Tensor]
+                        ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """A decode step (``_token_step_applies``) from the outputs of ``token_step_projections`` (``[B, N_g]``
+        each) up to the input of ``o_proj``, in one ``fwp_kernels.fast_weight_token_step`` call: ``(out [B, Hv *
+        Dv], new state)``."""
         decay = self._token_decay()
-        extra = [m for m in (self.beta_proj, self.g_proj, decay and decay[0]) if m is not None]
-        q, k, v, *rest = project(hidden_states[:, 0], self.q_proj, self.k_proj, self.v_proj, *extra)
+        q, k, v, *rest = projected
         beta_logits = rest.pop(0) if self.beta_proj is not None else None
         gate = rest.pop(0) if self.g_proj is not None else None
         convs = self._short_convs()
@@ -339,7 +366,7 @@ class FastWeightLinearAttention(nn.Module):
             norm_eps=1e-6 if self.o_norm is None else self.o_norm.eps, gate=gate,
             gate_activation=self.output_gate_activation_name,
         )
-        return self.o_proj(out[:, None]), {"fast_weight": fast_weight, **dict(zip(names, conv_states))}
+        return out, {"fast_weight": fast_weight, **dict(zip(names, conv_states))}
 
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None

@@ -12,10 +12,10 @@ from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
-from fwp_kernels import reusing_cpu_buffers
+from fwp_kernels import block_ops_apply, norm_linears, reusing_cpu_buffers, swiglu_block
 from torch import nn
 from transformers import GenerationMixin
-from transformers.activations import ACT2FN
+from transformers.activations import ACT2FN, SiLUActivation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -31,10 +31,13 @@ from .configuration_fwp import (
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS, Linear, RMSNorm, project
+from .fast_weight_layers import FAST_WEIGHT_LAYERS, Linear, RMSNorm, plain_linears, project, unhooked
 from .feature_maps import FeatureMap
 from .pretrained import StatefulPreTrainedModel, logits_to_keep_index
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
+
+
+SILU_ACTIVATIONS = (SiLUActivation, nn.SiLU)  # what ACT2FN["silu"] builds, and torch's own
 
 
 class FeedForward(nn.Module):
@@ -85,10 +88,56 @@ class FastWeightBlock(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states, state=None, token_mask=None):
+        plan = self._decode_plan(hidden_states, state, token_mask)
+        if plan is not None:
+            return self._decode_step(hidden_states, state, *plan)
         update, new_state = self.fast_weight(self.fast_weight_norm(hidden_states), state=state, token_mask=token_mask)
         hidden_states = hidden_states + self.dropout(update)
         hidden_states = hidden_states + self.dropout(self.feed_forward(self.ff_norm(hidden_states)))
         return hidden_states, new_state
+
+    def _decode_plan(self, hidden_states: torch.Tensor, state, token_mask) -> Optional[tuple]:
+        """Where this call is a decode step that ``_decode_step`` computes, ``(fast-weight layer, its projections,
+        feed-forward)``; else None. It is one where the norms are RMSNorms, the feed-forward SwiGLU, no dropout is at
+        work, the fast-weight layer's token step applies (``_token_step_applies``: one position, no padding, CPU
+        inference, no global hooks), none of the modules it stands in for is replaced or hooked, and the weights are
+        as ``fwp_kernels.block_ops_apply`` takes them."""
+        if hidden_states.shape[1] != 1 or token_mask is not None:
+            return None
+        modules = self._modules  # (dict reads: this runs once per layer and token)
+        layer, ff, norm, ff_norm = (modules[name] for name in ("fast_weight", "feed_forward", "fast_weight_norm",
+                                                               "ff_norm"))
+        token_step_from = getattr(layer, "token_step_from", None)
+        ff_modules = ff._modules
+        act = ff.act
+        if token_step_from is None or ff_modules.get("gate_proj") is None or not isinstance(act, SILU_ACTIVATIONS):
+            return None
+        if self.training and (modules["dropout"].p > 0 or ff_modules["dropout"].p > 0):
+            return None
+        if not (unhooked(norm, RMSNorm) and unhooked(ff_norm, RMSNorm) and unhooked(ff, FeedForward)
+                and unhooked(layer, type(layer)) and unhooked(act, type(act))):
+            return None
+        projections = layer.token_step_projections()
+        linears = (*projections, layer.o_proj, ff_modules["gate_proj"], ff_modules["up_proj"], ff_modules["down_proj"])
+        if not plain_linears(*linears) or not layer._token_step_applies(hidden_states, state or {}, token_mask):
+            return None
+        if not block_ops_apply(hidden_states, (norm.weight, ff_norm.weight), [m.weight for m in linears]):
+            return None
+        return layer, projections, ff
+
+    def _decode_step(self, hidden_states: torch.Tensor, state, layer: nn.Module, projections: tuple,
+                     ff: FeedForward) -> Tuple[torch.Tensor, dict]:
+        """``forward`` of a decode step (``_decode_plan``) in three C++ calls instead of a dozen ops and module calls:
+        the first norm with the layer's projections (``norm_linears``), the layer's token step (``token_step_from``),
+        then ``o_proj``, the residual, the second norm and the feed-forward with its residual (``swiglu_block``); the
+        same values as ``forward``'s unfused path."""
+        norm, ff_norm = self.fast_weight_norm, self.ff_norm
+        x = hidden_states[:, 0]
+        projected = norm_linears(x, norm.weight, norm.eps, [m.weight for m in projections])
+        mixed, new_state = layer.token_step_from(projected, state or {})
+        out = swiglu_block(x, mixed, layer.o_proj.weight, ff_norm.weight, ff_norm.eps, ff.gate_proj.weight,
+                           ff.up_proj.weight, ff.down_proj.weight)
+        return out[:, None], new_state
 
 
 def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:

@@ -139,17 +139,19 @@ inline int64_t rows_per_task(int64_t K, int64_t element_size) {
   return std::max<int64_t>(4, (256 << 10) / std::max<int64_t>(1, K * element_size));
 }
 
-// linear_rows_grouped's pass: the stacked rows n0..n1 of all weights, each range within one weight by output_rows.
+// linear_rows_grouped's pass: the stacked rows n0..n1 of all weights, each range within one weight by output_rows;
+// W_g's outputs go to outs[g] (rows of ldo[g] entries).
 template <typename W>
 void stacked_rows(at::TensorList weights, const std::vector<int64_t>& first_row, int64_t M, int64_t K,
-                  const at::Tensor& xs, const at::Tensor& x, const at::Tensor& out) {
+                  const at::Tensor& xs, const at::Tensor& x, const std::vector<W*>& outs,
+                  const std::vector<int64_t>& ldo) {
   const int64_t N = first_row.back();
   at::parallel_for(0, N, rows_per_task(K, sizeof(W)), [&](int64_t n0, int64_t n1) {
     for (size_t g = 0; g < weights.size(); ++g) {
       const int64_t lo = std::max(n0, first_row[g]), hi = std::min(n1, first_row[g + 1]);
       if (lo >= hi) continue;
-      output_rows<W>(lo - first_row[g], hi - first_row[g], M, K, N, xs.data_ptr<float>(), x.data_ptr<W>(),
-                     weights[g].data_ptr<W>(), nullptr, out.data_ptr<W>() + first_row[g]);
+      output_rows<W>(lo - first_row[g], hi - first_row[g], M, K, ldo[g], xs.data_ptr<float>(), x.data_ptr<W>(),
+                     weights[g].data_ptr<W>(), nullptr, outs[g]);
     }
   });
 }
@@ -193,6 +195,15 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
     }));
 }
 
+// stacked_rows into one out [M, N] (W_g's outputs in its columns first_row[g] onwards).
+template <typename W>
+void grouped_into(at::TensorList weights, const std::vector<int64_t>& first_row, int64_t M, int64_t K,
+                  const at::Tensor& xs, const at::Tensor& x, const at::Tensor& out) {
+  std::vector<W*> outs;
+  for (size_t g = 0; g + 1 < first_row.size(); ++g) outs.push_back(out.data_ptr<W>() + first_row[g]);
+  stacked_rows<W>(weights, first_row, M, K, xs, x, outs, std::vector<int64_t>(outs.size(), first_row.back()));
+}
+
 // x [M, K] against weights W_1 .. W_G ([N_g, K], no bias; e.g. a layer's q, k, v and beta projections of one
 // input): out [M, N_1 + ... + N_G], W_g's outputs in its columns N_1 + ... + N_{g-1} onwards. One parallel pass over
 // the rows of all weights (one op call and one wait for the threads instead of G).
@@ -211,8 +222,36 @@ void linear_rows_grouped(const at::Tensor& x, at::TensorList weights, const at::
   check_cpu_contiguous("linear_rows_grouped", {&x, &out}, x.scalar_type());
   const at::Tensor xs = x.to(at::kFloat).contiguous();
   AT_DISPATCH_SWITCH(x.scalar_type(), "linear_rows_grouped",
-    AT_DISPATCH_CASE(at::kFloat, [&] { stacked_rows<float>(weights, first_row, M, K, xs, x, out); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { stacked_rows<c10::BFloat16>(weights, first_row, M, K, xs, x, out); }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { grouped_into<float>(weights, first_row, M, K, xs, x, out); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { grouped_into<c10::BFloat16>(weights, first_row, M, K, xs, x, out); }));
+}
+
+// x [M, K] against weights [N_g, K] (no bias) into outs[g] [M, N_g] (contiguous, x's dtype): bfloat16 in one pass
+// over all their rows (linear_rows_grouped's), float32 one pass per weight (kernels/dense.py's dense_linears: its
+// grouped pass decoded the 1.3B Delta Net more slowly). The same sums as linear_rows either way.
+void linear_rows_into(const at::Tensor& x, at::TensorList weights, at::TensorList outs) {
+  TORCH_CHECK(x.dim() == 2 && !weights.empty() && outs.size() == weights.size(),
+              "fwp_dense: x must be [M, K], with one out per weight");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> first_row{0}, ldo;
+  for (size_t g = 0; g < weights.size(); ++g) {
+    const at::Tensor& w = weights[g];
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && outs[g].dim() == 2 && outs[g].size(0) == M &&
+                    outs[g].size(1) == w.size(0), "fwp_dense: every weight must be [N_g, K] and its out [M, N_g]");
+    check_cpu_contiguous("linear_rows_into", {&w, &outs[g]}, x.scalar_type());
+    first_row.push_back(first_row.back() + w.size(0));
+    ldo.push_back(w.size(0));
+  }
+  check_cpu_contiguous("linear_rows_into", {&x}, x.scalar_type());
+  if (x.scalar_type() == at::kFloat) {
+    for (size_t g = 0; g < weights.size(); ++g) linear_rows(x, weights[g], std::nullopt, outs[g]);
+    return;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fwp_dense: float32 or bfloat16 rows expected");
+  using W = c10::BFloat16;
+  std::vector<W*> pointers;
+  for (const at::Tensor& o : outs) pointers.push_back(o.data_ptr<W>());
+  stacked_rows<W>(weights, first_row, M, K, x.to(at::kFloat).contiguous(), x, pointers, ldo);
 }
 
 // short_conv_step's loop over the B x C channels (a few thousand: one thread), of width kWidth (0: `width`).
@@ -363,6 +402,46 @@ void normalize_rows(const at::Tensor& x, const std::optional<at::Tensor>& weight
   });
 }
 
+// A decode step of a pre-norm block with RMSNorms and a SwiGLU feed-forward (modeling_fwp's FastWeightBlock) in two
+// calls around its mixing layer (the fast-weight layer's token_step, csrc/chunk_delta.cpp), instead of a dozen op and
+// module calls whose Python runs 2-3 times slower in a decode step than alone: the weights streamed between them push
+// the interpreter's data out of the caches (1.3B Delta Net, bfloat16, 1 thread: 16-22 ms per token outside the
+// kernels, 6.5 ms with the weight reads stubbed out; by hand, 2026-12-01). Each value is the unfused ops' own: the
+// same functions (normalize_rows, linear_rows and its grouped pass) and ATen's add, silu and mul.
+
+// The block up to its mixing layer: n = RMSNorm(x) * norm_weight (Zhang and Sennrich 2019), then n W_g^T into
+// outs[g] for each projection of the layer (its q, k, v, beta, ...). x [M, D]; norm_weight [D]; weights [N_g, D];
+// outs [M, N_g]; x, weights and outs of one dtype, contiguous.
+void norm_linear_rows(const at::Tensor& x, const at::Tensor& norm_weight, double eps, at::TensorList weights,
+                      at::TensorList outs) {
+  const at::Tensor normed = at::empty_like(x);
+  normalize_rows(x, norm_weight, eps, /*mean_square=*/true, normed);
+  linear_rows_into(normed, weights, outs);
+}
+
+// The block after its mixing layer's output `mixed` [M, Dv]: h = x + mixed W_o^T; n = RMSNorm(h) * norm_weight;
+// out = h + (SiLU(n W_gate^T) * n W_up^T) W_down^T (SwiGLU, Shazeer 2020). x, out [M, D]; o_weight [D, Dv];
+// gate_weight, up_weight [F, D]; down_weight [D, F]; one dtype (norm_weight any), contiguous; no biases.
+void swiglu_block_rows(const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& o_weight,
+                       const at::Tensor& norm_weight, double eps, const at::Tensor& gate_weight,
+                       const at::Tensor& up_weight, const at::Tensor& down_weight, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && mixed.dim() == 2 && mixed.size(0) == x.size(0) && out.sizes() == x.sizes() &&
+                  o_weight.dim() == 2 && o_weight.size(0) == x.size(1) && down_weight.dim() == 2 &&
+                  down_weight.size(0) == x.size(1),
+              "fwp_dense.swiglu_block_rows: x, out [M, D], mixed [M, Dv], o_weight [D, Dv], down_weight [D, F]");
+  const int64_t M = x.size(0);
+  at::Tensor update = at::empty({M, x.size(1)}, x.options());
+  linear_rows(mixed, o_weight, std::nullopt, update);
+  const at::Tensor h = at::add(x, update);
+  const at::Tensor normed = at::empty_like(h);
+  normalize_rows(h, norm_weight, eps, /*mean_square=*/true, normed);
+  const at::Tensor gate = at::empty({M, gate_weight.size(0)}, x.options()), up = at::empty_like(gate);
+  linear_rows_into(normed, {gate_weight, up_weight}, {gate, up});
+  linear_rows(at::mul(at::silu(gate), up), down_weight, std::nullopt, update);
+  at::Tensor result = out;  // (a handle: the op writes out's data)
+  at::add_out(result, h, update);
+}
+
 // Large CPU buffers kept for reuse while a model runs (reuse_buffers_enter / reuse_buffers_exit). A forward over many
 // positions allocates and frees tensors of a few MB to a few hundred MB, the same sizes in every layer. glibc returns
 // them to the system when they are freed (fresh mappings above its mmap threshold, a trimmed heap top below it), so
@@ -503,6 +582,9 @@ std::vector<int64_t> reuse_buffers_stats() {
 FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_rows_grouped(Tensor x, Tensor[] weights, Tensor(a!) out) -> ()");
+  m.def("norm_linear_rows(Tensor x, Tensor norm_weight, float eps, Tensor[] weights, Tensor(a!)[] outs) -> ()");
+  m.def("swiglu_block_rows(Tensor x, Tensor mixed, Tensor o_weight, Tensor norm_weight, float eps, Tensor gate_weight, "
+        "Tensor up_weight, Tensor down_weight, Tensor(a!) out) -> ()");
   m.def("short_conv_step(Tensor x, Tensor cache, Tensor weight, Tensor(a!) y, Tensor(b!) new_cache) -> ()");
   m.def("short_conv(Tensor x, Tensor cache, Tensor weight, Tensor(a!) y, Tensor(b!) new_cache) -> ()");
   m.def("normalize_rows(Tensor x, Tensor? weight, float eps, bool mean_square, Tensor(a!) out) -> ()");
@@ -514,6 +596,8 @@ FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
 FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_rows_grouped", &linear_rows_grouped);
+  m.impl("norm_linear_rows", &norm_linear_rows);
+  m.impl("swiglu_block_rows", &swiglu_block_rows);
   m.impl("short_conv_step", &short_conv_step);
   m.impl("short_conv", &short_conv);
   m.impl("normalize_rows", &normalize_rows);

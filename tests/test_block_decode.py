@@ -1,0 +1,189 @@
+"""A pre-norm block's decode step in three C++ calls (``FastWeightBlock._decode_step``: ``fwp_kernels.norm_linears``,
+the fast-weight layer's token step, ``fwp_kernels.swiglu_block``) against the block's unfused ops: logits and every
+cache state bit for bit, both dtypes, one and two sequences, over several steps; the cases that keep the unfused ops
+(hooks, replaced modules, dropout at work, autograd, other norms and feed-forwards, padding, several positions)."""
+import pytest
+import torch
+
+import modeling_fwp.modeling_fwp as modeling
+from fwp_kernels import dense, dense_linears, normalize_rows
+from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
+from modeling_fwp.configuration_fwp import DeltaNetConfig, GatedDeltaNetConfig
+
+SIZES = dict(hidden_size=32, num_attention_heads=2, head_dim=8, num_hidden_layers=2, vocab_size=64,
+             intermediate_size=48)
+FLA_DELTA_NET = dict(feature_map="silu", short_conv_size=4, value_activation="silu", qk_l2_normalization=True,
+                     query_scaling=True, beta_bias=False, output_norm=True, output_gate=True,
+                     sum_normalization=False, norm_type="rms_norm", feed_forward_type="swiglu", hidden_act="silu")
+CONFIGS = {
+    "fla_delta_net": lambda **kw: DeltaNetConfig(**SIZES, **{**FLA_DELTA_NET, **kw}),
+    "gated_grouped_values": lambda **kw: GatedDeltaNetConfig(**SIZES, num_v_heads=4, value_head_dim=12, **kw),
+}
+
+
+def _kernels():
+    from fwp_kernels import chunk
+
+    if not (dense._CPU_KERNEL.available() and chunk.cpu_kernel_available()):
+        pytest.skip("the C++ kernels are not built here")
+
+
+def _model(name: str, dtype: torch.dtype, **options):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](**options))
+    with torch.no_grad():  # every parameter away from its initial value (norm weights of 1, zero biases)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model.to(dtype).eval()
+
+
+def _counted(monkeypatch):
+    """The fused block ops' calls, by name, as the block makes them."""
+    calls = []
+    for name in ("norm_linears", "swiglu_block"):
+        real = getattr(modeling, name)
+        monkeypatch.setattr(modeling, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    return calls
+
+
+def _decode(model, ids, steps: int, fused: bool):
+    """Greedy steps after a prefill of `ids`: (logits of each step, the last cache's states)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not fused:
+            patch.setattr(modeling.FastWeightBlock, "_decode_plan", lambda *args: None)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            cache, logits = output_cache(out), []
+            for _ in range(steps):
+                out = model(out.logits[:, -1:].argmax(-1), use_cache=True, **{CACHE_ARGUMENT: cache})
+                cache = output_cache(out)
+                logits.append(out.logits)
+    return logits, [cache.get_state(i) for i in range(model.config.num_hidden_layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_step_equals_the_unfused_block(monkeypatch, name, dtype, batch):
+    """Every layer of every decode step through the fused calls (counted), with the unfused block's logits and
+    states to the bit: the same functions compute every value (normalize_rows, the weight-streaming products, ATen's
+    add, silu and mul)."""
+    _kernels()
+    model = _model(name, dtype)
+    ids = torch.randint(0, SIZES["vocab_size"], (batch, 5), generator=torch.Generator().manual_seed(batch))
+    want_logits, want_states = _decode(model, ids, 4, fused=False)
+    calls = _counted(monkeypatch)
+    got_logits, got_states = _decode(model, ids, 4, fused=True)
+    assert calls == ["norm_linears", "swiglu_block"] * (4 * SIZES["num_hidden_layers"])
+    for got, want in zip(got_logits, want_logits):
+        assert torch.equal(got, want)
+    for got, want in zip(got_states, want_states):
+        assert sorted(got) == sorted(want) and all(torch.equal(got[key], want[key]) for key in want)
+
+
+def _one_step_calls(monkeypatch, model, **step_kwargs) -> list:
+    """The fused ops called by one decode step of `model` after a prefill of three tokens."""
+    ids = torch.randint(0, SIZES["vocab_size"], (1, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = output_cache(model(ids, use_cache=True))
+    calls = _counted(monkeypatch)
+    with torch.no_grad():
+        model(ids[:, :1], use_cache=True, **{CACHE_ARGUMENT: cache}, **step_kwargs)
+    monkeypatch.undo()
+    return calls
+
+
+def test_decode_step_keeps_the_unfused_block_where_it_cannot_stand_in(monkeypatch):
+    """Hooks on a module the fused calls stand in for fire (the block runs unfused); so do a replaced forward and a
+    replaced module; dropout at work in training mode, other norms, an MLP feed-forward and a float64 model keep the
+    unfused block; autograd and a padded step too. The unhooked model takes the fused calls."""
+    _kernels()
+    model = _model("fla_delta_net", torch.float32)
+    assert len(_one_step_calls(monkeypatch, model)) == 2 * SIZES["num_hidden_layers"]
+    block = model.model.layers[0]
+    for module in (block.feed_forward.down_proj, block.ff_norm, block.fast_weight.o_proj, block.fast_weight,
+                   block.feed_forward.act, block.fast_weight.beta_proj):
+        fired = []
+        handle = module.register_forward_hook(lambda *args: fired.append(1))
+        calls = _one_step_calls(monkeypatch, model)
+        handle.remove()
+        assert fired == [1, 1] and len(calls) == 2 * (SIZES["num_hidden_layers"] - 1), module  # prefill, step
+    block.fast_weight_norm.forward = block.fast_weight_norm.forward  # a forward of the instance's own
+    assert len(_one_step_calls(monkeypatch, model)) == 2 * (SIZES["num_hidden_layers"] - 1)
+    del block.fast_weight_norm.forward
+    original = block.feed_forward.up_proj
+    block.feed_forward.up_proj = torch.nn.Linear(SIZES["hidden_size"], SIZES["intermediate_size"], bias=False)
+    assert len(_one_step_calls(monkeypatch, model)) == 2 * (SIZES["num_hidden_layers"] - 1)
+    block.feed_forward.up_proj = original
+    mask = torch.tensor([[1, 1, 1, 1]])
+    assert _one_step_calls(monkeypatch, model, attention_mask=mask)  # an all-ones mask: no padding, fused
+    assert not _one_step_calls(monkeypatch, model, attention_mask=torch.tensor([[1, 1, 1, 0]]))  # padded
+    for other in (_model("fla_delta_net", torch.float32, hidden_dropout=0.1).train(),
+                  _model("fla_delta_net", torch.float32, norm_type="layer_norm"),
+                  _model("fla_delta_net", torch.float32, feed_forward_type="mlp", hidden_act="gelu"),
+                  _model("fla_delta_net", torch.float64)):
+        assert not _one_step_calls(monkeypatch, other)
+    assert _one_step_calls(monkeypatch, _model("fla_delta_net", torch.float32, hidden_dropout=0.1))  # eval
+    ids = torch.randint(0, SIZES["vocab_size"], (1, 3))
+    calls = _counted(monkeypatch)
+    cache = output_cache(model(ids, use_cache=True))
+    model(ids[:, :1], use_cache=True, **{CACHE_ARGUMENT: cache}).logits.sum().backward()  # autograd
+    assert not calls and block.feed_forward.down_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_block_ops_equal_the_ops_they_stand_in_for(dtype, rows):
+    """norm_linears: normalize_rows then dense_linears; swiglu_block: dense_linear, torch's add, normalize_rows,
+    dense_linears, torch's silu and mul, dense_linear and add: bit for bit (weights of odd sizes); bad shapes name
+    the argument."""
+    _kernels()
+    gen = torch.Generator().manual_seed(rows)
+    D, Dv, F_ = 40, 24, 56
+    x = torch.randn(rows, D, generator=gen).to(dtype)
+    norm_weight = (1 + torch.randn(D, generator=gen)).to(dtype)
+    weights = [torch.randn(n, D, generator=gen).to(dtype) / 4 for n in (7, 33, 1)]
+    with torch.no_grad():
+        got = dense.norm_linears(x, norm_weight, 1e-6, weights)
+        want = dense_linears(normalize_rows(x, norm_weight, 1e-6, mean_square=True), weights)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        mixed = torch.randn(rows, Dv, generator=gen).to(dtype)
+        o_weight, down = (torch.randn(D, n, generator=gen).to(dtype) / 4 for n in (Dv, F_))
+        gate, up = (torch.randn(F_, D, generator=gen).to(dtype) / 4 for _ in range(2))
+        got = dense.swiglu_block(x, mixed, o_weight, norm_weight, 1e-5, gate, up, down)
+        h = x + dense.dense_linear(mixed, o_weight)
+        g, u = dense_linears(normalize_rows(h, norm_weight, 1e-5, mean_square=True), [gate, up])
+        assert torch.equal(got, h + dense.dense_linear(torch.nn.functional.silu(g) * u, down))
+    with pytest.raises(ValueError, match="`weights`"):
+        dense.norm_linears(x, norm_weight, 1e-6, [weights[0], torch.randn(3, D - 1).to(dtype)])
+    with pytest.raises(ValueError, match="`norm_weight`"):
+        dense.norm_linears(x, norm_weight[:-1], 1e-6, weights)
+    with pytest.raises(ValueError, match="`down_weight`"):
+        dense.swiglu_block(x, mixed, o_weight, norm_weight, 1e-5, gate, up, down.t())
+    with pytest.raises(ValueError, match="`mixed`"):
+        dense.swiglu_block(x, mixed[:, :-1], o_weight, norm_weight, 1e-5, gate, up, down)
+
+
+def test_a_traced_decode_step_keeps_the_fused_block():
+    """``torch.compile`` traces the fused calls as the ops they are (they only write their ``out`` arguments: torch
+    generates their fake kernels), one graph for the whole step, with eager's logits."""
+    _kernels()
+    model = _model("fla_delta_net", torch.bfloat16)
+    ids = torch.randint(0, SIZES["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(0))
+    targets = []
+
+    def backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    with torch.no_grad():
+        caches = [output_cache(model(ids[:, :4], use_cache=True)) for _ in range(2)]
+        eager = model(ids[:, 4:], use_cache=True, **{CACHE_ARGUMENT: caches[0]}).logits
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        traced = compiled(ids[:, 4:], use_cache=True, **{CACHE_ARGUMENT: caches[1]}).logits
+    torch._dynamo.reset()
+    assert torch.equal(traced, eager)
+    for op in ("norm_linear_rows", "token_step", "swiglu_block_rows"):
+        assert sum(op in t for t in targets) == SIZES["num_hidden_layers"], (op, targets)
