@@ -10,9 +10,12 @@ For each dtype and thread count, measured side by side in one process (round-rob
   takes oneDNN's matmul for a prefill;
 - ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run) for
   every projection, the ones that share one streaming pass in ``ours`` (a layer's q, k, v, beta; gate and up) too;
-- ``unfused_step``, decode steps only: the model as shipped but for the fast-weight layers' decode step, which runs
-  the dozen small ops between the projections one by one instead of one ``fwp_kernels.fast_weight_token_step`` call
-  (the model before 2026-11-29);
+- ``unfused_block``, decode steps only: the model as shipped but for the blocks' decode step, which calls their norms,
+  projections, feed-forward and residuals one by one around the fast-weight layer's token step instead of
+  ``fwp_kernels.norm_linears`` and ``fwp_kernels.swiglu_block`` (the model before 2026-12-01);
+- ``unfused_step``, decode steps only: neither fused step: the dozen small ops between a fast-weight layer's
+  projections one by one too, instead of one ``fwp_kernels.fast_weight_token_step`` call (the model before
+  2026-11-29);
 - with ``--compile``, also ``compiled``: the model as shipped under ``torch.compile`` (inductor, compiled once per
   thread count, not timed), decode steps only: the same C++ kernels without Python between them;
 - with ``--batch_size 2`` (a decode step of two sequences: two rows per projection), also ``one_row_streaming``: the
@@ -53,14 +56,14 @@ from bench_cpu import MODEL_1B3  # noqa: E402
 from bench_kernels import chunk_flops, timings  # noqa: E402
 from bench_pretrained import build_model  # noqa: E402
 from fwp_kernels import chunk, dense  # noqa: E402
-from modeling_fwp import fast_weight_layers  # noqa: E402
+from modeling_fwp import fast_weight_layers, modeling_fwp  # noqa: E402
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache  # noqa: E402
 from training.result_file import RunRecord, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode.json"
 VARIANTS = ("ours", "f_linear")
 BATCH_VARIANTS = VARIANTS + ("one_row_streaming",)  # --batch_size > 1
-DECODE_ONLY_VARIANTS = ("unfused_step",)  # its prefill is ours
+DECODE_ONLY_VARIANTS = ("unfused_block", "unfused_step")  # their prefill is ours
 PREFILL_ONLY_VARIANTS = ("no_buffer_reuse",)  # its decode steps are ours (they never enter the scope)
 
 
@@ -72,7 +75,8 @@ VARIANT_PATCHES = {
     "f_linear": ((fast_weight_layers.Linear, "forward", torch.nn.Linear.forward),
                  (fast_weight_layers, "dense_linears",
                   lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights))),
-    "unfused_step": ((fast_weight_layers, "token_step_applies", lambda *tensors: False),),
+    "unfused_block": ((modeling_fwp.FastWeightBlock, "_decode_plan", lambda *args: None),),
+    "unfused_step": ((fast_weight_layers, "token_step_applies", lambda *tensors: False),),  # (the block's too)
     "one_row_streaming": ((dense, "STREAMING_MAX_ROWS", 1),),
     "no_buffer_reuse": ((dense, "_REUSE_BUFFERS", False),),  # as FWP_KERNELS_NO_BUFFER_REUSE=1
 }
@@ -81,7 +85,8 @@ VARIANT_PATCHES = {
 @contextlib.contextmanager
 def variant(name: str):
     """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear);
-    ``unfused_step``: as shipped, the decode step's small ops one by one; ``one_row_streaming``: as shipped, the
+    ``unfused_block``: as shipped, the blocks' decode step op by op around the layers' token step; ``unfused_step``:
+    as shipped, neither decode step fused; ``one_row_streaming``: as shipped, the
     weight-streaming kernel for one row of input only; ``no_buffer_reuse``: as shipped, without
     ``reusing_cpu_buffers``. Each swaps what ``VARIANT_PATCHES`` names and puts it back."""
     with contextlib.ExitStack() as patches:
@@ -205,8 +210,9 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
                                                    zip(step_logits["ours"], step_logits[name])),
                         "logits_max_abs_difference": max((a - b).abs().max().item() for a, b in
                                                          zip(step_logits["ours"], step_logits[name]))}
-    result["decode_speedup_vs_unfused_step"] = (result["unfused_step"]["decode_ms_per_token"]["median"]
-                                                / result["ours"]["decode_ms_per_token"]["median"])
+    for name in DECODE_ONLY_VARIANTS:
+        result[f"decode_speedup_vs_{name}"] = (result[name]["decode_ms_per_token"]["median"]
+                                               / result["ours"]["decode_ms_per_token"]["median"])
     if compiled is not None:
         result["compiled"]["compile_s"] = compile_s
     if "one_row_streaming" in variants:
@@ -231,10 +237,12 @@ def print_table(results: dict) -> None:
             print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x "
                   f"the bound {r['decode_bound_ms']:.1f}), F.linear {f['decode_ms_per_token']['median']:.1f} "
                   f"({f['decode_of_bound']:.2f}x); ours {r['decode_speedup']:.2f}x faster")
-            u = r["unfused_step"]
-            print(f"    decode ms/token with the small ops one by one: {u['decode_ms_per_token']['median']:.1f} "
-                  f"({u['decode_of_bound']:.2f}x the bound); ours {r['decode_speedup_vs_unfused_step']:.2f}x faster "
-                  f"(same tokens: {u['same_tokens_as_ours']}, logits within {u['logits_max_abs_difference']:.2g})")
+            for name, what in (("unfused_block", "the blocks' ops one by one"),
+                               ("unfused_step", "the blocks' and the layers' small ops one by one")):
+                u = r[name]
+                print(f"    decode ms/token with {what}: {u['decode_ms_per_token']['median']:.1f} "
+                      f"({u['decode_of_bound']:.2f}x the bound); ours {r[f'decode_speedup_vs_{name}']:.2f}x faster "
+                      f"(same tokens: {u['same_tokens_as_ours']}, logits within {u['logits_max_abs_difference']:.2g})")
             if "compiled" in r:
                 c = r["compiled"]
                 print(f"    decode ms/token compiled: {c['decode_ms_per_token']['median']:.1f} "

@@ -31,7 +31,7 @@ from .configuration_fwp import (
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS, Linear, RMSNorm, plain_linears, project, unhooked
+from .fast_weight_layers import FAST_WEIGHT_LAYERS, Linear, RMSNorm, plain_linears, project, unhooked, weights_of
 from .feature_maps import FeatureMap
 from .pretrained import StatefulPreTrainedModel, logits_to_keep_index
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
@@ -97,20 +97,19 @@ class FastWeightBlock(GradientCheckpointingLayer):
         return hidden_states, new_state
 
     def _decode_plan(self, hidden_states: torch.Tensor, state, token_mask) -> Optional[tuple]:
-        """Where this call is a decode step that ``_decode_step`` computes, ``(fast-weight layer, its projections,
-        feed-forward)``; else None. It is one where the norms are RMSNorms, the feed-forward SwiGLU, no dropout is at
+        """Where this call is a decode step that ``_decode_step`` computes, the arguments it takes after the state;
+        else None. It is one where the norms are RMSNorms, the feed-forward SwiGLU, no dropout is at
         work, the fast-weight layer's token step applies (``_token_step_applies``: one position, no padding, CPU
         inference, no global hooks), none of the modules it stands in for is replaced or hooked, and the weights are
         as ``fwp_kernels.block_ops_apply`` takes them."""
         if hidden_states.shape[1] != 1 or token_mask is not None:
             return None
-        modules = self._modules  # (dict reads: this runs once per layer and token)
-        layer, ff, norm, ff_norm = (modules[name] for name in ("fast_weight", "feed_forward", "fast_weight_norm",
-                                                               "ff_norm"))
-        token_step_from = getattr(layer, "token_step_from", None)
+        modules = self._modules  # (dict reads, as weights_of: this runs once per layer and token)
+        layer, ff, norm, ff_norm = (modules["fast_weight"], modules["feed_forward"], modules["fast_weight_norm"],
+                                    modules["ff_norm"])
         ff_modules = ff._modules
-        act = ff.act
-        if token_step_from is None or ff_modules.get("gate_proj") is None or not isinstance(act, SILU_ACTIVATIONS):
+        gate, act = ff_modules.get("gate_proj"), ff_modules["act"]
+        if not hasattr(layer, "token_step_from") or gate is None or not isinstance(act, SILU_ACTIVATIONS):
             return None
         if self.training and (modules["dropout"].p > 0 or ff_modules["dropout"].p > 0):
             return None
@@ -118,25 +117,25 @@ class FastWeightBlock(GradientCheckpointingLayer):
                 and unhooked(layer, type(layer)) and unhooked(act, type(act))):
             return None
         projections = layer.token_step_projections()
-        linears = (*projections, layer.o_proj, ff_modules["gate_proj"], ff_modules["up_proj"], ff_modules["down_proj"])
+        linears = (*projections, layer._modules["o_proj"], gate, ff_modules["up_proj"], ff_modules["down_proj"])
         if not plain_linears(*linears) or not layer._token_step_applies(hidden_states, state or {}, token_mask):
             return None
-        if not block_ops_apply(hidden_states, (norm.weight, ff_norm.weight), [m.weight for m in linears]):
+        norm_weights, weights = weights_of(norm, ff_norm), weights_of(*linears)
+        if not block_ops_apply(hidden_states, norm_weights, weights):
             return None
-        return layer, projections, ff
+        return layer, (norm.eps, ff_norm.eps), norm_weights, weights
 
-    def _decode_step(self, hidden_states: torch.Tensor, state, layer: nn.Module, projections: tuple,
-                     ff: FeedForward) -> Tuple[torch.Tensor, dict]:
-        """``forward`` of a decode step (``_decode_plan``) in three C++ calls instead of a dozen ops and module calls:
-        the first norm with the layer's projections (``norm_linears``), the layer's token step (``token_step_from``),
-        then ``o_proj``, the residual, the second norm and the feed-forward with its residual (``swiglu_block``); the
-        same values as ``forward``'s unfused path."""
-        norm, ff_norm = self.fast_weight_norm, self.ff_norm
+    def _decode_step(self, hidden_states: torch.Tensor, state, layer: nn.Module, eps: Tuple[float, float],
+                     norm_weights: list, weights: list) -> Tuple[torch.Tensor, dict]:
+        """``forward`` of a decode step (``_decode_plan``: the layer, the norms' eps and weights, the weights of the
+        layer's projections, ``o_proj`` and the feed-forward) in three C++ calls instead of a dozen ops and module
+        calls: the first norm with the layer's projections (``norm_linears``), the layer's token step
+        (``token_step_from``), then ``o_proj``, the residual, the second norm and the feed-forward with its residual
+        (``swiglu_block``); the same values as ``forward``'s unfused path."""
+        *projections, o_weight, gate_weight, up_weight, down_weight = weights
         x = hidden_states[:, 0]
-        projected = norm_linears(x, norm.weight, norm.eps, [m.weight for m in projections])
-        mixed, new_state = layer.token_step_from(projected, state or {})
-        out = swiglu_block(x, mixed, layer.o_proj.weight, ff_norm.weight, ff_norm.eps, ff.gate_proj.weight,
-                           ff.up_proj.weight, ff.down_proj.weight)
+        mixed, new_state = layer.token_step_from(norm_linears(x, norm_weights[0], eps[0], projections), state or {})
+        out = swiglu_block(x, mixed, o_weight, norm_weights[1], eps[1], gate_weight, up_weight, down_weight)
         return out[:, None], new_state
 
 
