@@ -9,7 +9,8 @@ For each dtype and thread count, measured side by side in one process (round-rob
   forward streams the weights once for a decode step (``fwp_kernels.dense_linear``: csrc/decode_linear.cpp) and
   takes oneDNN's matmul for a prefill;
 - ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run) for
-  every projection, the ones that share one streaming pass in ``ours`` (a layer's q, k, v, beta; gate and up) too;
+  every projection, the ones that share one streaming pass in ``ours`` (a layer's q, k, v, beta; gate and up) too, and
+  so the blocks' decode step unfused (``unfused_block`` below: its fused calls stream the weights themselves);
 - ``unfused_block``, decode steps only: the model as shipped but for the blocks' decode step, which calls their norms,
   projections, feed-forward and residuals one by one around the fast-weight layer's token step instead of
   ``fwp_kernels.norm_linears`` and ``fwp_kernels.swiglu_block`` (the model before 2026-12-01);
@@ -74,7 +75,8 @@ VARIANT_PATCHES = {
     # (fast_weight_layers.project) one by one too
     "f_linear": ((fast_weight_layers.Linear, "forward", torch.nn.Linear.forward),
                  (fast_weight_layers, "dense_linears",
-                  lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights))),
+                  lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights)),
+                 (modeling_fwp.FastWeightBlock, "_decode_plan", lambda *args: None)),  # (its ops stream the weights)
     "unfused_block": ((modeling_fwp.FastWeightBlock, "_decode_plan", lambda *args: None),),
     "unfused_step": ((fast_weight_layers, "token_step_applies", lambda *tensors: False),),  # (the block's too)
     "one_row_streaming": ((dense, "STREAMING_MAX_ROWS", 1),),
