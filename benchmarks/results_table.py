@@ -413,6 +413,12 @@ def decode_rows(s: Source) -> List[Row]:
                 s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s); bound = bytes read per token / "
                              "read bandwidth ({:.1f} GB/s, same run)", dtype, th, s.get(f"{key}.peaks.read_gbs")),
                 "ours", "f_linear", "F.linear", "faster"))
+            if s.get(f"{key}.unfused_block.decode_ms_per_token.median") is not None:  # runs from 2026-12-01
+                rows.append(decode_bound_row(
+                    s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): the blocks' decode step in "
+                                 "three calls (norm_linears, the token step, swiglu_block); same tokens: {}", dtype,
+                                 th, s.get(f"{key}.unfused_block.same_tokens_as_ours")),
+                    "ours", "unfused_block", "the blocks' ops one by one", "faster"))
             if s.get(f"{key}.unfused_step.decode_ms_per_token.median") is not None:  # runs from 2026-11-29
                 rows.append(decode_bound_row(
                     s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): the layers' decode step in "
@@ -671,6 +677,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen4.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_compile.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_compile.json", compiled_decode_rows),
+    ("benchmarks/results/bench_decode_zen4_block.json", decode_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),

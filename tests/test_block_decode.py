@@ -1,7 +1,8 @@
 """A pre-norm block's decode step in three C++ calls (``FastWeightBlock._decode_step``: ``fwp_kernels.norm_linears``,
 the fast-weight layer's token step, ``fwp_kernels.swiglu_block``) against the block's unfused ops: logits and every
 cache state bit for bit, both dtypes, one and two sequences, over several steps; the cases that keep the unfused ops
-(hooks, replaced modules, dropout at work, autograd, other norms and feed-forwards, padding, several positions)."""
+(hooks, replaced modules, dropout at work, autograd, other norms and feed-forwards, padding, several positions). A
+traced step keeps the fused calls: tests/test_token_step.py::test_a_traced_decode_step_keeps_the_token_step."""
 import pytest
 import torch
 
@@ -9,14 +10,10 @@ import modeling_fwp.modeling_fwp as modeling
 from fwp_kernels import dense, dense_linears, normalize_rows
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
 from modeling_fwp.configuration_fwp import DeltaNetConfig, GatedDeltaNetConfig
+from test_token_step import FLA_DELTA_NET, SIZES, perturbed
 
-SIZES = dict(hidden_size=32, num_attention_heads=2, head_dim=8, num_hidden_layers=2, vocab_size=64,
-             intermediate_size=48)
-FLA_DELTA_NET = dict(feature_map="silu", short_conv_size=4, value_activation="silu", qk_l2_normalization=True,
-                     query_scaling=True, beta_bias=False, output_norm=True, output_gate=True,
-                     sum_normalization=False, norm_type="rms_norm", feed_forward_type="swiglu", hidden_act="silu")
 CONFIGS = {
-    "fla_delta_net": lambda **kw: DeltaNetConfig(**SIZES, **{**FLA_DELTA_NET, **kw}),
+    "fla_delta_net": lambda **kw: DeltaNetConfig(**SIZES, **{**FLA_DELTA_NET, "output_gate": True, **kw}),
     "gated_grouped_values": lambda **kw: GatedDeltaNetConfig(**SIZES, num_v_heads=4, value_head_dim=12, **kw),
 }
 
@@ -32,11 +29,7 @@ def _model(name: str, dtype: torch.dtype, **options):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](**options))
-    with torch.no_grad():  # every parameter away from its initial value (norm weights of 1, zero biases)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model.to(dtype).eval()
+    return perturbed(AutoModelForCausalLM.from_config(CONFIGS[name](**options)), dtype)
 
 
 def _counted(monkeypatch):
@@ -165,25 +158,3 @@ def test_block_ops_equal_the_ops_they_stand_in_for(dtype, rows):
     with pytest.raises(ValueError, match="`mixed`"):
         dense.swiglu_block(x, mixed[:, :-1], o_weight, norm_weight, 1e-5, gate, up, down)
 
-
-def test_a_traced_decode_step_keeps_the_fused_block():
-    """``torch.compile`` traces the fused calls as the ops they are (they only write their ``out`` arguments: torch
-    generates their fake kernels), one graph for the whole step, with eager's logits."""
-    _kernels()
-    model = _model("fla_delta_net", torch.bfloat16)
-    ids = torch.randint(0, SIZES["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(0))
-    targets = []
-
-    def backend(graph_module, example_inputs):
-        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
-        return graph_module
-
-    with torch.no_grad():
-        caches = [output_cache(model(ids[:, :4], use_cache=True)) for _ in range(2)]
-        eager = model(ids[:, 4:], use_cache=True, **{CACHE_ARGUMENT: caches[0]}).logits
-        compiled = torch.compile(model, fullgraph=True, backend=backend)
-        traced = compiled(ids[:, 4:], use_cache=True, **{CACHE_ARGUMENT: caches[1]}).logits
-    torch._dynamo.reset()
-    assert torch.equal(traced, eager)
-    for op in ("norm_linear_rows", "token_step", "swiglu_block_rows"):
-        assert sum(op in t for t in targets) == SIZES["num_hidden_layers"], (op, targets)

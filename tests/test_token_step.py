@@ -33,15 +33,21 @@ def _kernel():
         pytest.skip(f"the C++ chunk kernel is {chunk.cpu_kernel_status()}")
 
 
+def perturbed(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` in `dtype` for evaluation, every parameter moved away from its initial value (norm weights of 1, zero
+    biases), so that a fused op that skipped one would show."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return module.to(dtype).eval()
+
+
 def _layer(name: str, dtype: torch.dtype, seed: int = 0):
     config_class, options = LAYERS[name]
     config = config_class(**SIZES, **options)
     torch.manual_seed(seed)
-    layer = fast_weight_layers.FAST_WEIGHT_LAYERS[getattr(config, "fast_weight_layer", "linear")](config)
-    with torch.no_grad():  # every parameter away from its initial value (norm weights of 1, zero biases)
-        for p in layer.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return layer.to(dtype).eval()
+    return perturbed(fast_weight_layers.FAST_WEIGHT_LAYERS[getattr(config, "fast_weight_layer", "linear")](config),
+                     dtype)
 
 
 def _counted(monkeypatch):
@@ -160,16 +166,21 @@ def test_greedy_decoding_with_the_token_step_equals_the_unfused_ops(monkeypatch,
         torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), **tol)
 
 
-def test_a_traced_decode_step_keeps_the_token_step():
-    """``torch.compile`` traces the fused call as the op it is (it only writes its ``out`` arguments: torch generates
-    its fake kernel), one graph for the whole step, with eager's logits."""
+@pytest.mark.parametrize("config,ops", [
+    (GatedDeltaNetConfig(**SIZES), ("token_step",)),
+    (DeltaNetConfig(**SIZES, **FLA_DELTA_NET), ("norm_linear_rows", "token_step", "swiglu_block_rows")),  # fused block
+])
+def test_a_traced_decode_step_keeps_the_token_step(config, ops):
+    """``torch.compile`` traces the fused calls as the ops they are (they only write their ``out`` arguments: torch
+    generates their fake kernels), one graph for the whole step, with eager's logits: the layers' token step, and in
+    an RMSNorm / SwiGLU block the block's own two calls around it (tests/test_block_decode.py)."""
     _kernel()
     from transformers import AutoModelForCausalLM
 
     from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GatedDeltaNetConfig(**SIZES)).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(0, SIZES["vocab_size"], (1, 5))
     targets = []
 
@@ -184,7 +195,8 @@ def test_a_traced_decode_step_keeps_the_token_step():
         traced = compiled(ids[:, 4:], use_cache=True, **{CACHE_ARGUMENT: caches[1]}).logits
     torch._dynamo.reset()
     assert torch.equal(traced, eager)
-    assert sum("token_step" in t for t in targets) == SIZES["num_hidden_layers"], targets
+    for op in ops:
+        assert sum(op in t.split(".") for t in targets) == SIZES["num_hidden_layers"], (op, targets)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
