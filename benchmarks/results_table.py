@@ -678,6 +678,8 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen4_compile.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_compile.json", compiled_decode_rows),
     ("benchmarks/results/bench_decode_zen4_block.json", decode_rows),
+    ("benchmarks/results/bench_decode_zen4_block_compile.json", decode_rows),
+    ("benchmarks/results/bench_decode_zen4_block_compile.json", compiled_decode_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),
