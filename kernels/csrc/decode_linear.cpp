@@ -204,22 +204,29 @@ void grouped_into(at::TensorList weights, const std::vector<int64_t>& first_row,
   stacked_rows<W>(weights, first_row, M, K, xs, x, outs, std::vector<int64_t>(outs.size(), first_row.back()));
 }
 
+// The checks of `op`'s x [M, K] (contiguous, float32 or bfloat16) and weights [N_g, K] (contiguous, x's dtype; at
+// least one); returns each weight's first row in the weights' stacked rows, their total last.
+std::vector<int64_t> stacked_first_rows(const char* op, const at::Tensor& x, at::TensorList weights) {
+  TORCH_CHECK(x.dim() == 2 && !weights.empty(), "fwp_dense.", op, ": x must be [M, K], with weights");
+  check_cpu_contiguous(op, {&x}, x.scalar_type());
+  std::vector<int64_t> first_row{0};
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "fwp_dense.", op, ": every weight must be [N_g, K]");
+    check_cpu_contiguous(op, {&w}, x.scalar_type());
+    first_row.push_back(first_row.back() + w.size(0));
+  }
+  return first_row;
+}
+
 // x [M, K] against weights W_1 .. W_G ([N_g, K], no bias; e.g. a layer's q, k, v and beta projections of one
 // input): out [M, N_1 + ... + N_G], W_g's outputs in its columns N_1 + ... + N_{g-1} onwards. One parallel pass over
 // the rows of all weights (one op call and one wait for the threads instead of G).
 void linear_rows_grouped(const at::Tensor& x, at::TensorList weights, const at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && !weights.empty(), "fwp_dense.linear_rows_grouped: x must be [M, K], with weights");
-  const int64_t M = x.size(0), K = x.size(1);
-  std::vector<int64_t> first_row{0};  // of each weight in the stacked rows; the total last
-  for (const at::Tensor& w : weights) {
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "fwp_dense.linear_rows_grouped: every weight must be [N_g, K]");
-    check_cpu_contiguous("linear_rows_grouped", {&w}, x.scalar_type());
-    first_row.push_back(first_row.back() + w.size(0));
-  }
-  const int64_t N = first_row.back();
+  const std::vector<int64_t> first_row = stacked_first_rows("linear_rows_grouped", x, weights);
+  const int64_t M = x.size(0), K = x.size(1), N = first_row.back();
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N,
               "fwp_dense.linear_rows_grouped: out must be [M, sum of the weights' rows]");
-  check_cpu_contiguous("linear_rows_grouped", {&x, &out}, x.scalar_type());
+  check_cpu_contiguous("linear_rows_grouped", {&out}, x.scalar_type());
   const at::Tensor xs = x.to(at::kFloat).contiguous();
   AT_DISPATCH_SWITCH(x.scalar_type(), "linear_rows_grouped",
     AT_DISPATCH_CASE(at::kFloat, [&] { grouped_into<float>(weights, first_row, M, K, xs, x, out); })
@@ -230,28 +237,24 @@ void linear_rows_grouped(const at::Tensor& x, at::TensorList weights, const at::
 // over all their rows (linear_rows_grouped's), float32 one pass per weight (kernels/dense.py's dense_linears: its
 // grouped pass decoded the 1.3B Delta Net more slowly). The same sums as linear_rows either way.
 void linear_rows_into(const at::Tensor& x, at::TensorList weights, at::TensorList outs) {
-  TORCH_CHECK(x.dim() == 2 && !weights.empty() && outs.size() == weights.size(),
-              "fwp_dense: x must be [M, K], with one out per weight");
-  const int64_t M = x.size(0), K = x.size(1);
-  std::vector<int64_t> first_row{0}, ldo;
+  const std::vector<int64_t> first_row = stacked_first_rows("linear_rows_into", x, weights);
+  TORCH_CHECK(outs.size() == weights.size(), "fwp_dense.linear_rows_into: one out per weight");
+  std::vector<int64_t> ldo;
   for (size_t g = 0; g < weights.size(); ++g) {
-    const at::Tensor& w = weights[g];
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && outs[g].dim() == 2 && outs[g].size(0) == M &&
-                    outs[g].size(1) == w.size(0), "fwp_dense: every weight must be [N_g, K] and its out [M, N_g]");
-    check_cpu_contiguous("linear_rows_into", {&w, &outs[g]}, x.scalar_type());
-    first_row.push_back(first_row.back() + w.size(0));
-    ldo.push_back(w.size(0));
+    TORCH_CHECK(outs[g].dim() == 2 && outs[g].size(0) == x.size(0) && outs[g].size(1) == weights[g].size(0),
+                "fwp_dense.linear_rows_into: every out must be [M, N_g]");
+    check_cpu_contiguous("linear_rows_into", {&outs[g]}, x.scalar_type());
+    ldo.push_back(weights[g].size(0));
   }
-  check_cpu_contiguous("linear_rows_into", {&x}, x.scalar_type());
   if (x.scalar_type() == at::kFloat) {
     for (size_t g = 0; g < weights.size(); ++g) linear_rows(x, weights[g], std::nullopt, outs[g]);
     return;
   }
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fwp_dense: float32 or bfloat16 rows expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fwp_dense.linear_rows_into: float32 or bfloat16 rows expected");
   using W = c10::BFloat16;
   std::vector<W*> pointers;
   for (const at::Tensor& o : outs) pointers.push_back(o.data_ptr<W>());
-  stacked_rows<W>(weights, first_row, M, K, x.to(at::kFloat).contiguous(), x, pointers, ldo);
+  stacked_rows<W>(weights, first_row, x.size(0), x.size(1), x.to(at::kFloat).contiguous(), x, pointers, ldo);
 }
 
 // short_conv_step's loop over the B x C channels (a few thousand: one thread), of width kWidth (0: `width`).
