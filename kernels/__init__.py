@@ -48,6 +48,12 @@ A Delta Net / Gated DeltaNet layer's whole decode step between its projections i
     fast_weight_token_step(q, k, v, num_heads, num_value_heads, *, beta_logits, beta_scale, decay, state,
                            conv_weights, conv_states, feature_map, sum_normalization, value_silu, l2_eps,
                            query_scale, norm_weight, norm_eps, gate, gate_activation)  # -> (out, state, conv states)
+
+and a whole RMSNorm / SwiGLU block's decode step around it in one C++ call (norm_linears, the token step, then
+swiglu_block), where both apply::
+
+    block_decode_step(x, norm_weights, eps, weights, num_heads, num_value_heads, *, has_beta, has_gate,
+                      decay_parameters, beta_scale, state, conv_weights, ...)      # -> (out, state, conv states)
 """
 import importlib
 import sys
@@ -81,7 +87,9 @@ else:
     from .linear_attention_kernels import linear_attention
     from .recurrent_delta_rule_kernels import recurrent_delta_rule
     from .rfwp_scan import ScanState
-    from .token_step import TOKEN_STEP_FEATURE_MAPS, fast_weight_token_step, token_step_applies
+    from .token_step import (
+        TOKEN_STEP_FEATURE_MAPS, block_decode_step, fast_weight_token_step, token_step_applies,
+    )
 
 __all__ = [
     "delta_rule",
@@ -102,6 +110,7 @@ __all__ = [
     "swiglu_block",
     "reusing_cpu_buffers",
     "fast_weight_token_step",
+    "block_decode_step",
     "token_step_applies",
     "TOKEN_STEP_FEATURE_MAPS",
     "MODES",

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import chunk
+from . import chunk, dense
 
 FEATURE_MAP_CODES = {"identity": 0, "silu": 1, "relu": 2, "elu": 3}  # phi as csrc/chunk_delta.cpp's token::FeatureMap
 GATE_ACTIVATION_CODES = {"silu": 1, "sigmoid": 2}
@@ -114,3 +114,90 @@ def fast_weight_token_step(
         new_conv_states, new_state, out,
     )
     return out, new_state, tuple(new_conv_states)
+
+
+def _conv_outputs(x: torch.Tensor, conv_weights: Sequence[torch.Tensor],
+                  conv_states: Sequence[Optional[torch.Tensor]]) -> Tuple[list, list]:
+    """The convolution states ``block_decode_step`` reads (zeros ``[B, C, K - 1]`` for None) and the ones it writes
+    (contiguous, in x's dtype)."""
+    states, new_states = [], []
+    for w, s in zip(conv_weights, conv_states):
+        if s is None:
+            s = x.new_zeros(x.shape[0], w.shape[0], w.shape[-1] - 1)
+        states.append(s)
+        new_states.append(x.new_empty(s.shape))
+    return states, new_states
+
+
+def block_decode_step(
+    x: torch.Tensor,
+    norm_weights: Tuple[torch.Tensor, torch.Tensor],
+    eps: Tuple[float, float],
+    weights: Sequence[torch.Tensor],
+    num_heads: int,
+    num_value_heads: int,
+    *,
+    has_beta: bool,
+    has_gate: bool,
+    decay_parameters: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    beta_scale: float = 1.0,
+    state: Optional[torch.Tensor] = None,
+    conv_weights: Sequence[torch.Tensor] = (),
+    conv_states: Sequence[Optional[torch.Tensor]] = (),
+    feature_map: str = "identity",
+    sum_normalization: bool = False,
+    value_silu: bool = False,
+    l2_eps: Optional[float] = None,
+    query_scale: Optional[float] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    gate_activation: str = "silu",
+) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, ...]]:
+    """A decode step of a whole pre-norm block with RMSNorms and a SwiGLU feed-forward around a fast-weight layer, in
+    one C++ call where ``block_ops_apply`` and ``token_step_applies`` (``csrc/decode_linear.cpp``,
+    ``block_decode_step``): ``norm_linears`` into the layer's projections, the layer's token step on them (as
+    :func:`fast_weight_token_step`), then ``swiglu_block``; the same values as those three calls.
+
+    Args:
+        x: ``[M, D]``; norm_weights: the block's two RMSNorm weights ``[D]``, `eps` their eps.
+        weights: the layer's projection weights ``[N_g, D]`` (q, k, v, then beta's where `has_beta`, the output
+            gate's where `has_gate`, the decay's where `decay_parameters` = ``(A_log [Hv], dt_bias [Hv])`` are given),
+            then ``o_proj`` ``[D, Hv * Dv]``, the feed-forward's gate and up ``[F, D]`` and down ``[D, F]``.
+        state .. gate_activation: the layer's as :func:`fast_weight_token_step` takes them (convolution weights ``[C,
+            1, K]`` or ``[C, K]``).
+    Returns:
+        ``(out [M, D], new state [M, Hv, Dv, Dk] float32, new conv states [M, C, K - 1] each)``; the inputs are not
+        written.
+    """
+    if len(weights) != 7 + has_beta + has_gate + (decay_parameters is not None):
+        raise ValueError(f"`weights` must hold the layer's {3 + has_beta + has_gate + (decay_parameters is not None)} "
+                         f"projection weights, o_proj's and the feed-forward's three, got {len(weights)}")
+    q_weight, v_weight = weights[0], weights[2]
+    if (num_heads < 1 or q_weight.shape[0] % num_heads or num_value_heads % num_heads
+            or v_weight.shape[0] % num_value_heads):
+        raise ValueError(f"`num_heads` ({num_heads}) must divide q's {q_weight.shape[0]} rows and `num_value_heads` "
+                         f"({num_value_heads}), which must divide v's {v_weight.shape[0]}")
+    if feature_map not in FEATURE_MAP_CODES or gate_activation not in GATE_ACTIVATION_CODES:
+        raise ValueError(f"`feature_map` must be one of {sorted(FEATURE_MAP_CODES)} and `gate_activation` one of "
+                         f"{sorted(GATE_ACTIVATION_CODES)}, got {feature_map!r}, {gate_activation!r}")
+    *projections, o_weight, gate_weight, up_weight, down_weight = weights
+    optional = [has_beta, has_gate, decay_parameters is not None]  # their outputs follow q, k, v in this order
+    beta_index, gate_index, decay_index = (3 + sum(optional[:i]) if optional[i] else -1 for i in range(3))
+    A_log, dt_bias = decay_parameters or (None, None)
+    states, new_states = _conv_outputs(x, conv_weights, conv_states)
+    new_state = x.new_empty(x.shape[0], num_value_heads, v_weight.shape[0] // num_value_heads,
+                            q_weight.shape[0] // num_heads, dtype=torch.float32)
+    out = torch.empty_like(x)
+    dense._CPU_KERNEL.ops.block_decode_step(
+        x, norm_weights[0], float(eps[0]), projections, _token_step_op_name(), beta_index, gate_index, decay_index,
+        A_log, dt_bias, list(conv_weights), states, state, norm_weight, num_heads, FEATURE_MAP_CODES[feature_map],
+        sum_normalization, value_silu, -1.0 if l2_eps is None else l2_eps, query_scale or 0.0, beta_scale, norm_eps,
+        GATE_ACTIVATION_CODES[gate_activation] if has_gate else 0, o_weight, norm_weights[1], float(eps[1]),
+        gate_weight, up_weight, down_weight, new_states, new_state, out,
+    )
+    return out, new_state, tuple(new_states)
+
+
+def _token_step_op_name() -> str:
+    """The qualified name of the chunk kernel's token_step op (``block_decode_step`` calls it by name)."""
+    return f"{chunk._CPU_KERNEL.ops.name}::token_step"

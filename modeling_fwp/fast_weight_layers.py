@@ -12,7 +12,7 @@ attribute selects.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +157,7 @@ class CausalConv1d(nn.Conv1d):
 
 
 QK_L2_EPS = 1e-6  # the L2 normalisation of q and k: x / sqrt(|x|^2 + eps) (flash-linear-attention's)
+CONV_STATE_NAMES = ("conv_q", "conv_k", "conv_v")  # the short convolutions' entries of a layer's state
 
 
 def l2_normalize(x: torch.Tensor, eps: float = QK_L2_EPS) -> torch.Tensor:
@@ -358,31 +359,46 @@ class FastWeightLinearAttention(nn.Module):
         mixed, new_state = self.token_step_from(project(hidden_states[:, 0], *self.token_step_projections()), state)
         return self.o_proj(mixed[:, None]), new_state
 
+    def token_step_settings(self, state: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        """The arguments of ``fwp_kernels.block_decode_step`` after the block's weights for a decode step of this layer
+        from `state`: its head counts, which of beta's, the output gate's and the decay's projections it has (their
+        outputs follow q, k, v in ``token_step_projections``' order), its decay parameters, states and options."""
+        modules = self._modules  # (dict reads, as weights_of)
+        decay, convs, o_norm = self._token_decay(), self._short_convs(), modules.get("o_norm")
+        feature_map = modules["feature_map"]
+        return {
+            "num_heads": self.num_heads, "num_value_heads": self.num_value_heads,
+            "has_beta": modules.get("beta_proj") is not None, "has_gate": modules.get("g_proj") is not None,
+            "decay_parameters": decay and decay[1:], "beta_scale": 2.0 if self.allow_neg_eigval else 1.0,
+            "state": state.get("fast_weight"), "conv_weights": weights_of(*convs),
+            "conv_states": [state.get(name) for name in CONV_STATE_NAMES[: len(convs)]],
+            "feature_map": feature_map.kind, "sum_normalization": feature_map.sum_normalization,
+            "value_silu": self.value_activation == "silu", "l2_eps": QK_L2_EPS if self.qk_l2_normalization else None,
+            "query_scale": self.query_scale, "norm_weight": None if o_norm is None else weights_of(o_norm)[0],
+            "norm_eps": 1e-6 if o_norm is None else o_norm.eps, "gate_activation": self.output_gate_activation_name,
+        }
+
+    @staticmethod
+    def token_step_state(fast_weight: torch.Tensor, conv_states: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The layer's state after a token step: the fast weight and the convolutions' states (q's, k's, v's)."""
+        return {"fast_weight": fast_weight, **dict(zip(CONV_STATE_NAMES, conv_states))}
+
     def token_step_from(self, projected: Tuple[torch.Tensor, ...], state: Dict[str, torch.Tensor]
                         ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """A decode step (``_token_step_applies``) from the outputs of ``token_step_projections`` (``[B, N_g]``
         each) up to the input of ``o_proj``, in one ``fwp_kernels.fast_weight_token_step`` call: ``(out [B, Hv *
         Dv], new state)``."""
-        modules = self._modules  # (dict reads, as weights_of)
-        decay = self._token_decay()
+        settings = self.token_step_settings(state)
         q, k, v, *rest = projected
-        beta_logits = rest.pop(0) if modules.get("beta_proj") is not None else None
-        gate = rest.pop(0) if modules.get("g_proj") is not None else None
-        convs = self._short_convs()
-        names = ("conv_q", "conv_k", "conv_v")[: len(convs)]
-        feature_map, o_norm = modules["feature_map"], modules.get("o_norm")
+        beta_logits = rest.pop(0) if settings.pop("has_beta") else None
+        gate = rest.pop(0) if settings.pop("has_gate") else None
+        decay = settings.pop("decay_parameters")
+        conv_weights = [w.view(w.shape[0], -1) for w in settings.pop("conv_weights")]
         out, fast_weight, conv_states = fast_weight_token_step(
-            q, k, v, self.num_heads, self.num_value_heads, beta_logits=beta_logits,
-            beta_scale=2.0 if self.allow_neg_eigval else 1.0, decay=decay and (rest[0], decay[1], decay[2]),
-            state=state.get("fast_weight"), conv_weights=[w.view(w.shape[0], -1) for w in weights_of(*convs)],
-            conv_states=[state.get(name) for name in names], feature_map=feature_map.kind,
-            sum_normalization=feature_map.sum_normalization, value_silu=self.value_activation == "silu",
-            l2_eps=QK_L2_EPS if self.qk_l2_normalization else None,
-            query_scale=self.query_scale, norm_weight=None if o_norm is None else weights_of(o_norm)[0],
-            norm_eps=1e-6 if o_norm is None else o_norm.eps, gate=gate,
-            gate_activation=self.output_gate_activation_name,
+            q, k, v, beta_logits=beta_logits, gate=gate, decay=decay and (rest[0], *decay),
+            conv_weights=conv_weights, **settings,
         )
-        return out, {"fast_weight": fast_weight, **dict(zip(names, conv_states))}
+        return out, self.token_step_state(fast_weight, conv_states)
 
     def forward(
         self, hidden_states: torch.Tensor, state: State = None, token_mask: Optional[torch.Tensor] = None

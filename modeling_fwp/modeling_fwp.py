@@ -12,7 +12,7 @@ from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
-from fwp_kernels import block_ops_apply, norm_linears, reusing_cpu_buffers, swiglu_block
+from fwp_kernels import block_decode_step, block_ops_apply, reusing_cpu_buffers
 from torch import nn
 from transformers import GenerationMixin
 from transformers.activations import ACT2FN, SiLUActivation
@@ -128,15 +128,13 @@ class FastWeightBlock(GradientCheckpointingLayer):
     def _decode_step(self, hidden_states: torch.Tensor, state, layer: nn.Module, eps: Tuple[float, float],
                      norm_weights: list, weights: list) -> Tuple[torch.Tensor, dict]:
         """``forward`` of a decode step (``_decode_plan``: the layer, the norms' eps and weights, the weights of the
-        layer's projections, ``o_proj`` and the feed-forward) in three C++ calls instead of a dozen ops and module
-        calls: the first norm with the layer's projections (``norm_linears``), the layer's token step
-        (``token_step_from``), then ``o_proj``, the residual, the second norm and the feed-forward with its residual
-        (``swiglu_block``); the same values as ``forward``'s unfused path."""
-        *projections, o_weight, gate_weight, up_weight, down_weight = weights
-        x = hidden_states[:, 0]
-        mixed, new_state = layer.token_step_from(norm_linears(x, norm_weights[0], eps[0], projections), state or {})
-        out = swiglu_block(x, mixed, o_weight, norm_weights[1], eps[1], gate_weight, up_weight, down_weight)
-        return out[:, None], new_state
+        layer's projections, ``o_proj`` and the feed-forward) in one C++ call instead of a dozen ops and module calls
+        (``fwp_kernels.block_decode_step``): the first norm with the layer's projections, its token step, then
+        ``o_proj``, the residual, the second norm and the feed-forward with its residual; the same values as
+        ``forward``'s unfused path."""
+        out, fast_weight, conv_states = block_decode_step(
+            hidden_states[:, 0], norm_weights, eps, weights, **layer.token_step_settings(state or {}))
+        return out[:, None], layer.token_step_state(fast_weight, conv_states)
 
 
 def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:

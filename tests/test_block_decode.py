@@ -1,8 +1,9 @@
-"""A pre-norm block's decode step in three C++ calls (``FastWeightBlock._decode_step``: ``fwp_kernels.norm_linears``,
-the fast-weight layer's token step, ``fwp_kernels.swiglu_block``) against the block's unfused ops: logits and every
-cache state bit for bit, both dtypes, one and two sequences, over several steps; the cases that keep the unfused ops
-(hooks, replaced modules, dropout at work, autograd, other norms and feed-forwards, padding, several positions). A
-traced step keeps the fused calls: tests/test_token_step.py::test_a_traced_decode_step_keeps_the_token_step."""
+"""A pre-norm block's decode step in one C++ call (``FastWeightBlock._decode_step``: ``fwp_kernels.block_decode_step``,
+which runs ``norm_linears``, the fast-weight layer's token step and ``swiglu_block``) against the block's unfused ops:
+logits and every cache state bit for bit, both dtypes, one and two sequences, over several steps; the cases that keep
+the unfused ops (hooks, replaced modules, dropout at work, autograd, other norms and feed-forwards, padding, several
+positions); the op against its three calls. A traced step keeps the fused call:
+tests/test_token_step.py::test_a_traced_decode_step_keeps_the_token_step."""
 import pytest
 import torch
 
@@ -33,11 +34,11 @@ def _model(name: str, dtype: torch.dtype, **options):
 
 
 def _counted(monkeypatch):
-    """The fused block ops' calls, by name, as the block makes them."""
+    """The fused block op's calls, by name, as the blocks make them."""
     calls = []
-    for name in ("norm_linears", "swiglu_block"):
-        real = getattr(modeling, name)
-        monkeypatch.setattr(modeling, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    real = modeling.block_decode_step
+    monkeypatch.setattr(modeling, "block_decode_step",
+                        lambda *a, **kw: calls.append("block_decode_step") or real(*a, **kw))
     return calls
 
 
@@ -60,7 +61,7 @@ def _decode(model, ids, steps: int, fused: bool):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("batch", [1, 2])
 def test_decode_step_equals_the_unfused_block(monkeypatch, name, dtype, batch):
-    """Every layer of every decode step through the fused calls (counted), with the unfused block's logits and
+    """Every layer of every decode step through the fused call (counted), with the unfused block's logits and
     states to the bit: the same functions compute every value (normalize_rows, the weight-streaming products, ATen's
     add, silu and mul)."""
     _kernels()
@@ -69,7 +70,7 @@ def test_decode_step_equals_the_unfused_block(monkeypatch, name, dtype, batch):
     want_logits, want_states = _decode(model, ids, 4, fused=False)
     calls = _counted(monkeypatch)
     got_logits, got_states = _decode(model, ids, 4, fused=True)
-    assert calls == ["norm_linears", "swiglu_block"] * (4 * SIZES["num_hidden_layers"])
+    assert calls == ["block_decode_step"] * (4 * SIZES["num_hidden_layers"])
     for got, want in zip(got_logits, want_logits):
         assert torch.equal(got, want)
     for got, want in zip(got_states, want_states):
@@ -94,7 +95,7 @@ def test_decode_step_keeps_the_unfused_block_where_it_cannot_stand_in(monkeypatc
     unfused block; autograd and a padded step too. The unhooked model takes the fused calls."""
     _kernels()
     model = _model("fla_delta_net", torch.float32)
-    assert len(_one_step_calls(monkeypatch, model)) == 2 * SIZES["num_hidden_layers"]
+    assert len(_one_step_calls(monkeypatch, model)) == SIZES["num_hidden_layers"]
     block = model.model.layers[0]
     for module in (block.feed_forward.down_proj, block.ff_norm, block.fast_weight.o_proj, block.fast_weight,
                    block.feed_forward.act, block.fast_weight.beta_proj):
@@ -102,13 +103,13 @@ def test_decode_step_keeps_the_unfused_block_where_it_cannot_stand_in(monkeypatc
         handle = module.register_forward_hook(lambda *args: fired.append(1))
         calls = _one_step_calls(monkeypatch, model)
         handle.remove()
-        assert fired == [1, 1] and len(calls) == 2 * (SIZES["num_hidden_layers"] - 1), module  # prefill, step
+        assert fired == [1, 1] and len(calls) == SIZES["num_hidden_layers"] - 1, module  # prefill, step
     block.fast_weight_norm.forward = block.fast_weight_norm.forward  # a forward of the instance's own
-    assert len(_one_step_calls(monkeypatch, model)) == 2 * (SIZES["num_hidden_layers"] - 1)
+    assert len(_one_step_calls(monkeypatch, model)) == SIZES["num_hidden_layers"] - 1
     del block.fast_weight_norm.forward
     original = block.feed_forward.up_proj
     block.feed_forward.up_proj = torch.nn.Linear(SIZES["hidden_size"], SIZES["intermediate_size"], bias=False)
-    assert len(_one_step_calls(monkeypatch, model)) == 2 * (SIZES["num_hidden_layers"] - 1)
+    assert len(_one_step_calls(monkeypatch, model)) == SIZES["num_hidden_layers"] - 1
     block.feed_forward.up_proj = original
     mask = torch.tensor([[1, 1, 1, 1]])
     assert _one_step_calls(monkeypatch, model, attention_mask=mask)  # an all-ones mask: no padding, fused
@@ -158,3 +159,45 @@ def test_block_ops_equal_the_ops_they_stand_in_for(dtype, rows):
     with pytest.raises(ValueError, match="`mixed`"):
         dense.swiglu_block(x, mixed[:, :-1], o_weight, norm_weight, 1e-5, gate, up, down)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_block_decode_step_equals_its_three_calls(name, dtype):
+    """block_decode_step: norm_linears, the layer's token step (``token_step_from``) and swiglu_block, bit for bit,
+    from a carried state with a non-contiguous convolution state and from no state; a float32 convolution state of a
+    bfloat16 layer is rounded first, as the layer's Python rounds it; bad arguments name themselves."""
+    _kernels()
+    block = _model(name, dtype).model.layers[0]
+    layer, ff = block.fast_weight, block.feed_forward
+    norm_weights = [block.fast_weight_norm.weight, block.ff_norm.weight]
+    eps = (block.fast_weight_norm.eps, block.ff_norm.eps)
+    projections = [m.weight for m in layer.token_step_projections()]
+    weights = projections + [layer.o_proj.weight, ff.gate_proj.weight, ff.up_proj.weight, ff.down_proj.weight]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, SIZES["hidden_size"], generator=gen).to(dtype)
+    with torch.no_grad():
+        carried = layer(torch.randn(2, 3, SIZES["hidden_size"], generator=gen).to(dtype))[1]
+        conv_q = carried["conv_q"]
+        carried["conv_q"] = conv_q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+        assert not carried["conv_q"].is_contiguous()
+        wide = dict(carried, conv_k=carried["conv_k"].float())
+        for state in (carried, {}, wide):
+            out, fast_weight, conv_states = modeling.block_decode_step(x, norm_weights, eps, weights,
+                                                                       **layer.token_step_settings(state))
+            rounded = dict(state, conv_k=state["conv_k"].to(dtype)) if state else state
+            mixed, want_state = layer.token_step_from(
+                dense.norm_linears(x, norm_weights[0], eps[0], projections), rounded)
+            want = dense.swiglu_block(x, mixed, *weights[-4:-3], norm_weights[1], eps[1], *weights[-3:])
+            got_state = layer.token_step_state(fast_weight, conv_states)
+            assert torch.equal(out, want) and sorted(got_state) == sorted(want_state)
+            assert all(torch.equal(got_state[key], want_state[key]) for key in want_state)
+        settings = layer.token_step_settings(carried)
+        with pytest.raises(ValueError, match="`weights`"):
+            modeling.block_decode_step(x, norm_weights, eps, weights[1:], **settings)
+        with pytest.raises(ValueError, match="`num_heads`"):
+            modeling.block_decode_step(x, norm_weights, eps, weights, **dict(settings, num_heads=5))
+        with pytest.raises(ValueError, match="`feature_map`"):
+            modeling.block_decode_step(x, norm_weights, eps, weights, **dict(settings, feature_map="dpfp"))
+        with pytest.raises(RuntimeError, match="token_step"):  # the op's own checks: q's rows against the heads
+            modeling.block_decode_step(x, norm_weights, eps, [weights[0][:-2]] + weights[1:], **settings)

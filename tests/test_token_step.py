@@ -51,10 +51,14 @@ def _layer(name: str, dtype: torch.dtype, seed: int = 0):
 
 
 def _counted(monkeypatch):
+    """The fused token steps, as a layer makes them (``fast_weight_token_step``) or an RMSNorm / SwiGLU block around
+    it (``block_decode_step``, whose C++ calls the token step's op)."""
+    import modeling_fwp.modeling_fwp as modeling
+
     calls = []
-    real = fast_weight_layers.fast_weight_token_step
-    monkeypatch.setattr(fast_weight_layers, "fast_weight_token_step",
-                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    for module, name in ((fast_weight_layers, "fast_weight_token_step"), (modeling, "block_decode_step")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, _real=real, **kwargs: calls.append(1) or _real(*args, **kwargs))
     return calls
 
 
@@ -167,13 +171,14 @@ def test_greedy_decoding_with_the_token_step_equals_the_unfused_ops(monkeypatch,
 
 
 @pytest.mark.parametrize("config,ops", [
-    (GatedDeltaNetConfig(**SIZES), ("token_step",)),
-    (DeltaNetConfig(**SIZES, **FLA_DELTA_NET), ("norm_linear_rows", "token_step", "swiglu_block_rows")),  # fused block
+    (GatedDeltaNetConfig(**SIZES, norm_type="layer_norm"), ("token_step",)),  # the layer's token step alone
+    (GatedDeltaNetConfig(**SIZES), ("block_decode_step",)),
+    (DeltaNetConfig(**SIZES, **FLA_DELTA_NET), ("block_decode_step",)),  # the fused block (its C++ calls token_step)
 ])
 def test_a_traced_decode_step_keeps_the_token_step(config, ops):
     """``torch.compile`` traces the fused calls as the ops they are (they only write their ``out`` arguments: torch
-    generates their fake kernels), one graph for the whole step, with eager's logits: the layers' token step, and in
-    an RMSNorm / SwiGLU block the block's own two calls around it (tests/test_block_decode.py)."""
+    generates their fake kernels), one graph for the whole step, with eager's logits: the layers' token step, or in
+    an RMSNorm / SwiGLU block the block's one call (tests/test_block_decode.py)."""
     _kernel()
     from transformers import AutoModelForCausalLM
 

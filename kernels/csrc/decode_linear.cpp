@@ -17,6 +17,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
 #include <c10/core/CPUAllocator.h>
@@ -28,6 +29,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -445,6 +447,84 @@ void swiglu_block_rows(const at::Tensor& x, const at::Tensor& mixed, const at::T
   at::add_out(result, h, update);
 }
 
+// The fast-weight layer's token step (csrc/chunk_delta.cpp's token_step, in the chunk kernel's library), called
+// through the dispatcher: its C++ signature, and the handle of the op named `name` (looked up once per name).
+using TokenStep = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, at::TensorList,
+                       at::TensorList, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                       int64_t, bool, bool, double, double, double, double, int64_t, at::TensorList,
+                       const at::Tensor&, const at::Tensor&);
+
+c10::TypedOperatorHandle<TokenStep> token_step_op(c10::string_view name) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, c10::TypedOperatorHandle<TokenStep>> handles;
+  const std::string key(name);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = handles.find(key);
+  if (found == handles.end()) {
+    TORCH_CHECK(key.size() > 12 && key.compare(key.size() - 12, 12, "::token_step") == 0,
+                "fwp_dense.block_decode_step: `token_step` must name a token_step op, got ", key);
+    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(key.c_str(), "").typed<TokenStep>();
+    found = handles.emplace(key, handle).first;
+  }
+  return found->second;
+}
+
+std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& x) {
+  return x.has_value() ? std::optional<at::Tensor>(x->contiguous()) : std::nullopt;
+}
+
+// A decode step of a whole pre-norm block with RMSNorms and a SwiGLU feed-forward around a fast-weight layer's token
+// step, in one call (modeling_fwp's FastWeightBlock, fla's Delta Nets and Gated DeltaNets): norm_linear_rows into the
+// layer's projections (q, k, v, then beta's, the output gate's and the decay's at beta_index, gate_index, decay_index,
+// -1 where the layer has none), the token step on them (the token_step op named `token_step`, taking the layer's
+// parameters, states and options after them as that op does: A_log .. gate_activation, new_conv_states, S_out), then
+// swiglu_block_rows into out. Python calls one op per block and token instead of three, and none of the
+// allocations, views and contiguity calls between them: a decode step's Python runs 2-3 times slower between the
+// weight reads than alone (the norm_linear_rows comment). Each value is the three calls' own. Convolution weights
+// [C, 1, K] or [C, K]; convolution states converted to x's dtype and, as S and the optional tensors, made contiguous
+// as the layer's Python does for the op.
+void block_decode_step(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                       at::TensorList projection_weights, c10::string_view token_step, int64_t beta_index,
+                       int64_t gate_index, int64_t decay_index,
+                       const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
+                       at::TensorList conv_weights, at::TensorList conv_states, const std::optional<at::Tensor>& S,
+                       const std::optional<at::Tensor>& o_norm_weight, int64_t num_heads, int64_t feature_map,
+                       bool sum_normalization, bool value_silu, double l2_eps, double query_scale, double beta_scale,
+                       double o_norm_eps, int64_t gate_activation, const at::Tensor& o_weight,
+                       const at::Tensor& ff_norm_weight, double ff_eps, const at::Tensor& gate_weight,
+                       const at::Tensor& up_weight, const at::Tensor& down_weight, at::TensorList new_conv_states,
+                       const at::Tensor& S_out, const at::Tensor& out) {
+  const int64_t P = static_cast<int64_t>(projection_weights.size());
+  TORCH_CHECK(x.dim() == 2 && P >= 3 && o_weight.dim() == 2, "fwp_dense.block_decode_step: x [M, D], at least the q, "
+              "k, v projection weights and o_weight [D, Dv] expected");
+  int64_t given = 0;  // the optional projections the layer has
+  for (int64_t index : {beta_index, gate_index, decay_index}) {
+    TORCH_CHECK(index == -1 || (index >= 3 && index < P), "fwp_dense.block_decode_step: a projection index must be -1 "
+                "or in [3, ", P, "), got ", index);
+    given += index >= 0;
+  }
+  TORCH_CHECK(P == 3 + given && (beta_index < 0 || (beta_index != gate_index && beta_index != decay_index)) &&
+                  (gate_index < 0 || gate_index != decay_index),
+              "fwp_dense.block_decode_step: one projection weight each for q, k, v and the indices given");
+  const at::Tensor rows = x.contiguous();
+  std::vector<at::Tensor> projected;
+  for (const at::Tensor& w : projection_weights) projected.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
+  norm_linear_rows(rows, norm_weight, eps, projection_weights, projected);
+  auto output = [&](int64_t index) { return index < 0 ? std::nullopt : std::optional<at::Tensor>(projected[index]); };
+  std::vector<at::Tensor> weights, states;
+  for (const at::Tensor& w : conv_weights) weights.push_back(w.dim() == 3 ? w.reshape({w.size(0), -1}) : w);
+  for (const at::Tensor& s : conv_states) states.push_back(s.to(x.scalar_type()).contiguous());
+  const at::Tensor mixed = at::empty({x.size(0), o_weight.size(1)}, x.options());
+  token_step_op(token_step).call(projected[0], projected[1], projected[2], output(beta_index), output(decay_index),
+                                 A_log, dt_bias, output(gate_index), weights, states, contiguous_or_none(S),
+                                 contiguous_or_none(o_norm_weight), num_heads, feature_map, sum_normalization,
+                                 value_silu, l2_eps, query_scale, beta_scale, o_norm_eps, gate_activation,
+                                 new_conv_states, S_out, mixed);
+  swiglu_block_rows(rows, mixed, o_weight, ff_norm_weight, ff_eps, gate_weight, up_weight, down_weight, out);
+}
+
 // Large CPU buffers kept for reuse while a model runs (reuse_buffers_enter / reuse_buffers_exit). A forward over many
 // positions allocates and frees tensors of a few MB to a few hundred MB, the same sizes in every layer. glibc returns
 // them to the system when they are freed (fresh mappings above its mmap threshold, a trimmed heap top below it), so
@@ -588,6 +668,12 @@ FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def("norm_linear_rows(Tensor x, Tensor norm_weight, float eps, Tensor[] weights, Tensor(a!)[] outs) -> ()");
   m.def("swiglu_block_rows(Tensor x, Tensor mixed, Tensor o_weight, Tensor norm_weight, float eps, Tensor gate_weight, "
         "Tensor up_weight, Tensor down_weight, Tensor(a!) out) -> ()");
+  m.def("block_decode_step(Tensor x, Tensor norm_weight, float eps, Tensor[] projection_weights, str token_step, "
+        "int beta_index, int gate_index, int decay_index, Tensor? A_log, Tensor? dt_bias, Tensor[] conv_weights, "
+        "Tensor[] conv_states, Tensor? S, Tensor? o_norm_weight, int num_heads, int feature_map, "
+        "bool sum_normalization, bool value_silu, float l2_eps, float query_scale, float beta_scale, float o_norm_eps, "
+        "int gate_activation, Tensor o_weight, Tensor ff_norm_weight, float ff_eps, Tensor gate_weight, "
+        "Tensor up_weight, Tensor down_weight, Tensor(a!)[] new_conv_states, Tensor(b!) S_out, Tensor(c!) out) -> ()");
   m.def("short_conv_step(Tensor x, Tensor cache, Tensor weight, Tensor(a!) y, Tensor(b!) new_cache) -> ()");
   m.def("short_conv(Tensor x, Tensor cache, Tensor weight, Tensor(a!) y, Tensor(b!) new_cache) -> ()");
   m.def("normalize_rows(Tensor x, Tensor? weight, float eps, bool mean_square, Tensor(a!) out) -> ()");
@@ -601,6 +687,7 @@ FWP_TORCH_LIBRARY_IMPL(FWP_OP_NAMESPACE, CPU, m) {
   m.impl("linear_rows_grouped", &linear_rows_grouped);
   m.impl("norm_linear_rows", &norm_linear_rows);
   m.impl("swiglu_block_rows", &swiglu_block_rows);
+  m.impl("block_decode_step", &block_decode_step);
   m.impl("short_conv_step", &short_conv_step);
   m.impl("short_conv", &short_conv);
   m.impl("normalize_rows", &normalize_rows);
