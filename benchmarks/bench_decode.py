@@ -11,9 +11,12 @@ For each dtype and thread count, measured side by side in one process (round-rob
 - ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run) for
   every projection, the ones that share one streaming pass in ``ours`` (a layer's q, k, v, beta; gate and up) too, and
   so the blocks' decode step unfused (``unfused_block`` below: its fused calls stream the weights themselves);
+- ``three_call_block``, decode steps only: the model as shipped but for the blocks' decode step, which makes three
+  calls, ``fwp_kernels.norm_linears``, the fast-weight layer's token step and ``fwp_kernels.swiglu_block``, and the
+  tensor calls between them, instead of one ``fwp_kernels.block_decode_step`` (the model of 2026-12-01 morning);
 - ``unfused_block``, decode steps only: the model as shipped but for the blocks' decode step, which calls their norms,
-  projections, feed-forward and residuals one by one around the fast-weight layer's token step instead of
-  ``fwp_kernels.norm_linears`` and ``fwp_kernels.swiglu_block`` (the model before 2026-12-01);
+  projections, feed-forward and residuals one by one around the fast-weight layer's token step (the model before
+  2026-12-01);
 - ``unfused_step``, decode steps only: neither fused step: the dozen small ops between a fast-weight layer's
   projections one by one too, instead of one ``fwp_kernels.fast_weight_token_step`` call (the model before
   2026-11-29);
@@ -27,7 +30,8 @@ Bounds, from peaks measured in the same process: decode ms/token against "bytes 
 (every weight but the input embedding, of which one row, plus the recurrent state read and written once; the read
 bandwidth of ``x.sum()`` over 512 MB, the median of five reads just before or the best of the reads between the timed
 steps, whichever is faster: the VM's bandwidth drifts from minute to minute, and one run on 2026-11-28 that had only
-the reads before decoded at 0.90x its "bound"), and prefill tokens/s against "matmul FLOPs / matmul peak" (2 FLOPs per
+the reads before decoded at 0.90x its "bound"; beside it, ``decode_of_round_bound``: the median over the rounds of
+each step against the bound of the read just before its round, which follows the drift), and prefill tokens/s against "matmul FLOPs / matmul peak" (2 FLOPs per
 weight per token plus the chunkwise delta rule's, ``bench_kernels.chunk_flops``; the peak of a 2048^3 matmul in the
 model's dtype).
 
@@ -64,8 +68,18 @@ from training.result_file import RunRecord, summarize  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode.json"
 VARIANTS = ("ours", "f_linear")
 BATCH_VARIANTS = VARIANTS + ("one_row_streaming",)  # --batch_size > 1
-DECODE_ONLY_VARIANTS = ("unfused_block", "unfused_step")  # their prefill is ours
+DECODE_ONLY_VARIANTS = ("three_call_block", "unfused_block", "unfused_step")  # their prefill is ours
 PREFILL_ONLY_VARIANTS = ("no_buffer_reuse",)  # its decode steps are ours (they never enter the scope)
+
+
+def three_call_decode_step(self, hidden_states, state, layer, eps, norm_weights, weights):
+    """``FastWeightBlock._decode_step`` in three calls, as before ``fwp_kernels.block_decode_step``: the first norm with
+    the layer's projections, the layer's token step from them, then the rest of the block."""
+    *projections, o_weight, gate_weight, up_weight, down_weight = weights
+    x = hidden_states[:, 0]
+    mixed, new_state = layer.token_step_from(dense.norm_linears(x, norm_weights[0], eps[0], projections), state or {})
+    out = dense.swiglu_block(x, mixed, o_weight, norm_weights[1], eps[1], gate_weight, up_weight, down_weight)
+    return out[:, None], new_state
 
 
 # What each variant changes in the shipped model: (object, attribute, stand-in) for the time it runs.
@@ -77,6 +91,7 @@ VARIANT_PATCHES = {
                  (fast_weight_layers, "dense_linears",
                   lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights)),
                  (modeling_fwp.FastWeightBlock, "_decode_plan", lambda *args: None)),  # (its ops stream the weights)
+    "three_call_block": ((modeling_fwp.FastWeightBlock, "_decode_step", three_call_decode_step),),
     "unfused_block": ((modeling_fwp.FastWeightBlock, "_decode_plan", lambda *args: None),),
     "unfused_step": ((fast_weight_layers, "token_step_applies", lambda *tensors: False),),  # (the block's too)
     "one_row_streaming": ((dense, "STREAMING_MAX_ROWS", 1),),
@@ -87,7 +102,8 @@ VARIANT_PATCHES = {
 @contextlib.contextmanager
 def variant(name: str):
     """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear);
-    ``unfused_block``: as shipped, the blocks' decode step op by op around the layers' token step; ``unfused_step``:
+    ``three_call_block``: as shipped, the blocks' decode step in three calls; ``unfused_block``: as shipped, the
+    blocks' decode step op by op around the layers' token step; ``unfused_step``:
     as shipped, neither decode step fused; ``one_row_streaming``: as shipped, the
     weight-streaming kernel for one row of input only; ``no_buffer_reuse``: as shipped, without
     ``reusing_cpu_buffers``. Each swaps what ``VARIANT_PATCHES`` names and puts it back."""
@@ -139,6 +155,47 @@ def warm_up(compiled, tokens: torch.Tensor, cache) -> float:
     return time.perf_counter() - t0
 
 
+def round_robin(decoders: dict, tokens: dict, caches: dict, steps: int, probe: torch.Tensor) -> tuple:
+    """``steps`` timed rounds after two of warm-up, each a read of `probe` then a decode step of every decoder in turn:
+    (step ms by decoder, each step's last logits by decoder, the reads' seconds, warm-up included)."""
+    step_times = {name: [] for name in decoders}
+    step_logits = {name: [] for name in decoders}
+    read_times = []
+    for step in range(steps + 2):
+        t0 = time.perf_counter()
+        probe.sum()  # the read bandwidth beside the steps, where it was while they ran
+        read_times.append(time.perf_counter() - t0)
+        for name, (decoder, setting) in decoders.items():
+            with variant(setting):
+                t0 = time.perf_counter()
+                out = decoder(tokens[name], use_cache=True, **{CACHE_ARGUMENT: caches[name]})
+                elapsed = time.perf_counter() - t0
+            caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
+            step_logits[name].append(out.logits[:, -1].float())
+            if step >= 2:
+                step_times[name].append(elapsed * 1e3)
+    return step_times, step_logits, read_times
+
+
+def decode_result(times: list, bound_ms: float, round_bounds_ms: list) -> dict:
+    """A decoder's step ms (summarized), the median against the run's bound and the median over the rounds of each
+    step against its round's own bound."""
+    decode = summarize(times)
+    return {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
+            "decode_of_round_bound": summarize([t / b for t, b in zip(times, round_bounds_ms)])["median"]}
+
+
+def prefill_rates(model, variants: tuple, ids: torch.Tensor, prefill: int, quick: bool) -> dict:
+    """Prefill seconds (``timings``) of `prefill` tokens of `ids` under each of `variants`."""
+    fns = {}
+    for name in variants:
+        def run(name=name):
+            with variant(name):
+                model(ids[:, :prefill], use_cache=True)
+        fns[name] = run
+    return timings(fns, 1 if not quick else 2)
+
+
 @torch.inference_mode()
 def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_size: int = 1,
             compiled=None) -> dict:
@@ -152,13 +209,7 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
         decoders["compiled"] = (compiled, "ours")
     ids = torch.randint(3, model.config.vocab_size, (batch_size, max(prefill, context)),
                         generator=torch.Generator().manual_seed(0))
-    prefill_fns = {}
-    for name in variants + PREFILL_ONLY_VARIANTS:
-        def run(name=name):
-            with variant(name):
-                model(ids[:, :prefill], use_cache=True)
-        prefill_fns[name] = run
-    prefill_t = timings(prefill_fns, 1 if not quick else 2)
+    prefill_t = prefill_rates(model, variants + PREFILL_ONLY_VARIANTS, ids, prefill, quick)
     caches, tokens, logits = {}, {}, {}
     for name, (_, setting) in decoders.items():
         with variant(setting):  # (the compiled model's context: the shipped model's prefill)
@@ -167,51 +218,35 @@ def measure(model, prefill: int, context: int, steps: int, quick: bool, batch_si
         logits[name] = out.logits[:, -1].float()
     if compiled is not None:
         compile_s = warm_up(compiled, tokens["compiled"], caches["compiled"])
-    step_times = {name: [] for name in decoders}
-    step_logits = {name: [] for name in decoders}
-    probe, read_times = torch.ones(peak["read_probe_mb"] * 2**20 // 4), []
-    for step in range(steps + 2):  # round-robin: a step of each in turn; the first two are warm-up
-        t0 = time.perf_counter()
-        probe.sum()  # the read bandwidth beside the steps, where it was while they ran
-        read_times.append(time.perf_counter() - t0)
-        for name, (decoder, setting) in decoders.items():
-            with variant(setting):
-                t0 = time.perf_counter()
-                out = decoder(tokens[name], use_cache=True, **{CACHE_ARGUMENT: caches[name]})
-                elapsed = time.perf_counter() - t0
-            caches[name], tokens[name] = output_cache(out), out.logits[:, -1:].argmax(-1)
-            step_logits[name].append(out.logits[:, -1].float())
-            if step >= 2:
-                step_times[name].append(elapsed * 1e3)
+    probe = torch.ones(peak["read_probe_mb"] * 2**20 // 4)
+    step_times, step_logits, read_times = round_robin(decoders, tokens, caches, steps, probe)
     # the bound: the best read rate of the run (before the steps or between them): the machine's bandwidth drifts
     between = summarize(read_times[2:])  # seconds: "best" is the fastest read
     peak["read_gbs_between_steps"] = {k: probe.numel() * 4 / between[k] / 1e9 for k in ("best", "median")}
     peak["read_gbs"] = max(peak["read_gbs"], peak["read_gbs_between_steps"]["best"])
-    bound_ms = bytes_per_token(model, caches["ours"]) / (peak["read_gbs"] * 1e9) * 1e3  # a step reads the weights once
+    nbytes = bytes_per_token(model, caches["ours"])
+    bound_ms = nbytes / (peak["read_gbs"] * 1e9) * 1e3  # a step reads the weights once
+    round_bounds_ms = [nbytes / (probe.numel() * 4 / t) * 1e3 for t in read_times[2:]]  # each round's own read
     bound_tokens_per_s = prefill / (prefill_flops(model, prefill) / (peak["matmul_gflops"] * 1e9))
     assert fast_weight_layers.Linear.forward is not torch.nn.Linear.forward, "the variants got mixed up"
     assert dense.STREAMING_MAX_ROWS >= batch_size or batch_size == 1, "the shipped setting streams this batch's rows"
     result = {"peaks": peak, "decode_bound_ms": bound_ms, "prefill_bound_tokens_per_s": bound_tokens_per_s,
               "prefill_logits_max_abs_difference": (logits["ours"] - logits["f_linear"]).abs().max().item()}
-    for name in variants:
-        decode = summarize(step_times[name])
+    for name in variants + PREFILL_ONLY_VARIANTS:
         rate = batch_size * prefill / prefill_t[name]["median"]
-        result[name] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
-                        "prefill_tokens_per_s": rate, "prefill_of_bound": rate / bound_tokens_per_s}
+        result[name] = {"prefill_tokens_per_s": rate, "prefill_of_bound": rate / bound_tokens_per_s}
+        if name in variants:
+            result[name].update(decode_result(step_times[name], bound_ms, round_bounds_ms))
+        else:
+            result[f"prefill_speedup_vs_{name}"] = result["ours"]["prefill_tokens_per_s"] / rate
     result["decode_speedup"] = (result["f_linear"]["decode_ms_per_token"]["median"]
                                 / result["ours"]["decode_ms_per_token"]["median"])
     result["prefill_speedup"] = result["ours"]["prefill_tokens_per_s"] / result["f_linear"]["prefill_tokens_per_s"]
-    for name in PREFILL_ONLY_VARIANTS:
-        rate = batch_size * prefill / prefill_t[name]["median"]
-        result[name] = {"prefill_tokens_per_s": rate, "prefill_of_bound": rate / bound_tokens_per_s}
-        result[f"prefill_speedup_vs_{name}"] = result["ours"]["prefill_tokens_per_s"] / rate
     for name in [n for n in decoders if n not in variants]:  # decode only: against ours' steps
-        decode = summarize(step_times[name])
-        result[name] = {"decode_ms_per_token": decode, "decode_of_bound": decode["median"] / bound_ms,
-                        "same_tokens_as_ours": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in
-                                                   zip(step_logits["ours"], step_logits[name])),
-                        "logits_max_abs_difference": max((a - b).abs().max().item() for a, b in
-                                                         zip(step_logits["ours"], step_logits[name]))}
+        pairs = list(zip(step_logits["ours"], step_logits[name]))
+        result[name] = {**decode_result(step_times[name], bound_ms, round_bounds_ms),
+                        "same_tokens_as_ours": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs),
+                        "logits_max_abs_difference": max((a - b).abs().max().item() for a, b in pairs)}
     for name in DECODE_ONLY_VARIANTS:
         result[f"decode_speedup_vs_{name}"] = (result[name]["decode_ms_per_token"]["median"]
                                                / result["ours"]["decode_ms_per_token"]["median"])
@@ -237,9 +272,10 @@ def print_table(results: dict) -> None:
                       f"{r['one_row_streaming']['decode_ms_per_token']['median']:.1f}: "
                       f"{r['decode_speedup_vs_one_row_streaming']:.2f}x faster")
             print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x "
-                  f"the bound {r['decode_bound_ms']:.1f}), F.linear {f['decode_ms_per_token']['median']:.1f} "
+                  f"the bound {r['decode_bound_ms']:.1f}; {o['decode_of_round_bound']:.2f}x each round's), F.linear {f['decode_ms_per_token']['median']:.1f} "
                   f"({f['decode_of_bound']:.2f}x); ours {r['decode_speedup']:.2f}x faster")
-            for name, what in (("unfused_block", "the blocks' ops one by one"),
+            for name, what in (("three_call_block", "the blocks' step in three calls"),
+                               ("unfused_block", "the blocks' ops one by one"),
                                ("unfused_step", "the blocks' and the layers' small ops one by one")):
                 u = r[name]
                 print(f"    decode ms/token with {what}: {u['decode_ms_per_token']['median']:.1f} "
