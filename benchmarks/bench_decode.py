@@ -31,9 +31,9 @@ Bounds, from peaks measured in the same process: decode ms/token against "bytes 
 bandwidth of ``x.sum()`` over 512 MB, the median of five reads just before or the best of the reads between the timed
 steps, whichever is faster: the VM's bandwidth drifts from minute to minute, and one run on 2026-11-28 that had only
 the reads before decoded at 0.90x its "bound"; beside it, ``decode_of_round_bound``: the median over the rounds of
-each step against the bound of the read just before its round, which follows the drift), and prefill tokens/s against "matmul FLOPs / matmul peak" (2 FLOPs per
-weight per token plus the chunkwise delta rule's, ``bench_kernels.chunk_flops``; the peak of a 2048^3 matmul in the
-model's dtype).
+each step against the bound of the read just before its round, which follows the drift), and prefill tokens/s
+against "matmul FLOPs / matmul peak" (2 FLOPs per weight per token plus the chunkwise delta rule's,
+``bench_kernels.chunk_flops``; the peak of a 2048^3 matmul in the model's dtype).
 
     python benchmarks/bench_decode.py                 # about 10 minutes on an idle 2-core CPU, 8 GB of memory
     python benchmarks/bench_decode.py --quick         # a toy model, seconds: checks that it runs
@@ -272,8 +272,9 @@ def print_table(results: dict) -> None:
                       f"{r['one_row_streaming']['decode_ms_per_token']['median']:.1f}: "
                       f"{r['decode_speedup_vs_one_row_streaming']:.2f}x faster")
             print(f"    decode ms/token: ours {o['decode_ms_per_token']['median']:.1f} ({o['decode_of_bound']:.2f}x "
-                  f"the bound {r['decode_bound_ms']:.1f}; {o['decode_of_round_bound']:.2f}x each round's), F.linear {f['decode_ms_per_token']['median']:.1f} "
-                  f"({f['decode_of_bound']:.2f}x); ours {r['decode_speedup']:.2f}x faster")
+                  f"the bound {r['decode_bound_ms']:.1f}; {o['decode_of_round_bound']:.2f}x each round's), "
+                  f"F.linear {f['decode_ms_per_token']['median']:.1f} ({f['decode_of_bound']:.2f}x); "
+                  f"ours {r['decode_speedup']:.2f}x faster")
             for name, what in (("three_call_block", "the blocks' step in three calls"),
                                ("unfused_block", "the blocks' ops one by one"),
                                ("unfused_step", "the blocks' and the layers' small ops one by one")):

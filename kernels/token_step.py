@@ -10,7 +10,7 @@ store one (bfloat16 follows them step by step; sums and the state in float32); m
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -129,6 +129,12 @@ def _conv_outputs(x: torch.Tensor, conv_weights: Sequence[torch.Tensor],
     return states, new_states
 
 
+# fast_weight_token_step's keyword arguments that block_decode_step takes as they are, with their defaults
+LAYER_OPTIONS = {"beta_scale": 1.0, "state": None, "conv_weights": (), "conv_states": (), "feature_map": "identity",
+                 "sum_normalization": False, "value_silu": False, "l2_eps": None, "query_scale": None,
+                 "norm_weight": None, "norm_eps": 1e-6, "gate_activation": "silu"}
+
+
 def block_decode_step(
     x: torch.Tensor,
     norm_weights: Tuple[torch.Tensor, torch.Tensor],
@@ -140,18 +146,7 @@ def block_decode_step(
     has_beta: bool,
     has_gate: bool,
     decay_parameters: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    beta_scale: float = 1.0,
-    state: Optional[torch.Tensor] = None,
-    conv_weights: Sequence[torch.Tensor] = (),
-    conv_states: Sequence[Optional[torch.Tensor]] = (),
-    feature_map: str = "identity",
-    sum_normalization: bool = False,
-    value_silu: bool = False,
-    l2_eps: Optional[float] = None,
-    query_scale: Optional[float] = None,
-    norm_weight: Optional[torch.Tensor] = None,
-    norm_eps: float = 1e-6,
-    gate_activation: str = "silu",
+    **options: Any,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, ...]]:
     """A decode step of a whole pre-norm block with RMSNorms and a SwiGLU feed-forward around a fast-weight layer, in
     one C++ call where ``block_ops_apply`` and ``token_step_applies`` (``csrc/decode_linear.cpp``,
@@ -163,12 +158,16 @@ def block_decode_step(
         weights: the layer's projection weights ``[N_g, D]`` (q, k, v, then beta's where `has_beta`, the output
             gate's where `has_gate`, the decay's where `decay_parameters` = ``(A_log [Hv], dt_bias [Hv])`` are given),
             then ``o_proj`` ``[D, Hv * Dv]``, the feed-forward's gate and up ``[F, D]`` and down ``[D, F]``.
-        state .. gate_activation: the layer's as :func:`fast_weight_token_step` takes them (convolution weights ``[C,
-            1, K]`` or ``[C, K]``).
+        options: the layer's, as :func:`fast_weight_token_step` takes them (``LAYER_OPTIONS``: beta_scale, state,
+            conv_weights ``[C, 1, K]`` or ``[C, K]``, conv_states, ..., gate_activation).
     Returns:
         ``(out [M, D], new state [M, Hv, Dv, Dk] float32, new conv states [M, C, K - 1] each)``; the inputs are not
         written.
     """
+    if not options.keys() <= LAYER_OPTIONS.keys():
+        raise TypeError(f"block_decode_step() takes the options {sorted(LAYER_OPTIONS)}, got "
+                        f"{sorted(options.keys() - LAYER_OPTIONS.keys())}")
+    o = {**LAYER_OPTIONS, **options}
     if len(weights) != 7 + has_beta + has_gate + (decay_parameters is not None):
         raise ValueError(f"`weights` must hold the layer's {3 + has_beta + has_gate + (decay_parameters is not None)} "
                          f"projection weights, o_proj's and the feed-forward's three, got {len(weights)}")
@@ -177,22 +176,23 @@ def block_decode_step(
             or v_weight.shape[0] % num_value_heads):
         raise ValueError(f"`num_heads` ({num_heads}) must divide q's {q_weight.shape[0]} rows and `num_value_heads` "
                          f"({num_value_heads}), which must divide v's {v_weight.shape[0]}")
-    if feature_map not in FEATURE_MAP_CODES or gate_activation not in GATE_ACTIVATION_CODES:
+    if o["feature_map"] not in FEATURE_MAP_CODES or o["gate_activation"] not in GATE_ACTIVATION_CODES:
         raise ValueError(f"`feature_map` must be one of {sorted(FEATURE_MAP_CODES)} and `gate_activation` one of "
-                         f"{sorted(GATE_ACTIVATION_CODES)}, got {feature_map!r}, {gate_activation!r}")
+                         f"{sorted(GATE_ACTIVATION_CODES)}, got {o['feature_map']!r}, {o['gate_activation']!r}")
     *projections, o_weight, gate_weight, up_weight, down_weight = weights
     optional = [has_beta, has_gate, decay_parameters is not None]  # their outputs follow q, k, v in this order
     beta_index, gate_index, decay_index = (3 + sum(optional[:i]) if optional[i] else -1 for i in range(3))
     A_log, dt_bias = decay_parameters or (None, None)
-    states, new_states = _conv_outputs(x, conv_weights, conv_states)
+    states, new_states = _conv_outputs(x, o["conv_weights"], o["conv_states"])
     new_state = x.new_empty(x.shape[0], num_value_heads, v_weight.shape[0] // num_value_heads,
                             q_weight.shape[0] // num_heads, dtype=torch.float32)
     out = torch.empty_like(x)
     dense._CPU_KERNEL.ops.block_decode_step(
         x, norm_weights[0], float(eps[0]), projections, _token_step_op_name(), beta_index, gate_index, decay_index,
-        A_log, dt_bias, list(conv_weights), states, state, norm_weight, num_heads, FEATURE_MAP_CODES[feature_map],
-        sum_normalization, value_silu, -1.0 if l2_eps is None else l2_eps, query_scale or 0.0, beta_scale, norm_eps,
-        GATE_ACTIVATION_CODES[gate_activation] if has_gate else 0, o_weight, norm_weights[1], float(eps[1]),
+        A_log, dt_bias, list(o["conv_weights"]), states, o["state"], o["norm_weight"], num_heads,
+        FEATURE_MAP_CODES[o["feature_map"]], o["sum_normalization"], o["value_silu"],
+        -1.0 if o["l2_eps"] is None else o["l2_eps"], o["query_scale"] or 0.0, o["beta_scale"], o["norm_eps"],
+        GATE_ACTIVATION_CODES[o["gate_activation"]] if has_gate else 0, o_weight, norm_weights[1], float(eps[1]),
         gate_weight, up_weight, down_weight, new_states, new_state, out,
     )
     return out, new_state, tuple(new_states)

@@ -199,5 +199,7 @@ def test_block_decode_step_equals_its_three_calls(name, dtype):
             modeling.block_decode_step(x, norm_weights, eps, weights, **dict(settings, num_heads=5))
         with pytest.raises(ValueError, match="`feature_map`"):
             modeling.block_decode_step(x, norm_weights, eps, weights, **dict(settings, feature_map="dpfp"))
+        with pytest.raises(TypeError, match="options"):
+            modeling.block_decode_step(x, norm_weights, eps, weights, **dict(settings, gate=x))
         with pytest.raises(RuntimeError, match="token_step"):  # the op's own checks: q's rows against the heads
             modeling.block_decode_step(x, norm_weights, eps, [weights[0][:-2]] + weights[1:], **settings)
