@@ -167,7 +167,7 @@ def block_decode_step(
     if not options.keys() <= LAYER_OPTIONS.keys():
         raise TypeError(f"block_decode_step() takes the options {sorted(LAYER_OPTIONS)}, got "
                         f"{sorted(options.keys() - LAYER_OPTIONS.keys())}")
-    o = {**LAYER_OPTIONS, **options}
+    layer = {**LAYER_OPTIONS, **options}  # the layer's options, defaults filled in
     if len(weights) != 7 + has_beta + has_gate + (decay_parameters is not None):
         raise ValueError(f"`weights` must hold the layer's {3 + has_beta + has_gate + (decay_parameters is not None)} "
                          f"projection weights, o_proj's and the feed-forward's three, got {len(weights)}")
@@ -176,23 +176,24 @@ def block_decode_step(
             or v_weight.shape[0] % num_value_heads):
         raise ValueError(f"`num_heads` ({num_heads}) must divide q's {q_weight.shape[0]} rows and `num_value_heads` "
                          f"({num_value_heads}), which must divide v's {v_weight.shape[0]}")
-    if o["feature_map"] not in FEATURE_MAP_CODES or o["gate_activation"] not in GATE_ACTIVATION_CODES:
+    if layer["feature_map"] not in FEATURE_MAP_CODES or layer["gate_activation"] not in GATE_ACTIVATION_CODES:
         raise ValueError(f"`feature_map` must be one of {sorted(FEATURE_MAP_CODES)} and `gate_activation` one of "
-                         f"{sorted(GATE_ACTIVATION_CODES)}, got {o['feature_map']!r}, {o['gate_activation']!r}")
+                         f"{sorted(GATE_ACTIVATION_CODES)}, got {layer['feature_map']!r}, {layer['gate_activation']!r}")
     *projections, o_weight, gate_weight, up_weight, down_weight = weights
     optional = [has_beta, has_gate, decay_parameters is not None]  # their outputs follow q, k, v in this order
     beta_index, gate_index, decay_index = (3 + sum(optional[:i]) if optional[i] else -1 for i in range(3))
     A_log, dt_bias = decay_parameters or (None, None)
-    states, new_states = _conv_outputs(x, o["conv_weights"], o["conv_states"])
+    states, new_states = _conv_outputs(x, layer["conv_weights"], layer["conv_states"])
     new_state = x.new_empty(x.shape[0], num_value_heads, v_weight.shape[0] // num_value_heads,
                             q_weight.shape[0] // num_heads, dtype=torch.float32)
     out = torch.empty_like(x)
     dense._CPU_KERNEL.ops.block_decode_step(
         x, norm_weights[0], float(eps[0]), projections, _token_step_op_name(), beta_index, gate_index, decay_index,
-        A_log, dt_bias, list(o["conv_weights"]), states, o["state"], o["norm_weight"], num_heads,
-        FEATURE_MAP_CODES[o["feature_map"]], o["sum_normalization"], o["value_silu"],
-        -1.0 if o["l2_eps"] is None else o["l2_eps"], o["query_scale"] or 0.0, o["beta_scale"], o["norm_eps"],
-        GATE_ACTIVATION_CODES[o["gate_activation"]] if has_gate else 0, o_weight, norm_weights[1], float(eps[1]),
+        A_log, dt_bias, list(layer["conv_weights"]), states, layer["state"], layer["norm_weight"], num_heads,
+        FEATURE_MAP_CODES[layer["feature_map"]], layer["sum_normalization"], layer["value_silu"],
+        -1.0 if layer["l2_eps"] is None else layer["l2_eps"], layer["query_scale"] or 0.0, layer["beta_scale"],
+        layer["norm_eps"],
+        GATE_ACTIVATION_CODES[layer["gate_activation"]] if has_gate else 0, o_weight, norm_weights[1], float(eps[1]),
         gate_weight, up_weight, down_weight, new_states, new_state, out,
     )
     return out, new_state, tuple(new_states)
