@@ -41,13 +41,33 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: 
     if q.dim() != 2 or k.shape != q.shape or v.dim() != 2 or v.shape[0] != q.shape[0]:
         raise ValueError(f"`q`, `k` must be [B, H * Dk] and `v` [B, Hv * Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    if num_heads < 1 or q.shape[1] % num_heads or num_value_heads % num_heads or v.shape[1] % num_value_heads:
-        raise ValueError(f"`num_heads` ({num_heads}) must divide q's {q.shape[1]} columns and `num_value_heads` "
-                         f"({num_value_heads}), which must divide v's {v.shape[1]}")
+    _check_heads_and_options(q.shape[1], v.shape[1], num_heads, num_value_heads, feature_map, gate_activation)
+
+
+def _check_heads_and_options(q_width: int, v_width: int, num_heads: int, num_value_heads: int, feature_map: str,
+                             gate_activation: str) -> None:
+    """ValueError naming the argument unless the head counts divide q's and v's widths (H * Dk, Hv * Dv) and the
+    options are ones the op has."""
+    if num_heads < 1 or q_width % num_heads or num_value_heads % num_heads or v_width % num_value_heads:
+        raise ValueError(f"`num_heads` ({num_heads}) must divide q's {q_width} columns and `num_value_heads` "
+                         f"({num_value_heads}), which must divide v's {v_width}")
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"`feature_map` must be one of {sorted(FEATURE_MAP_CODES)}, got {feature_map!r}")
     if gate_activation not in GATE_ACTIVATION_CODES:
         raise ValueError(f"`gate_activation` must be one of {sorted(GATE_ACTIVATION_CODES)}, got {gate_activation!r}")
+
+
+def _conv_outputs(x: torch.Tensor, conv_weights: Sequence[torch.Tensor],
+                  conv_states: Sequence[Optional[torch.Tensor]]) -> Tuple[list, list]:
+    """The convolution states the token step reads (zeros ``[B, C, K - 1]`` in x's dtype for None; the others as
+    given) and new ones for it to write (contiguous, in x's dtype); conv_weights ``[C, K]`` or ``[C, 1, K]``."""
+    states, new_states = [], []
+    for w, s in zip(conv_weights, conv_states):
+        if s is None:
+            s = x.new_zeros(x.shape[0], w.shape[0], w.shape[-1] - 1)
+        states.append(s)
+        new_states.append(x.new_empty(s.shape))
+    return states, new_states
 
 
 def fast_weight_token_step(
@@ -97,11 +117,8 @@ def fast_weight_token_step(
     B = q.shape[0]
     Dk, Dv = q.shape[1] // num_heads, v.shape[1] // num_value_heads
     conv_weights = [w.contiguous() for w in conv_weights or ()]
-    conv_states = [
-        q.new_zeros(B, w.shape[0], w.shape[1] - 1) if s is None else s.to(q.dtype).contiguous()
-        for w, s in zip(conv_weights, conv_states or [None] * len(conv_weights))
-    ]
-    new_conv_states = [torch.empty_like(s) for s in conv_states]
+    conv_states, new_conv_states = _conv_outputs(q, conv_weights, conv_states or [None] * len(conv_weights))
+    conv_states = [s.to(q.dtype).contiguous() for s in conv_states]
     new_state = q.new_empty(B, num_value_heads, Dv, Dk, dtype=torch.float32)
     out = torch.empty_like(v)
     a, A_log, dt_bias = decay or (None, None, None)
@@ -114,19 +131,6 @@ def fast_weight_token_step(
         new_conv_states, new_state, out,
     )
     return out, new_state, tuple(new_conv_states)
-
-
-def _conv_outputs(x: torch.Tensor, conv_weights: Sequence[torch.Tensor],
-                  conv_states: Sequence[Optional[torch.Tensor]]) -> Tuple[list, list]:
-    """The convolution states ``block_decode_step`` reads (zeros ``[B, C, K - 1]`` for None) and the ones it writes
-    (contiguous, in x's dtype)."""
-    states, new_states = [], []
-    for w, s in zip(conv_weights, conv_states):
-        if s is None:
-            s = x.new_zeros(x.shape[0], w.shape[0], w.shape[-1] - 1)
-        states.append(s)
-        new_states.append(x.new_empty(s.shape))
-    return states, new_states
 
 
 # fast_weight_token_step's keyword arguments that block_decode_step takes as they are, with their defaults
@@ -171,14 +175,9 @@ def block_decode_step(
     if len(weights) != 7 + has_beta + has_gate + (decay_parameters is not None):
         raise ValueError(f"`weights` must hold the layer's {3 + has_beta + has_gate + (decay_parameters is not None)} "
                          f"projection weights, o_proj's and the feed-forward's three, got {len(weights)}")
-    q_weight, v_weight = weights[0], weights[2]
-    if (num_heads < 1 or q_weight.shape[0] % num_heads or num_value_heads % num_heads
-            or v_weight.shape[0] % num_value_heads):
-        raise ValueError(f"`num_heads` ({num_heads}) must divide q's {q_weight.shape[0]} rows and `num_value_heads` "
-                         f"({num_value_heads}), which must divide v's {v_weight.shape[0]}")
-    if layer["feature_map"] not in FEATURE_MAP_CODES or layer["gate_activation"] not in GATE_ACTIVATION_CODES:
-        raise ValueError(f"`feature_map` must be one of {sorted(FEATURE_MAP_CODES)} and `gate_activation` one of "
-                         f"{sorted(GATE_ACTIVATION_CODES)}, got {layer['feature_map']!r}, {layer['gate_activation']!r}")
+    q_weight, v_weight = weights[0], weights[2]  # their rows: q's and v's columns
+    _check_heads_and_options(q_weight.shape[0], v_weight.shape[0], num_heads, num_value_heads, layer["feature_map"],
+                             layer["gate_activation"])
     *projections, o_weight, gate_weight, up_weight, down_weight = weights
     optional = [has_beta, has_gate, decay_parameters is not None]  # their outputs follow q, k, v in this order
     beta_index, gate_index, decay_index = (3 + sum(optional[:i]) if optional[i] else -1 for i in range(3))
