@@ -307,12 +307,14 @@ void column_block(int64_t m, int64_t w, int64_t steps, const typename F::Element
 // bfloat16 pairs of rows there (tile's kPairs; pair row stride pairs_ld elements, 16-column groups written whole).
 // Never inlined: how GCC inlined it into its callers moved with their number (one more call site made the bfloat16
 // forward at T = 8-16 10-15% slower, side by side in one process; out of line every caller runs as fast as before).
+// `lines`: the calling thread's PacedLines (paced_lines(), looked up once per sequence by the chunk loops: a
+// thread_local of a loaded library is a call of __tls_get_addr each time, 2-3% of the bfloat16 forward's samples,
+// B1 H8 T4096 D64, 1 thread, when every product looked it up).
 template <typename F>
 __attribute__((noinline)) void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element* A,
                                            int64_t a_row, int64_t a_step, const typename F::Element* B, int64_t b_step,
-                                           float alpha, float* C, int64_t ldc, float beta, uint16_t* pairs = nullptr,
-                                           int64_t pairs_ld = 0) {
-  PacedLines& lines = paced_lines();  // (a thread_local of a loaded library: a call of __tls_get_addr each time)
+                                           float alpha, float* C, int64_t ldc, float beta, PacedLines& lines,
+                                           uint16_t* pairs = nullptr, int64_t pairs_ld = 0) {
   for (int64_t j = 0; j < n; j += 64) {
     const int64_t w = std::min<int64_t>(64, n - j);
     const typename F::Element* Bj = B + F::kPerStep * j;
@@ -384,8 +386,13 @@ inline void transpose_into(int64_t rows, int64_t cols, const W* x, int64_t ld, W
 template <typename F>
 struct VectorGemm;
 
+// A VectorGemm's `lines`: the PacedLines of the thread that runs its products (on_this_thread), or nullptr: looked up
+// at each product.
+inline PacedLines& lines_or_thread(PacedLines* lines) { return lines != nullptr ? *lines : paced_lines(); }
+
 template <>
 struct VectorGemm<Float32Factors> {
+  PacedLines* lines = nullptr;
   void operator()(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) const {
     const float* Bk = B;  // op(B) row-major [k, n]
@@ -396,7 +403,8 @@ struct VectorGemm<Float32Factors> {
       Bk = t;
       b_step = n;
     }
-    vector_gemm<Float32Factors>(m, n, k, A, trans_a ? 1 : lda, trans_a ? lda : 1, Bk, b_step, alpha, C, ldc, beta);
+    vector_gemm<Float32Factors>(m, n, k, A, trans_a ? 1 : lda, trans_a ? lda : 1, Bk, b_step, alpha, C, ldc, beta,
+                                lines_or_thread(lines));
   }
 };
 
@@ -506,6 +514,7 @@ float pairs_dot(int64_t k, int64_t n, const bf16_bits* a, const bf16_bits* b, in
 
 template <>
 struct VectorGemm<Bfloat16Factors> {
+  PacedLines* lines = nullptr;
   void operator()(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) const {
     const int64_t kp = (k + 1) / 2, np = round_up(n, 16);
@@ -529,7 +538,7 @@ struct VectorGemm<Bfloat16Factors> {
       round_rows(m, k, A, lda, Ap, 2 * kp);
       a_row = 2 * kp, a_step = 2;
     }
-    vector_gemm<Bfloat16Factors>(m, n, kp, Ap, a_row, a_step, Bp, 2 * np, alpha, C, ldc, beta);
+    vector_gemm<Bfloat16Factors>(m, n, kp, Ap, a_row, a_step, Bp, 2 * np, alpha, C, ldc, beta, lines_or_thread(lines));
   }
 };
 #endif  // FWP_NATIVE_BF16
@@ -762,9 +771,11 @@ struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
   bf16_bits* Kt;  // K^T in pairs of positions: pair p of row j = (K[2p][j], K[2p + 1][j])     [C / 2, mp, 2]
   bf16_bits* P;   // tril(Q K^T) rounded, rows of positions padded to even                      [C, C + 1]
   bf16_bits* U;   // U' in pairs of rows                                                        [C / 2, nvp, 2]
-  ChunkProducts(const VectorGemm<Bfloat16Factors>&, int64_t C, int64_t Dk, int64_t Dv, int64_t ld, float*, float* Z)
+  PacedLines& lines;
+  ChunkProducts(const VectorGemm<Bfloat16Factors>& gemm, int64_t C, int64_t Dk, int64_t Dv, int64_t ld, float*,
+                float* Z)
       : Dk(Dk), Dv(Dv), ld(ld), k2(round_up(Dk, 2)), np(round_up(Dv + C, 16)), mp(round_up(Dk, 16)),
-        nvp(round_up(Dv, 16)), Z(Z) {
+        nvp(round_up(Dv, 16)), Z(Z), lines(lines_or_thread(gemm.lines)) {
     const int64_t cp = (C + 1) / 2;
     X = scratch<bf16_bits>(2, 2 * C * k2 + k2 * np + 2 * cp * mp + C * 2 * cp + 2 * cp * nvp);
     B = X + 2 * C * k2;
@@ -786,21 +797,22 @@ struct ChunkProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     // pair p of column Dv + i of K^T is pair p of row i of K: a transpose of 32-bit pairs
     transpose_into(c, k2 / 2, reinterpret_cast<const pair_bits*>(Kr), k2 / 2, reinterpret_cast<pair_bits*>(B) + Dv, np);
     if (Kr == Qr + cq * k2)  // stacked: one product
-      return vector_gemm<Bfloat16Factors>(rows, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, 0.f);
-    if (cq > 0) vector_gemm<Bfloat16Factors>(cq, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, 0.f);
+      return vector_gemm<Bfloat16Factors>(rows, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, 0.f, lines);
+    if (cq > 0) vector_gemm<Bfloat16Factors>(cq, Dv + c, k2 / 2, Qr, k2, 2, B, 2 * np, 1.f, Y, ld, 0.f, lines);
     if (rows > cq)
-      vector_gemm<Bfloat16Factors>(rows - cq, Dv + c, k2 / 2, Kr, k2, 2, B, 2 * np, 1.f, Y + cq * ld, ld, 0.f);
+      vector_gemm<Bfloat16Factors>(rows - cq, Dv + c, k2 / 2, Kr, k2, 2, B, 2 * np, 1.f, Y + cq * ld, ld, 0.f,
+                                   lines);
   }
   void writes_and_reads(int64_t, int64_t, const float* Un, float decay) {
     const int64_t cp = (c + 1) / 2;
     pack_pairs(c, Dv, Un, Dv, U, nvp);
     // S^T <- decay S^T + K^T U', S^T's pairs for the next chunk's first product written from the tiles' registers
-    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, decay, B, 2 * np);
+    vector_gemm<Bfloat16Factors>(Dk, Dv, cp, Kt, 2, 2 * mp, U, 2 * nvp, 1.f, Z, ld, decay, lines, B, 2 * np);
     state_in_B = true;
     if (cq == 0) return;
     float* O = Z + Dk * ld;
     round_rows(cq, c, O + Dv, ld, P, 2 * cp);
-    vector_gemm<Bfloat16Factors>(cq, Dv, cp, P, 2 * cp, 2, U, 2 * nvp, 1.f, O, ld, 1.f);  // O += P U'
+    vector_gemm<Bfloat16Factors>(cq, Dv, cp, P, 2 * cp, 2, U, 2 * nvp, 1.f, O, ld, 1.f, lines);  // O += P U'
   }
 
  private:
@@ -839,8 +851,23 @@ inline PacedLines* paced_lines_of(const Gemm&) {
 }
 #ifdef FWP_VECTOR_PRODUCTS
 template <typename F>
-inline PacedLines* paced_lines_of(const VectorGemm<F>&) {
-  return &paced_lines();
+inline PacedLines* paced_lines_of(const VectorGemm<F>& gemm) {
+  return &lines_or_thread(gemm.lines);
+}
+#endif
+
+// The policy for the products of one sequence on the calling thread: VectorGemm's with the thread's PacedLines (looked
+// up once, not at every product), any other as it is.
+template <typename Gemm>
+inline Gemm on_this_thread(const Gemm& gemm) {
+  return gemm;
+}
+#ifdef FWP_VECTOR_PRODUCTS
+template <typename F>
+inline VectorGemm<F> on_this_thread(const VectorGemm<F>& gemm) {
+  VectorGemm<F> bound = gemm;
+  bound.lines = &paced_lines();
+  return bound;
 }
 #endif
 
@@ -1047,7 +1074,8 @@ void decay_products(const Decays<T>& d, int64_t cq, int64_t c, int64_t rows, int
 template <typename T, typename Gemm, typename In = T, typename G = In>
 void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
                        const In* beta, const G* g, T* S, std::type_identity_t<In>* o, const ForwardRecord<T>& record,
-                       T* work, const Gemm& gemm) {
+                       T* work, const Gemm& policy) {
+  const Gemm gemm = on_this_thread(policy);
   // The state is kept transposed, St = S^T [Dk, Dv], beside K^T [Dk, c], and the chunk's queries and keys are stacked,
   // X = [Q; K] [2c, Dk]. One buffer Z [Dk + 2C, Dv + C] (row stride ld) holds
   //   rows 0 .. Dk:             [ S^T | K^T ]
@@ -1338,7 +1366,9 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
   bf16_bits* arena;
   bf16_bits* dS_pairs;         // dS' as pairs, written by the previous chunk's last update of dS (after the arena)
   bool dS_pairs_kept = false;  // whether they are there
-  BackwardProducts(const VectorGemm<Bfloat16Factors>&, int64_t C, int64_t Dk, int64_t Dv) : Dk(Dk), Dv(Dv) {
+  PacedLines& lines;
+  BackwardProducts(const VectorGemm<Bfloat16Factors>& gemm, int64_t C, int64_t Dk, int64_t Dv)
+      : Dk(Dk), Dv(Dv), lines(lines_or_thread(gemm.lines)) {
     const int64_t side = round_up(std::max({C, Dk, Dv}), 16);  // no form is larger than side x side
     capacity = kMostForms * (side * side + 32);
     arena = scratch<bf16_bits>(3, capacity + state_pairs_size(Dk, Dv));
@@ -1388,13 +1418,13 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
                   float* C, int64_t ldc) const {
     const bool a_pairs = a.form == Form::kPairs;
     vector_gemm<Bfloat16Factors>(m, n, (k + 1) / 2, a.x, a_pairs ? 2 : a.ld, a_pairs ? a.ld : 2, b.x, b.ld, alpha, C,
-                                 ldc, beta);
+                                 ldc, beta, lines);
   }
   // dS's pairs for the next chunk written from the registers of its last update (the tiles' kPairs), not packed again
   void update_state_gradient(int64_t k, const Operand& a, const Operand& b, float alpha, float* dS) {
     const bool a_pairs = a.form == Form::kPairs;
     vector_gemm<Bfloat16Factors>(Dv, Dk, (k + 1) / 2, a.x, a_pairs ? 2 : a.ld, a_pairs ? a.ld : 2, b.x, b.ld, alpha, dS,
-                                 Dk, 1.f, dS_pairs, 2 * round_up(Dk, 16));
+                                 Dk, 1.f, lines, dS_pairs, 2 * round_up(Dk, 16));
     dS_pairs_kept = true;
   }
   Operand state_gradient_pairs(const float* dS) {
@@ -1610,7 +1640,8 @@ void output_gradients(int64_t c, int64_t Dk, int64_t Dv, const T* Q, const T* K,
 template <typename T, typename Gemm, typename In = T, typename Out = In, typename G = In, typename GOut = Out>
 void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q, const In* k, const In* v,
                         const In* beta, const G* g, const ForwardRecord<T>& kept, const In* dout, T* dS, Out* dq,
-                        Out* dk, Out* dv, Out* dbeta, GOut* dg, T* work, const Gemm& gemm) {
+                        Out* dk, Out* dv, Out* dbeta, GOut* dg, T* work, const Gemm& policy) {
+  const Gemm gemm = on_this_thread(policy);
   const BackwardBuffers<T> w(work, C, Dk, Dv);
   using Products = BackwardProducts<T, Gemm, In>;
   Products mm(gemm, C, Dk, Dv);
