@@ -122,6 +122,36 @@ def _streaming_kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_streaming_linear_threads_write_every_row_once(dtype, threads):
+    """csrc/decode_linear.cpp's parallel_rows: each thread streams its share of the rows in grabs of 256 KB, then
+    takes grabs from the shares not yet done; with several grabs per share (uneven ones at 3 threads) every row of
+    out is written, with the one-thread sums bit for bit, for linear_rows and the grouped pass over stacked weights."""
+    _streaming_kernel()
+    ops = dense._CPU_KERNEL.ops
+    g = torch.Generator().manual_seed(threads)
+    K = 64  # 256 KB of weights per grab: 1024 float32 rows, 2048 bfloat16 rows
+    weights = [torch.randn(n, K, generator=g).to(dtype) for n in (4099, 2050, 6151)]
+    x = torch.randn(2, K, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for t in (1, threads):
+            torch.set_num_threads(t)
+            out = torch.full((2, weights[0].shape[0]), float("nan"), dtype=dtype)
+            ops.linear_rows(x, weights[0], None, out)
+            grouped = torch.full((2, sum(w.shape[0] for w in weights)), float("nan"), dtype=dtype)
+            ops.linear_rows_grouped(x, weights, grouped)
+            results[t] = (out, grouped)
+    finally:
+        torch.set_num_threads(before)
+    for one, many in zip(results[1], results[threads]):
+        assert not many.isnan().any()
+        assert torch.equal(one, many)
+    torch.testing.assert_close(results[1][1][:, :4099], results[1][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,N,K", [(1, 37, 40), (1, 300, 129), (3, 43, 7)])  # N and K no multiples of 4 / 16
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_streaming_linear_matches_float64(dtype, rows, N, K, with_bias):
