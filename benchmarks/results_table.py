@@ -697,6 +697,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen5_one_call_batch2.json", decode_batch_rows),
     ("benchmarks/results/bench_cpu_zen5_session58.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen5_session58.json", decode_rows),
+    ("benchmarks/results/bench_decode_zen5_session58_slow_state.json", decode_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),
