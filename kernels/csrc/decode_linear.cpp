@@ -5,7 +5,8 @@
 // read bandwidth in float32 (MKL's sgemm on an AMD CPU) and less in bfloat16 (benchmarks/bench_cpu.py, "linear_rows",
 // prints both beside this kernel and x.sum()).
 // Here the rows of W are split over the threads (parallel_rows: a share each, then what is left of the others');
-// every row is streamed once, with independent sums for the vector unit, with x (a few KB) in L1. float32 W accumulates in float32;
+// every row is streamed once, with independent sums for the vector unit, with x (a few KB) in L1. float32 W
+// accumulates in float32;
 // bfloat16 W is widened to float32 on the fly (a shift: bf16 is the upper half of a float32), or multiplied in pairs
 // by AVX-512 BF16's dot product where the CPU has it, and accumulates in float32, the output rounded to bfloat16
 // once, as oneDNN's bf16 matmul does.
@@ -154,13 +155,16 @@ template <typename F>
 void parallel_rows(int64_t N, int64_t grain, const F& f) {
   const int64_t T = std::min<int64_t>(at::get_num_threads(), (N + grain - 1) / grain);
   if (T <= 1 || at::in_parallel_region()) return f(0, N);
-  std::vector<std::atomic<int64_t>> front(T);
-  for (int64_t t = 0; t < T; ++t) front[t] = N * t / T;
+  struct alignas(64) Front {  // a cache line each: the threads' grabs do not contend for one line
+    std::atomic<int64_t> next;
+  };
+  std::vector<Front> front(T);
+  for (int64_t t = 0; t < T; ++t) front[t].next = N * t / T;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t d = 0; d < T; ++d) {  // its own share first, then the others' in turn
         const int64_t share = (t + d) % T, last = N * (share + 1) / T;
-        for (int64_t n0; (n0 = front[share].fetch_add(grain)) < last;) f(n0, std::min(n0 + grain, last));
+        for (int64_t n0; (n0 = front[share].next.fetch_add(grain)) < last;) f(n0, std::min(n0 + grain, last));
       }
     }
   });
