@@ -34,26 +34,29 @@ SOURCE = "kernels/csrc/chunk_delta.cpp"
 RULES = {"delta": delta_rule, "gated": gated_delta_rule}
 
 
-def base_ops(revision: str):
-    """The torch ops of csrc/chunk_delta.cpp as it was at `revision` (built once per source, like the package's)."""
-    text = subprocess.run(["git", "show", f"{revision}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True,
+def base_ops(revision: str, source: str = SOURCE, namespace: str = "fwp_chunk", op: str = "chunk_forward"):
+    """The torch ops of `source` (default csrc/chunk_delta.cpp; its ops' `namespace` and one `op` it registers) as it
+    was at `revision` (built once per source, like the package's)."""
+    text = subprocess.run(["git", "show", f"{revision}:{source}"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout
-    kernel = cpp_build.CompiledCpuKernel(Path(f"/nonexistent/{revision}/chunk_delta.cpp"), text, "fwp_chunk",
-                                         "chunk_forward", cpp_build.KERNEL_CFLAGS)
+    kernel = cpp_build.CompiledCpuKernel(Path(f"/nonexistent/{revision}/{Path(source).name}"), text, namespace, op,
+                                         cpp_build.KERNEL_CFLAGS)
     if not kernel.available():
-        raise RuntimeError(f"the C++ chunk kernel at {revision} did not build: {kernel.status}")
+        raise RuntimeError(f"the C++ kernel {source} at {revision} did not build: {kernel.status}")
     return kernel.ops
 
 
-def with_ops(ops, fn: Callable) -> Callable:
-    """`fn` run on the kernel build `ops` (swapped into fwp_kernels' chunk kernel for the call)."""
+def with_ops(ops, fn: Callable, kernel=None) -> Callable:
+    """`fn` run on the kernel build `ops` (swapped into `kernel`, default fwp_kernels' chunk kernel, for the call)."""
+    kernel = chunk._CPU_KERNEL if kernel is None else kernel
+
     def call():
-        package = chunk._CPU_KERNEL.ops
-        object.__setattr__(chunk._CPU_KERNEL, "ops", ops)
+        package = kernel.ops
+        object.__setattr__(kernel, "ops", ops)
         try:
             return fn()
         finally:
-            object.__setattr__(chunk._CPU_KERNEL, "ops", package)
+            object.__setattr__(kernel, "ops", package)
     return call
 
 
