@@ -101,6 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision whose csrc/chunk_delta.cpp is the baseline")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that the script runs")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds per case (default: 9 at T = 4096, 15 at T = 16)")
     parser.add_argument("--out", default=str(RESULTS), help="default: benchmarks/results/bench_chunk_builds.json")
     args = parser.parse_args()
     record = RunRecord.start("python benchmarks/bench_chunk_builds.py")
@@ -111,6 +113,8 @@ def main() -> None:
     lengths = {"long": (4096, 9, 1), "short": (16, 15, 50)}
     if args.quick:
         lengths = {"long": (256, 2, 1), "short": (16, 2, 5)}
+    if args.rounds is not None:
+        lengths = {label: (T, args.rounds, calls) for label, (T, _, calls) in lengths.items()}
     results = {"base": args.base, "quick": args.quick, "cases": {}}
     threads_before = torch.get_num_threads()
     print(f"ms per call, median (best); base {args.base} / package, ratio of medians")
