@@ -239,6 +239,30 @@ def cpu_limit_rows(s: Source) -> List[Row]:
     return rows
 
 
+def version_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_versions.py: this checkout against the kernels at an earlier commit, per thread count: the
+    T = 4096 cases and the short-T cases as their range of base / this (of the medians over processes, and of the best
+    calls), with the slowest case named."""
+    rows = []
+    for th, cases in (s.get("threads") or {}).items():
+        for label, pick in (("T = 4096, fwd and fwd+bwd, fp32 and bf16", lambda c: c.startswith("T")),
+                            ("short T (1-16, B*H 8 and 32), fwd, step loop / chunk / auto", lambda c: c.startswith("BH"))):
+            chosen = {c: r for c, r in cases.items() if pick(c)}
+            if not chosen:
+                continue
+            medians = {c: r["base_over_this"] for c, r in chosen.items()}
+            bests = {c: r["best_base_over_this"] for c, r in chosen.items()}
+            slow_m, slow_b = min(medians, key=medians.get), min(bests, key=bests.get)
+            rows.append([
+                f"every case of bench_kernels' tables vs commit {s.get('base')} (before issue 18), {label}, "
+                f"{th} thread(s)",
+                f"**base / this {min(medians.values()):.2f}-{max(medians.values()):.2f}x** (medians; lowest "
+                f"{slow_m}); best calls {min(bests.values()):.2f}-{max(bests.values()):.2f}x (lowest {slow_b})",
+                f"the same calls on `fwp_kernels` at {s.get('base')}, in alternating processes",
+                "nothing slower"])
+    return rows
+
+
 def training_rows(s: Source) -> List[Row]:
     lengths = list(s.get("lengths") or {})[:2] or ["256", "1024"]
     batch = s.get("batch")
@@ -698,6 +722,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_cpu_zen5_session58.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen5_session58.json", decode_rows),
     ("benchmarks/results/bench_decode_zen5_session58_slow_state.json", decode_rows),
+    ("benchmarks/results/bench_versions.json", version_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),
