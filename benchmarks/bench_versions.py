@@ -22,6 +22,7 @@ benchmarks/results/bench_versions.json (``--out``; ``training.result_file.RunRec
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -39,7 +40,9 @@ SHORT_T = (1, 2, 3, 4, 8, 16)
 
 
 def make_inputs(BH: int, T: int, D: int, dtype, requires_grad: bool = False) -> list:
-    """q, k (unit rows), v [1, BH, T, D] and beta [1, BH, T] in (0, 1), seeded (bench_kernels.make_inputs' recipe)."""
+    """q, k (unit rows), v [1, BH, T, D] and beta [1, BH, T] in (0, 1), seeded: bench_kernels.make_inputs' recipe,
+    written here because the worker imports nothing of this checkout but the `fwp_kernels` on its PYTHONPATH
+    (bench_kernels and bench_cpu import this checkout's fwp_kernels and training)."""
     import torch
     import torch.nn.functional as F
 
@@ -61,12 +64,15 @@ def worker_cases(quick: bool) -> Dict[str, Callable]:
             return lambda: delta_rule(*x, output_final_state=True, **mode)
         return lambda: linear_attention(*x[:3], output_final_state=True, **mode)
 
-    def fwd_bwd(fn, x):
+    def fwd_bwd(fn, x):  # as bench_cpu.fwd_bwd: the output gradients made once, not in the timed calls
+        ones = {}
+
         def run():
             for t in x:
                 t.grad = None
             outputs = fn()
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            grads = [ones.setdefault((t.shape, t.dtype), torch.ones_like(t)) for t in outputs]
+            torch.autograd.backward(outputs, grads)
         return run
 
     def no_grad(fn):
@@ -125,10 +131,7 @@ def version_site(revision: str, work: Path) -> Path:
     tree = work / f"tree_{revision.replace('/', '_')}"
     tree.mkdir()
     archive = subprocess.run(["git", "archive", revision, "kernels"], cwd=ROOT, capture_output=True, check=True).stdout
-    with tempfile.TemporaryFile() as f:
-        f.write(archive)
-        f.seek(0)
-        tarfile.open(fileobj=f).extractall(tree, filter="data")
+    tarfile.open(fileobj=io.BytesIO(archive)).extractall(tree, filter="data")
     (site / "fwp_kernels").symlink_to(tree / "kernels")
     return site
 

@@ -245,9 +245,9 @@ def version_rows(s: Source) -> List[Row]:
     calls), with the slowest case named."""
     rows = []
     for th, cases in (s.get("threads") or {}).items():
-        for label, pick in (("T = 4096, fwd and fwd+bwd, fp32 and bf16", lambda c: c.startswith("T")),
-                            ("short T (1-16, B*H 8 and 32), fwd, step loop / chunk / auto", lambda c: c.startswith("BH"))):
-            chosen = {c: r for c, r in cases.items() if pick(c)}
+        for label, prefix in (("T = 4096, fwd and fwd+bwd, fp32 and bf16", "T"),
+                              ("short T (1-16, B*H 8 and 32), fwd, step loop / chunk / auto", "BH")):
+            chosen = {c: r for c, r in cases.items() if c.startswith(prefix)}
             if not chosen:
                 continue
             medians = {c: r["base_over_this"] for c, r in chosen.items()}
