@@ -81,9 +81,9 @@ inline void gemm_rm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
 // The products of the chunk loops. Each is gemm_rm's C [m, n] = alpha op(A) op(B) + beta C (beta 0 or 1) on row-major
 // float32 (or float64) matrices; a Gemm policy says how it is computed:
 //   BlasGemm    the BLAS that PyTorch links (MKL: AVX2 code on AMD CPUs, AVX-512 on Intel's);
-//   VectorGemm  a micro-kernel of this file for CPUs with AVX-512 (float32), or with AVX-512 BF16 (bfloat16 factors,
-//               each operand rounded to bfloat16 to nearest even as it is packed, float32 sums: as fla's Triton kernels
-//               multiply on a GPU).
+//   VectorGemm  a micro-kernel of this file for CPUs with AVX-512 or with AVX2 and FMA (float32), or with AVX-512 BF16
+//               (bfloat16 factors, each operand rounded to bfloat16 to nearest even as it is packed, float32 sums: as
+//               fla's Triton kernels multiply on a GPU).
 template <typename T>
 struct BlasGemm {
   void operator()(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* A, int64_t lda,
@@ -327,17 +327,6 @@ __attribute__((noinline)) void vector_gemm(int64_t m, int64_t n, int64_t steps, 
   }
 }
 
-// A thread's scratch for packed operands, reused by every product of the thread: slots 0 and 1 hold a VectorGemm's
-// packed B and A, slot 2 the operands a bfloat16 chunk keeps over its two products (ChunkProducts), slot 3 those of a
-// bfloat16 chunk's backward (BackwardProducts).
-template <typename E>
-E* scratch(int slot, int64_t size) {
-  thread_local std::vector<E> buffers[4];
-  TORCH_CHECK(slot >= 0 && slot < 4, "fwp_chunk: no scratch slot ", slot);
-  if (int64_t(buffers[slot].size()) < size) buffers[slot].resize(size);
-  return buffers[slot].data();
-}
-
 // 16 rows of 16 32-bit lanes transposed in registers: Eklundh's swaps of the off-diagonal b x b blocks of every
 // 2b x 2b block, b = 1, 2, 4, 8, each a two-source permute per row.
 __attribute__((always_inline)) inline void transpose_registers(__m512 (&r)[16]) {
@@ -360,7 +349,8 @@ __attribute__((always_inline)) inline void transpose_registers(__m512 (&r)[16]) 
 }
 
 // A 16 x 16 block of x (row stride ld) transposed into out (row stride ld_out), in registers.
-inline void transpose_16x16(const float* x, int64_t ld, float* out, int64_t ld_out) {
+constexpr int64_t kTransposeBlock = 16;
+inline void transpose_block(const float* x, int64_t ld, float* out, int64_t ld_out) {
   __m512 r[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + i * ld);
@@ -369,18 +359,173 @@ inline void transpose_16x16(const float* x, int64_t ld, float* out, int64_t ld_o
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * ld_out, r[i]);
 }
 
-// x^T of x [rows, ld] (cols columns) into out [cols, ld_out], for any 32-bit W (float32, or bfloat16 pairs): 16 x 16
-// blocks in registers (the bits moved, never converted), the edges one by one.
+#ifdef FWP_NATIVE_BF16
+inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row) {
+  alignas(64) static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i rows = (__m512i)_mm512_cvtne2ps_pbh(odd_row, even_row);
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_load_si512(order), rows));
+}
+#else
+inline void store_pairs(uint16_t*, __m512, __m512) {}  // no bfloat16 products in this build: never called
+#endif
+
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 with FMA (x86-64-v3: Zen 1-3, Intel's cores without AVX-512): the float32 micro-kernel in 8-lane registers, 16
+// of them, where MKL's sgemm (AVX2 code on these CPUs too) pays a call's set-up for every small product. Each sum is
+// formed as the AVX-512 tile forms it (one fused multiply-add per step of the inner dimension, in order, then
+// alpha sum + beta C in one more), so that both builds give the same bits.
+#define FWP_VECTOR_PRODUCTS 1
+#include <immintrin.h>
+
+// float32 factors (no bfloat16 products without AVX-512 BF16)
+struct Float32Factors {
+  using Element = float;
+  static constexpr int64_t kPerStep = 1;
+};
+
+// The first min(max(n, 0), 8) of 8 lanes, as vmaskmovps's mask.
+inline __m256i first_lanes8(int64_t n) {
+  const int kept = int(std::min<int64_t>(std::max<int64_t>(n, 0), 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(kept), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// C [MR, 8 NV] = alpha A B + beta C (C not read when beta is 0), A and B as in vector_gemm; the last 8 columns keep
+// `lanes` of theirs where `ragged`. MR x NV sums in registers: 6 x 2 of 16 with B's two vectors and A's broadcast.
+template <int MR, int NV>
+inline void tile8(int64_t steps, const float* A, int64_t a_row, int64_t a_step, const float* B, int64_t b_step,
+                  float alpha, float* C, int64_t ldc, float beta, __m256i lanes, bool ragged) {
+  __m256 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    __m256 b[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const float* bv = B + s * b_step + 8 * v;
+      b[v] = v + 1 < NV || !ragged ? _mm256_loadu_ps(bv) : _mm256_maskload_ps(bv, lanes);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + r * a_row + s * a_step);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(a, b[v], acc[r][v]);
+    }
+  }
+  const __m256 scale = _mm256_set1_ps(alpha), prior_scale = _mm256_set1_ps(beta);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const bool masked = v + 1 == NV && ragged;
+      float* c = C + r * ldc + 8 * v;
+      __m256 prior = _mm256_setzero_ps();
+      if (beta != 0.f) prior = masked ? _mm256_maskload_ps(c, lanes) : _mm256_loadu_ps(c);
+      if (beta != 0.f && beta != 1.f) prior = _mm256_mul_ps(prior_scale, prior);
+      acc[r][v] = _mm256_fmadd_ps(scale, acc[r][v], prior);
+      if (masked) {
+        _mm256_maskstore_ps(c, lanes, acc[r][v]);
+      } else {
+        _mm256_storeu_ps(c, acc[r][v]);
+      }
+    }
+  }
+}
+
+// C [m, 8 NV at most] in tiles of 6 rows, the last rows in one smaller tile; `lines` issued a few per tile (as the
+// AVX-512 tiles issue PacedLines::kPerTile per 6 x 64 outputs).
+template <int NV>
+void tiles8(int64_t m, int64_t steps, const float* A, int64_t a_row, int64_t a_step, const float* B, int64_t b_step,
+            float alpha, float* C, int64_t ldc, float beta, __m256i lanes, bool ragged, PacedLines& lines) {
+  constexpr int MR = 6;
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR) {
+    lines.issue(PacedLines::kPerTile * NV / 8);
+    tile8<MR, NV>(steps, A + i * a_row, a_row, a_step, B, b_step, alpha, C + i * ldc, ldc, beta, lanes, ragged);
+  }
+  const float* Ai = A + i * a_row;
+  float* Ci = C + i * ldc;
+  switch (m - i) {
+    case 5: return tile8<5, NV>(steps, Ai, a_row, a_step, B, b_step, alpha, Ci, ldc, beta, lanes, ragged);
+    case 4: return tile8<4, NV>(steps, Ai, a_row, a_step, B, b_step, alpha, Ci, ldc, beta, lanes, ragged);
+    case 3: return tile8<3, NV>(steps, Ai, a_row, a_step, B, b_step, alpha, Ci, ldc, beta, lanes, ragged);
+    case 2: return tile8<2, NV>(steps, Ai, a_row, a_step, B, b_step, alpha, Ci, ldc, beta, lanes, ragged);
+    case 1: return tile8<1, NV>(steps, Ai, a_row, a_step, B, b_step, alpha, Ci, ldc, beta, lanes, ragged);
+    default: return;
+  }
+}
+
+// C [m, n] = alpha A B + beta C in blocks of 16 columns (B's block, steps x 16, stays in L1 while the row tiles pass);
+// A, B, `lines` as the AVX-512 vector_gemm takes them (float32 factors only: kPerStep 1).
+template <typename F>
+__attribute__((noinline)) void vector_gemm(int64_t m, int64_t n, int64_t steps, const float* A, int64_t a_row,
+                                           int64_t a_step, const float* B, int64_t b_step, float alpha, float* C,
+                                           int64_t ldc, float beta, PacedLines& lines) {
+  static_assert(std::is_same_v<F, Float32Factors>, "AVX2 builds multiply float32 factors only");
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t w = std::min<int64_t>(16, n - j);
+    const bool ragged = w % 8 != 0;
+    const __m256i lanes = first_lanes8(w % 8);
+    if (w > 8) {
+      tiles8<2>(m, steps, A, a_row, a_step, B + j, b_step, alpha, C + j, ldc, beta, lanes, ragged, lines);
+    } else {
+      tiles8<1>(m, steps, A, a_row, a_step, B + j, b_step, alpha, C + j, ldc, beta, lanes, ragged, lines);
+    }
+  }
+}
+
+// An 8 x 8 block of x (row stride ld) transposed into out (row stride ld_out), in registers (unpack, shuffle, swap of
+// 128-bit halves).
+constexpr int64_t kTransposeBlock = 8;
+inline void transpose_block(const float* x, int64_t ld, float* out, int64_t ld_out) {
+  __m256 r[8], t[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + i * ld);
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+#pragma GCC unroll 2
+  for (int h = 0; h < 8; h += 4) {  // rows h .. h + 3: columns 4p + i of their 128-bit halves
+    r[h] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(out + i * ld_out, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * ld_out, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif  // AVX-512 / AVX2
+
+#ifdef FWP_VECTOR_PRODUCTS
+// A thread's scratch for packed operands, reused by every product of the thread: slots 0 and 1 hold a VectorGemm's
+// packed B and A, slot 2 the operands a bfloat16 chunk keeps over its two products (ChunkProducts), slot 3 those of a
+// bfloat16 chunk's backward (BackwardProducts).
+template <typename E>
+E* scratch(int slot, int64_t size) {
+  thread_local std::vector<E> buffers[4];
+  TORCH_CHECK(slot >= 0 && slot < 4, "fwp_chunk: no scratch slot ", slot);
+  if (int64_t(buffers[slot].size()) < size) buffers[slot].resize(size);
+  return buffers[slot].data();
+}
+
+// x^T of x [rows, ld] (cols columns) into out [cols, ld_out], for any 32-bit W (float32, or bfloat16 pairs): square
+// blocks in registers (transpose_block: 16 x 16 with AVX-512, 8 x 8 with AVX2; the bits moved, never converted), the
+// edges one by one.
 template <typename W>
 inline void transpose_into(int64_t rows, int64_t cols, const W* x, int64_t ld, W* out, int64_t ld_out) {
   static_assert(sizeof(W) == sizeof(float), "transpose_into moves 32-bit elements");
-  const int64_t rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
-  for (int64_t i = 0; i < rows16; i += 16)
-    for (int64_t j = 0; j < cols16; j += 16)
-      transpose_16x16(reinterpret_cast<const float*>(x + i * ld + j), ld,
+  constexpr int64_t b = kTransposeBlock;
+  const int64_t rows_b = rows / b * b, cols_b = cols / b * b;
+  for (int64_t i = 0; i < rows_b; i += b)
+    for (int64_t j = 0; j < cols_b; j += b)
+      transpose_block(reinterpret_cast<const float*>(x + i * ld + j), ld,
                       reinterpret_cast<float*>(out + j * ld_out + i), ld_out);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = i < rows16 ? cols16 : 0; j < cols; ++j) out[j * ld_out + i] = x[i * ld + j];
+    for (int64_t j = i < rows_b ? cols_b : 0; j < cols; ++j) out[j * ld_out + i] = x[i * ld + j];
 }
 
 template <typename F>
@@ -407,17 +552,7 @@ struct VectorGemm<Float32Factors> {
                                 lines_or_thread(lines));
   }
 };
-
-#ifdef FWP_NATIVE_BF16
-inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row) {
-  alignas(64) static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i rows = (__m512i)_mm512_cvtne2ps_pbh(odd_row, even_row);
-  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_load_si512(order), rows));
-}
-#else
-inline void store_pairs(uint16_t*, __m512, __m512) {}  // no bfloat16 products in this build: never called
-#endif
+#endif  // FWP_VECTOR_PRODUCTS
 
 #ifdef FWP_NATIVE_BF16
 // Pair-packing of the float32 x [k, ld] (n columns): pair p of column j = (x[2p][j], x[2p+1][j]) rounded to bfloat16,
@@ -542,7 +677,6 @@ struct VectorGemm<Bfloat16Factors> {
   }
 };
 #endif  // FWP_NATIVE_BF16
-#endif  // FWP_VECTOR_PRODUCTS
 
 // Runs f(gemm) with the Gemm policy that `products` names (float64: the BLAS only).
 template <typename T, typename F>
@@ -982,7 +1116,7 @@ struct KeptBuffers {
 template <typename T>
 void exp_affine(int64_t n, int64_t m, T a, T s, const T* x, T* out) {
   int64_t j = 0;
-#ifdef FWP_VECTOR_PRODUCTS
+#if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     const __m512 va = _mm512_set1_ps(a), vs = _mm512_set1_ps(s), low = _mm512_set1_ps(-104.f),
                  high = _mm512_set1_ps(89.f), log2e = _mm512_set1_ps(1.44269504088896341f),
@@ -2025,7 +2159,7 @@ constexpr int64_t kStreamStateBytes = int64_t(1) << 20;
 // one fused multiply-add (what GCC had contracted the loop's a x + d k to; spelled out, so that no compiler differs).
 template <typename T>
 inline void scaled_row_plus(int64_t n, T a, const T* x, T d, const T* k, T* out, bool stream) {
-#ifdef FWP_VECTOR_PRODUCTS
+#if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (stream && x != nullptr && n % 16 == 0 && (reinterpret_cast<uintptr_t>(out) & 63) == 0) {
       const __m512 va = _mm512_set1_ps(a), vd = _mm512_set1_ps(d);
@@ -2104,7 +2238,7 @@ void decode_rows(int64_t r0, int64_t r1, int64_t Dv, int64_t Dk, const T* q, con
       o[r] = a * sq + d * kq;
     }
   }
-#ifdef FWP_VECTOR_PRODUCTS
+#if defined(__AVX512F__)
   if (stream) _mm_sfence();  // the non-temporal stores visible before the task ends
 #endif
 }
