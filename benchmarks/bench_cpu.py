@@ -9,7 +9,7 @@ versions, machine, load average before and after), for each thread count side by
 1. ``peaks``: fp32 and bf16 matmul 2048^3 (GFLOP/s; torch.matmul: MKL for fp32, oneDNN for bf16) and the memory read
    bandwidth (GB/s, ``x.sum()`` over 512 MB).
 2. ``kernels``: B=1 H=8 T=4096 D=64, forward and forward + backward of the delta and sum rules (C = 16, 32, 64 and
-   ``mode="auto"``; the products as shipped: the kernel's own AVX-512 micro-kernel where built), the same fp32 calls
+   ``mode="auto"``; the products as shipped: the kernel's own micro-kernel where built, AVX-512 or AVX2), the same fp32 calls
    with the BLAS's products (``*_auto_blas``: the kernel before its micro-kernel), bf16 inputs (``*_auto_bf16``:
    as shipped, bfloat16 factors forward and backward where the build has AVX-512 BF16; ``*_auto_bf16_in_fp32``: the same
    inputs with float32 products throughout),

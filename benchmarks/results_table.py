@@ -186,6 +186,9 @@ def cpu_limit_rows(s: Source) -> List[Row]:
     """benchmarks/bench_cpu.py: the chunk delta rule's products (the kernel's own vs the BLAS's), bfloat16 vs float32,
     against the fp32 matmul peak and transformers' fallback, at each thread count."""
     rows = []
+    # which micro-kernel the run's CPU built (the files from before session 35 record no flags: AVX-512 machines)
+    flags = s.get("run.machine.cpu_flags")
+    isa = "AVX-512" if flags is None or "avx512f" in flags else "AVX2" if "avx2" in flags else "(no micro-kernel)"
     for th in (1, 2):
         k = f"threads_{th}.kernels"
         names = ("delta_Cauto", "delta_auto_blas", "delta_auto_bf16", "delta_auto_bf16_in_fp32", "delta_hf")
@@ -195,7 +198,7 @@ def cpu_limit_rows(s: Source) -> List[Row]:
         gflops = s.get(f"{k}.delta_Cauto.forward_gflops")  # at the median time
         shape = f"B1 H8 T4096 D64, mode auto, {th} thread(s)"
         rows.append([
-            f"chunk delta rule fwd, {shape}, fp32: the kernel's AVX-512 products vs the BLAS's (MKL)",
+            f"chunk delta rule fwd, {shape}, fp32: the kernel's {isa} products vs the BLAS's (MKL)",
             both("{t:.2f} ms ({r:.2f}x faster; {h:.1f}x transformers')", True, t=fw["delta_Cauto"],
                  r=pdiv(fw["delta_auto_blas"], fw["delta_Cauto"]), h=pdiv(fw["delta_hf"], fw["delta_Cauto"]))
             + fill("; {:.2f} of the fp32 matmul peak ({:.0f} GFLOP/s, same run) at the median", div(gflops, peak),
@@ -221,7 +224,7 @@ def cpu_limit_rows(s: Source) -> List[Row]:
                      scaled(s.pair(f"{k}.{n}.fwd_bwd_timings.median", f"{k}.{n}.fwd_bwd_timings.best"), 1e3))
                  for n in ("gated_Cauto", "gated_auto_blas", "gated_hf", "gated_auto_bf16")}
         rows.append([
-            f"chunk gated delta rule, {shape}, fp32: the kernel's AVX-512 products vs the BLAS's",
+            f"chunk gated delta rule, {shape}, fp32: the kernel's {isa} products vs the BLAS's",
             both("fwd {t:.2f} ms ({r:.2f}x faster; {h:.1f}x transformers'), fwd+bwd {b:.1f} ms ({q:.2f}x; {p:.1f}x)",
                  True, t=gated["gated_Cauto"][0], r=pdiv(gated["gated_auto_blas"][0], gated["gated_Cauto"][0]),
                  h=pdiv(gated["gated_hf"][0], gated["gated_Cauto"][0]), b=gated["gated_Cauto"][1],

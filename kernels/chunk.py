@@ -25,10 +25,10 @@ substitution and runs two products per chunk, so the sequential pass costs no Py
 never formed; its backward recomputes the states entering the chunks (one per chunk, per sequence) and runs the
 transposed pass in the same loop; with fewer sequences than threads it splits the value columns over threads, and one
 position (a decode step) is one pass over the state (``decode_step``). Its products (``cpu_products``): the file's own
-AVX-512 micro-kernel for float32 inputs where the CPU has AVX-512, with bfloat16 factors and float32 sums for the
-forward of bfloat16 inputs where it has AVX-512 BF16, else the BLAS; bfloat16 inputs are read and o written in
-bfloat16 by the forward, the output gradient read and the gradients written in bfloat16 by the backward; the state
-stays float32. Without the build the PyTorch path above runs: silently when there
+micro-kernel for float32 inputs where the CPU has AVX-512 or AVX2 with FMA, with bfloat16 factors and float32 sums
+for the forward of bfloat16 inputs where it has AVX-512 BF16, else the BLAS; bfloat16 inputs are read and o written
+in bfloat16 by the forward, the output gradient read and the gradients written in bfloat16 by the backward; the
+state stays float32. Without the build the PyTorch path above runs: silently when there
 is no compiler or ninja or ``FWP_KERNELS_NO_BUILD=1``, with one warning when a build fails. A saved model folder
 carries the C++ source (``chunk_delta.cpp`` and the string of ``chunk_delta_csrc.py``, written by
 ``modeling_fwp.remote_code``) and builds it the same way.
@@ -42,7 +42,15 @@ import torch
 import torch.nn.functional as F
 
 from .cpp_build import KERNEL_CFLAGS, register_cpu_kernel
-from .dispatch import KernelFinder, Recurrence, acc_dtype, check_fast_weight_inputs, mask_positions, select_kernel
+from .dispatch import (
+    KernelFinder,
+    Recurrence,
+    acc_dtype,
+    as_dtype,
+    check_fast_weight_inputs,
+    mask_positions,
+    select_kernel,
+)
 
 # Diagonal blocks of this size are inverted by batched triangular solves (LAPACK / cuBLAS), then
 # merged by doubling (see `unit_lower_inverse`).
@@ -260,6 +268,11 @@ def bfloat16_products_min_t(head_dim: int) -> int:
     return 8 if head_dim <= 64 else 16
 
 
+# The loaded build's kinds of products, asked of it once (an op call and a set per kernel call: cpu_products 6.6-7.4
+# instead of 3.9 us, by hand, Zen 3, 1 thread); one build per process.
+_BUILT_PRODUCT_KINDS: Dict[str, FrozenSet[int]] = {}
+
+
 @torch.compiler.assume_constant_result
 def _built_product_kinds() -> int:
     """The build's ``product_kinds()`` bits; a constant of the graph under ``torch.compile`` (read while tracing)."""
@@ -270,8 +283,11 @@ def cpu_product_kinds() -> FrozenSet[int]:
     """The kinds of products the C++ kernel's build has (none without the build)."""
     if not cpu_kernel_available():
         return frozenset()
-    kinds = _built_product_kinds()
-    return frozenset(kind for kind in (BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS) if kinds >> kind & 1)
+    if "kinds" not in _BUILT_PRODUCT_KINDS:
+        bits = _built_product_kinds()
+        _BUILT_PRODUCT_KINDS["kinds"] = frozenset(
+            kind for kind in (BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS) if bits >> kind & 1)
+    return _BUILT_PRODUCT_KINDS["kinds"]
 
 
 def native_bf16_available() -> bool:
@@ -315,7 +331,7 @@ def io_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[tor
 
 def _flat(x: Optional[torch.Tensor], acc: torch.dtype) -> Optional[torch.Tensor]:
     """``[B, H, T, *D]`` -> contiguous ``[B*H, T, *D]`` in `acc` (a view when it already is)."""
-    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(acc).contiguous()
+    return None if x is None else as_dtype(x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), acc).contiguous()
 
 
 def _flat_products(flat: list) -> int:
@@ -370,7 +386,7 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
     state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
     flat = [_flat(x, io) for x in (q, k, v, _op_beta(gates))]
     _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None, _flat_products(flat))
-    return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
+    return as_dtype(o.view_as(v), q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
 
 def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):
@@ -442,12 +458,14 @@ def chunk_fast_weights(rule: ChunkRule, chunk_size: int, q: torch.Tensor, k: tor
                        initial_state: Optional[torch.Tensor], *gates: torch.Tensor
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``ChunkFastWeightFunction.apply(rule, chunk_size, q, k, v, initial_state, *gates)`` -> ``(o [B, H, T, Dv],
-    final state [B, H, Dv, Dk])``, but a decode step (T = 1) that autograd does not track runs the compiled kernel
-    directly: the Function's bookkeeping took 8 of a step's 36 us (16 heads of 128, by hand, 2026-11-28)."""
+    final state [B, H, Dv, Dk])``, but a call that autograd does not track runs the compiled kernel directly, as the
+    Function's forward would (the same op, the same chunk length): its bookkeeping took 8 of a decode step's 36 us (16
+    heads of 128, by hand, 2026-11-28), and of the delta rule's forward at B*H = 8, D = 64 outside autograd 119 -> 86
+    us at T = 2, 140 -> 107 at T = 8, 401 -> 343 at T = 64 (by hand, interleaved, Zen 3, 1 thread, 2026-12-02)."""
     inputs = (q, k, v, initial_state, *gates)
-    if q.shape[2] == 1 and not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)):
+    if not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)):
         if rule.compiled(q, acc_dtype(*inputs)):
-            return rule.compiled_forward(q, k, v, gates, initial_state, 1)
+            return rule.compiled_forward(q, k, v, gates, initial_state, max(1, min(chunk_size, q.shape[2])))
     return ChunkFastWeightFunction.apply(rule, chunk_size, q, k, v, initial_state, *gates)
 
 
@@ -607,9 +625,10 @@ def run_outer_product_rule(
         ``(o [B, H, T, Dv] in q's dtype, final_state [B, H, Dv, Dk] or None)``.
     """
     check_fast_weight_inputs(q, k, v, initial_state, chunk_size, mask, **gates)
-    kernel = select_kernel(recurrence, mode, q.shape[2], q.device)
+    device = q.device
+    kernel = select_kernel(recurrence, mode, q.shape[2], device)
     if mode == "auto":  # the measured chunk size
-        chunk_size = auto_chunk_size(q.device, max(q.shape[-1], v.shape[-1]), chunk_size)
+        chunk_size = auto_chunk_size(device, max(q.shape[-1], v.shape[-1]), chunk_size)
     values = tuple(gates.values())
     if mask is not None:
         k, *values = mask_positions(mask, k, *values)

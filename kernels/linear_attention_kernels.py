@@ -25,6 +25,7 @@ from .chunk import (
 from .dispatch import (
     Recurrence,
     acc_dtype,
+    as_dtype,
     initial_fast_weight,
     register,
 )
@@ -129,16 +130,16 @@ def linear_attention_one_chunk(
     :func:`linear_attention_chunk`; accumulates in float32 (float64 for float64 inputs).
     """
     acc = acc_dtype(q, k, v, None, initial_state)
-    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    qa, ka, va = as_dtype(q, acc), as_dtype(k, acc), as_dtype(v, acc)
     o = torch.matmul(torch.matmul(qa, ka.transpose(-1, -2)).tril(), va)
     if initial_state is not None:
-        o = o + torch.matmul(qa, initial_state.to(acc).transpose(-1, -2))
+        o = o + torch.matmul(qa, as_dtype(initial_state, acc).transpose(-1, -2))
     final = None
     if output_final_state:
         final = torch.matmul(va.transpose(-1, -2), ka)
         if initial_state is not None:
-            final = final + initial_state.to(acc)
-    return o.to(q.dtype), final
+            final = final + as_dtype(initial_state, acc)
+    return as_dtype(o, q.dtype), final
 
 
 LINEAR_ATTENTION = register(

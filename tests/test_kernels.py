@@ -429,8 +429,9 @@ def test_bfloat16_operands_in_place_are_the_generic_ones(rule, BH, T, Dk, Dv, ch
 @pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (2, 1, 200, 24, 40, 48),
                                                     (1, 2, 53, 17, 19, 16), (1, 3, 150, 64, 80, 32)])
 def test_float32_products_agree_with_the_blas(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
-    """float32 inputs take the micro-kernel's float32 products where the build has AVX-512; they and the BLAS's each
-    stay within the float32 bound of the float64 step loop, and agree with each other to float32 rounding."""
+    """float32 inputs take the micro-kernel's float32 products where the build has AVX-512 or AVX2 + FMA; they and the
+    BLAS's each stay within the float32 bound of the float64 step loop, and agree with each other to float32
+    rounding."""
     from fwp_kernels import chunk
 
     _products_or_skip(chunk.FLOAT32_PRODUCTS)
