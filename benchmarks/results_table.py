@@ -189,6 +189,8 @@ def cpu_limit_rows(s: Source) -> List[Row]:
     # which micro-kernel the run's CPU built (the files from before session 35 record no flags: AVX-512 machines)
     flags = s.get("run.machine.cpu_flags")
     isa = "AVX-512" if flags is None or "avx512f" in flags else "AVX2" if "avx2" in flags else "(no micro-kernel)"
+    bf16 = ("bfloat16 factors" if flags is None or "avx512_bf16" in flags
+            else "float32 factors: no bfloat16 products without AVX-512 BF16")
     for th in (1, 2):
         k = f"threads_{th}.kernels"
         names = ("delta_Cauto", "delta_auto_blas", "delta_auto_bf16", "delta_auto_bf16_in_fp32", "delta_hf")
@@ -213,7 +215,7 @@ def cpu_limit_rows(s: Source) -> List[Row]:
                    "`chunk_backward_flops` counts them)", both_share),
             "BLAS products " + both("{t:.1f} ms", t=fb["delta_auto_blas"]), "0.8 of the peak; faster"])
         rows.append([
-            "same, bf16 inputs: bfloat16 factors, forward and backward (float32 sums and state) vs the fp32 kernel",
+            f"same, bf16 inputs: {bf16}, forward and backward (float32 sums and state) vs the fp32 kernel",
             both("fwd {t:.2f} ms ({r:.2f}x), fwd+bwd {b:.1f} ms ({q:.2f}x)", True, t=fw["delta_auto_bf16"],
                  r=pdiv(fw["delta_Cauto"], fw["delta_auto_bf16"]), b=fb["delta_auto_bf16"],
                  q=pdiv(fb["delta_Cauto"], fb["delta_auto_bf16"])),
@@ -234,7 +236,7 @@ def cpu_limit_rows(s: Source) -> List[Row]:
                                     b=gated["gated_auto_blas"][1])
             + "; transformers' `torch_chunk_gated_delta_rule`, same g, "
             + both("fwd {t:.1f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_hf"][0], b=gated["gated_hf"][1])
-            + "; bf16 inputs (bfloat16 factors) "
+            + f"; bf16 inputs ({bf16}) "
             + both("fwd {t:.2f} ms ({r:.2f}x the fp32 kernel), fwd+bwd {b:.1f} ms ({q:.2f}x)",
                    t=gated["gated_auto_bf16"][0], r=pdiv(gated["gated_Cauto"][0], gated["gated_auto_bf16"][0]),
                    b=gated["gated_auto_bf16"][1], q=pdiv(gated["gated_Cauto"][1], gated["gated_auto_bf16"][1])),
@@ -726,6 +728,8 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen5_session58.json", decode_rows),
     ("benchmarks/results/bench_decode_zen5_session58_slow_state.json", decode_rows),
     ("benchmarks/results/bench_versions.json", version_rows),
+    ("benchmarks/results/bench_cpu_zen3.json", cpu_limit_rows),
+    ("benchmarks/results/bench_versions_zen3.json", version_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),

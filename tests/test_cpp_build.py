@@ -180,3 +180,24 @@ def test_kernels_compile_for_cpus_without_avx512(stem, arch):
                "-DFWP_OP_NAMESPACE=check", *includes, str(cpp_build.CSRC_DIR / f"{stem}.cpp")]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("arch,products", [("x86-64", set()), ("x86-64-v3", {"FWP_VECTOR_PRODUCTS"}),
+                                           ("skylake-avx512", {"FWP_VECTOR_PRODUCTS"}),
+                                           ("sapphirerapids", {"FWP_VECTOR_PRODUCTS", "FWP_NATIVE_BF16"})])
+def test_chunk_kernel_products_by_instruction_set(arch, products):
+    """Which products csrc/chunk_delta.cpp builds for a CPU (its preprocessor's macros; nothing compiled): the BLAS
+    only on the x86-64 baseline, the float32 micro-kernel with AVX2 + FMA (x86-64-v3: Zen 1-3) and with AVX-512, and
+    bfloat16 factors only with AVX-512 BF16 (Sapphire Rapids; Zen 4-5 as well)."""
+    import platform
+    import subprocess
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or missing_toolchain() is not None:
+        pytest.skip("an x86-64 C++ toolchain is needed")
+    includes = [f"-I{path}" for path in torch.utils.cpp_extension.include_paths()]
+    command = [cpp_build.compiler(), "-std=c++20", "-E", "-dM", "-fopenmp", f"-march={arch}",
+               "-DFWP_OP_NAMESPACE=check", *includes, str(cpp_build.CSRC_DIR / "chunk_delta.cpp")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    defined = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("#define FWP_")}
+    assert defined & {"FWP_VECTOR_PRODUCTS", "FWP_NATIVE_BF16"} == products
