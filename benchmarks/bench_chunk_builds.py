@@ -6,7 +6,8 @@ For a change to the C++ chunk kernels that should only make them faster: the del
 float32 and bfloat16 inputs, forward and forward + backward, 1 and 2 threads, at B1 H8 T4096 D64 and at T = 16. Each
 case first checks that the two builds return the same outputs and gradients bit for bit (a build that changes the
 arithmetic is not a speed change: the script stops), then times the two in alternation, every round once each
-(``bench_kernels.timings``, round-robin: the machine's load hits both alike). Prints ms (median and best) and the
+(``bench_kernels.timings``, round-robin: the machine's load hits both alike). And the decode step of the 1.3B Delta
+Net shape's 24 layers (B1 H16 D128 states), 200 MB read before each token, the states checked bit for bit. Prints ms (median and best) and the
 base / package ratio of medians; writes benchmarks/results/bench_chunk_builds.json (``--out``;
 ``training.result_file.RunRecord``: command, versions, machine, commit, load average before and after).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import fwd_bwd  # noqa: E402
 from bench_kernels import make_inputs, timings  # noqa: E402
 from fwp_kernels import chunk, cpp_build, delta_rule, gated_delta_rule  # noqa: E402
-from training.result_file import RunRecord, ratio, scaled  # noqa: E402
+from training.result_file import RunRecord, ratio, scaled, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_chunk_builds.json"
 SOURCE = "kernels/csrc/chunk_delta.cpp"
@@ -97,6 +99,44 @@ def compare(rule: str, T: int, dtype: torch.dtype, ops: Dict[str, object], repea
     return out
 
 
+def compare_decode(ops: Dict[str, object], repeats: int, layers: int = 24, heads: int = 16, width: int = 128,
+                   flush_mb: int = 200) -> dict:
+    """The decode step (T = 1: csrc decode_step) of `layers` layers of B1 `heads` x `width` states, one token per timed
+    call, `flush_mb` MB read before each (a model's weights between tokens, so that the states are not in the cache);
+    the builds alternate which goes first, each with states of its own, checked bit for bit after every round."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(1, heads, 1, width, generator=g),
+               F.normalize(torch.randn(1, heads, 1, width, generator=g), dim=-1),
+               torch.randn(1, heads, 1, width, generator=g), torch.sigmoid(torch.randn(1, heads, 1, generator=g)))
+              for _ in range(layers)]
+    start = [0.1 * torch.randn(1, heads, width, width, generator=g) for _ in range(layers)]
+    states = {name: [s.clone() for s in start] for name in ops}
+    flush = torch.randn(flush_mb * 2**20 // 4)
+
+    def token(name: str) -> Callable:
+        def run():
+            for layer in range(layers):
+                states[name][layer] = delta_rule(*inputs[layer], initial_state=states[name][layer],
+                                                 output_final_state=True)[1]
+        return with_ops(ops[name], run)
+
+    fns = {name: token(name) for name in ops}
+    times = {name: [] for name in ops}
+    with torch.no_grad():
+        for r in range(repeats + 1):  # the first round untimed
+            for name in (list(ops) if r % 2 else list(ops)[::-1]):
+                flush.sum()
+                t0 = time.perf_counter()
+                fns[name]()
+                if r > 0:
+                    times[name].append(time.perf_counter() - t0)
+            if not all(torch.equal(a, b) for a, b in zip(*states.values())):
+                raise SystemExit("decode: the builds' states differ; no timing")
+    ms = {name: scaled(summarize(t), 1e3) for name, t in times.items()}
+    return {"ms": ms, "base_over_package": ratio(ms["base"], ms["package"]), "layers": layers, "heads": heads,
+            "width": width, "flush_mb": flush_mb}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision whose csrc/chunk_delta.cpp is the baseline")
@@ -128,6 +168,10 @@ def main() -> None:
                     cells = [f"{kind} {r[kind]['ms']['base']['median']:.3f} -> {r[kind]['ms']['package']['median']:.3f}"
                              f" ({r[kind]['base_over_package']['of_medians']:.2f}x)" for kind in ("forward", "fwd_bwd")]
                     print(f"  {name:<32}" + "   ".join(cells))
+        name = f"decode_24_layers_H16_D128_threads{threads}"
+        r = results["cases"][name] = compare_decode(ops, 5 if args.quick else 30, layers=2 if args.quick else 24)
+        print(f"  {name:<40} token {r['ms']['base']['median']:.3f} -> {r['ms']['package']['median']:.3f}"
+              f" ({r['base_over_package']['of_medians']:.2f}x)")
     torch.set_num_threads(threads_before)
     print(f"wrote {record.write(args.out, results)}")
 

@@ -372,19 +372,16 @@ inline void store_pairs(uint16_t*, __m512, __m512) {}  // no bfloat16 products i
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 with FMA (x86-64-v3: Zen 1-3, Intel's cores without AVX-512): the float32 micro-kernel in 8-lane registers, 16
-// of them, where MKL's sgemm (AVX2 code on these CPUs too) pays a call's set-up for every small product (by hand, B1
-// H8 T4096 D64, Zen 3, 1 / 2 threads, BLAS / these products: delta rule forward 1.44x / 1.18x, forward + backward
-// 1.24x / 1.19x; sum rule 1.35x / 1.24x, 1.28x / 1.35x). Each sum is formed as the AVX-512 tile forms it (one fused
-// multiply-add per step of the inner dimension, in order, then alpha sum + beta C in one more), so that a product's
-// bits do not depend on the vector width (by construction: no CPU here runs both).
+// of them, where MKL's sgemm (AVX2 code on these CPUs too) pays a call's set-up for every small product (B1 H8 T4096
+// D64, mode auto, Zen 3, 1 / 2 threads, bench_cpu_zen3.json: the delta rule's forward 1.19x / 1.16x faster than with
+// MKL's products, forward + backward 1.02x / 1.03x; the sum rule's forward 1.29x / 1.25x). Each sum is formed as the
+// AVX-512 tile forms it (one fused multiply-add per step of the inner dimension, in order, then alpha sum + beta C in
+// one more), so that a product's bits do not depend on the vector width (by construction: no CPU here runs both).
 #define FWP_VECTOR_PRODUCTS 1
 #include <immintrin.h>
 
-// float32 factors (no bfloat16 products without AVX-512 BF16)
-struct Float32Factors {
-  using Element = float;
-  static constexpr int64_t kPerStep = 1;
-};
+// float32 factors (no bfloat16 products without AVX-512 BF16): the tag of VectorGemm's one policy here
+struct Float32Factors {};
 
 // The first min(max(n, 0), 8) of 8 lanes, as vmaskmovps's mask.
 inline __m256i first_lanes8(int64_t n) {
@@ -2157,8 +2154,8 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // through the caches (a state of 1 MB per layer is a model of 2,048 hidden units). Side by side on the Zen 4 EPYC,
 // 2026-11-29: 24 layers of B1 H16 D128 states, 200 MB read between tokens, 4.24 -> 2.13 ms per token at 1 thread,
 // 2.40 -> 1.53 at 2 (each state bit for bit the same); the stores no longer read the new state's lines first. With AVX2
-// (Zen 3, 2026-12-02, the same 24 layers after 200 MB read, by hand, alternating builds): 11.02 -> 9.88 ms at 1 thread,
-// 7.65 -> 6.87 at 2 (medians of 30 tokens; states bit for bit the same).
+// (Zen 3, 2026-12-02, the same 24 layers after 200 MB read; bench_chunk_builds_zen3_stream.json): 11.21 -> 10.80 ms at
+// 1 thread, 8.39 -> 7.66 at 2 (medians of 30 tokens; states bit for bit the same).
 constexpr int64_t kStreamStateBytes = int64_t(1) << 20;
 
 // out [n] = a x + d k (x: a row of the state or nullptr for zeros; k: the key), with non-temporal stores when `stream`
