@@ -251,8 +251,14 @@ cpu_kernel_available = _CPU_KERNEL.available
 
 
 # How the C++ kernel computes its products (csrc/chunk_delta.cpp's `Products`): the BLAS that torch links, or the file's
-# own AVX-512 micro-kernel with float32 factors, or with bfloat16 factors and float32 sums (AVX-512 BF16).
-BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS = 0, 1, 2
+# own AVX-512 micro-kernel with float32 factors, or with bfloat16 factors and float32 sums (AVX-512 BF16), or the same
+# bfloat16 factors in AMX's tile registers (TILE_BFLOAT16_PRODUCTS: a build with AMX-BF16 on a Linux that grants the
+# process the tile data).
+BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS, TILE_BFLOAT16_PRODUCTS = 0, 1, 2, 3
+# bfloat16 factors take the tiles where the machine has them: on an Intel Xeon with AMX (2 vCPUs), B1 H8 T4096 D64,
+# the bfloat16 forward at C = 32 14.7 -> 5.1 ms with the tiles, where vdpbf16ps issues at half the float32 FMA rate of
+# those cores and ran slower than float32 (by hand, session 61; bench_cpu_amx.json for the figures in the README).
+BFLOAT16_DEFAULT_PRODUCTS = TILE_BFLOAT16_PRODUCTS
 # float32 inputs take the micro-kernel where it is built: faster than MKL's sgemm at the chunk loops' sizes on the AMD
 # CPUs measured (MKL runs AVX2 code there; bench_cpu, "kernels": fp32 forward and forward + backward).
 FLOAT32_DEFAULT_PRODUCTS = FLOAT32_PRODUCTS
@@ -286,8 +292,19 @@ def cpu_product_kinds() -> FrozenSet[int]:
     if "kinds" not in _BUILT_PRODUCT_KINDS:
         bits = _built_product_kinds()
         _BUILT_PRODUCT_KINDS["kinds"] = frozenset(
-            kind for kind in (BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS) if bits >> kind & 1)
+            kind for kind in (BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS, TILE_BFLOAT16_PRODUCTS)
+            if bits >> kind & 1)
     return _BUILT_PRODUCT_KINDS["kinds"]
+
+
+def cpu_bfloat16_products() -> Optional[int]:
+    """The kind of bfloat16-factor products the C++ kernel gives bfloat16 inputs on this machine:
+    ``BFLOAT16_DEFAULT_PRODUCTS`` where built, else ``BFLOAT16_PRODUCTS`` where built, else None."""
+    kinds = cpu_product_kinds()
+    for kind in (BFLOAT16_DEFAULT_PRODUCTS, BFLOAT16_PRODUCTS):
+        if kind in kinds:
+            return kind
+    return None
 
 
 def native_bf16_available() -> bool:
@@ -308,8 +325,9 @@ def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple
     kinds = cpu_product_kinds()
     dtypes = {x.dtype for x in (q, k, v, *gates)}
     long_enough = q.shape[-2] >= bfloat16_products_min_t(max(q.shape[-1], v.shape[-1]))
-    if _bfloat16_io(q, k, v, gates) and BFLOAT16_PRODUCTS in kinds and bfloat16_factors and long_enough:
-        return BFLOAT16_PRODUCTS
+    bfloat16 = cpu_bfloat16_products()
+    if _bfloat16_io(q, k, v, gates) and bfloat16 is not None and bfloat16_factors and long_enough:
+        return bfloat16
     if dtypes <= {torch.float32, torch.bfloat16, torch.float16} and FLOAT32_DEFAULT_PRODUCTS in kinds:
         return FLOAT32_DEFAULT_PRODUCTS
     return BLAS_PRODUCTS
@@ -477,6 +495,9 @@ class CpuAutoChoice(NamedTuple):
 
     recurrent_max_t: int  # the step loop up to this many positions (0: never; T = 1 is the C++ decode step)
     chunk_sizes: Tuple[Tuple[int, int], ...]  # (head width max(Dk, Dv) up to, chunk size); wider: the caller's
+    # the same for bfloat16 factors multiplied in AMX tiles (TILE_BFLOAT16_PRODUCTS); () or a width past the last
+    # row: chunk_sizes'
+    bfloat16_tile_chunk_sizes: Tuple[Tuple[int, int], ...] = ()
 
 
 # mode="auto" on CPU with the C++ kernel, by torch thread count (more threads than listed: the last row). Regenerated
@@ -509,9 +530,15 @@ class CpuAutoChoice(NamedTuple):
 # fp32, forward / forward + backward ms, C = 16, 32, 64, 1 thread: D = 64 (T = 4096) 11.7 / 50.7, 11.3 / 53.9,
 # 13.6 / 60.2; D = 128 (T = 2048) 18.0 / 77.0, 15.7 / 69.2, 16.8 / 72.4; 2 threads: D = 64 7.0 / 30.1, 6.8 / 31.4,
 # 8.0 / 35.1; D = 128 8.2 / 39.1, 7.9 / 35.8, 8.3 / 36.5.
+# bfloat16 inputs whose products run in AMX tiles (an Intel Xeon with AMX-BF16, 2 vCPUs, session 61; by hand,
+# interleaved, B*H = 8, bf16 / fp32 inputs, forward / forward + backward ms, C = 16, 32, 64): 1 thread D = 64 (T =
+# 4096) bf16 7.0 / 33.0, 5.3 / 26.5, 6.7 / 32.8 (fp32 10.8 / 46.9, 11.0 / 52.7, 14.6 / 61.7); D = 128 (T = 2048) bf16
+# 10.1 / 45.7, 8.7 / 36.0, 9.2 / 36.5 (fp32 15.3 / 87.6, 19.0 / 81.0, 21.8 / 84.1); 2 threads D = 64 bf16 3.8 / 18.0,
+# 3.4 / 16.3, 4.6 / 18.0; D = 128 bf16 5.3 / 25.7, 4.6 / 19.8, 5.2 / 21.6: 32 at both widths (the tiles' products
+# cost little beside the chunk's float32 work, of which there is less per position in longer chunks).
 _CPU_AUTO = {
-    1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
-    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32))),
+    1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32)), bfloat16_tile_chunk_sizes=((128, 32),)),
+    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32)), bfloat16_tile_chunk_sizes=((128, 32),)),
 }
 # CPU without the C++ kernel: the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop
 # (same benchmark). CUDA, measured on an H100 (benchmarks/results/gpu_check_h100/run3_bench_gpu.json, auto_crossover:
@@ -546,12 +573,17 @@ def auto_mode(T: int, device: torch.device) -> str:
     return "recurrent" if T <= _recurrent_max_t(device) else "chunk"
 
 
-def auto_chunk_size(device: torch.device, head_width: int, chunk_size: int) -> int:
+def auto_chunk_size(device: torch.device, head_width: int, chunk_size: int, products: Optional[int] = None) -> int:
     """mode="auto"'s chunk size for heads ``head_width = max(Dk, Dv)`` wide: the measured table's on CPU with the C++
-    kernel, for widths it covers; else the caller's `chunk_size` (e.g. the Fast Weight Layers' vocabulary-wide heads).
-    """
+    kernel, for widths it covers (``bfloat16_tile_chunk_sizes`` where `products`, the call's ``cpu_products``, are
+    ``TILE_BFLOAT16_PRODUCTS``); else the caller's `chunk_size` (e.g. the Fast Weight Layers'
+    vocabulary-wide heads)."""
     if device.type == "cpu" and cpu_kernel_available():
-        for width, size in cpu_auto_choice().chunk_sizes:
+        row = cpu_auto_choice()
+        rows = row.chunk_sizes
+        if products == TILE_BFLOAT16_PRODUCTS and row.bfloat16_tile_chunk_sizes:
+            rows = row.bfloat16_tile_chunk_sizes + tuple(r for r in rows if r[0] > row.bfloat16_tile_chunk_sizes[-1][0])
+        for width, size in rows:
             if head_width <= width:
                 return size
     return chunk_size
@@ -627,9 +659,10 @@ def run_outer_product_rule(
     check_fast_weight_inputs(q, k, v, initial_state, chunk_size, mask, **gates)
     device = q.device
     kernel = select_kernel(recurrence, mode, q.shape[2], device)
-    if mode == "auto":  # the measured chunk size
-        chunk_size = auto_chunk_size(device, max(q.shape[-1], v.shape[-1]), chunk_size)
     values = tuple(gates.values())
+    if mode == "auto":  # the measured chunk size
+        products = cpu_products(q, k, v, values) if device.type == "cpu" else None
+        chunk_size = auto_chunk_size(device, max(q.shape[-1], v.shape[-1]), chunk_size, products)
     if mask is not None:
         k, *values = mask_positions(mask, k, *values)
     return kernel(q, k, v, *values, initial_state, output_final_state, chunk_size)

@@ -254,6 +254,17 @@ def _products_or_skip(kind):
         pytest.skip(f"the C++ kernel's build has no products of kind {kind} (AVX-512 / AVX-512 BF16) on this CPU")
 
 
+def _bfloat16_kind_or_skip(kind: str, monkeypatch) -> int:
+    """The products of bfloat16 `kind` ("vdpbf16ps" or "tiles"), made the bfloat16 inputs' default; skips where the
+    build or the machine has none."""
+    from fwp_kernels import chunk
+
+    products = {"vdpbf16ps": chunk.BFLOAT16_PRODUCTS, "tiles": chunk.TILE_BFLOAT16_PRODUCTS}[kind]
+    _products_or_skip(products)
+    monkeypatch.setattr(chunk, "BFLOAT16_DEFAULT_PRODUCTS", products)
+    return products
+
+
 def _spy_op_dtypes(monkeypatch, op: str) -> list:
     """Records the dtypes of the tensors that every call of the C++ kernel's op `op` is given."""
     from fwp_kernels import chunk
@@ -289,7 +300,8 @@ def _spy_products(monkeypatch):
     [(2, 3, 100, 32, 48, 32), (1, 2, 77, 16, 16, 16), (2, 1, 21, 64, 32, 10), (1, 2, 300, 64, 64, 64),
      (1, 2, 130, 128, 128, 32), (2, 1, 200, 24, 80, 48), (1, 2, 90, 40, 24, 20), (1, 2, 53, 17, 19, 16)],
 )
-def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
+@pytest.mark.parametrize("kind", ["vdpbf16ps", "tiles"])
+def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, kind, monkeypatch):
     """bfloat16 inputs multiply with bfloat16 factors and float32 sums (the micro-kernel's vdpbf16ps; state, solve
     and sums in float32) where the build has AVX-512 BF16, forward and backward, and with float32 factors forced on
     the backward: outputs, final state and every gradient within the bfloat16 bound of the float64 step loop. Odd
@@ -297,16 +309,19 @@ def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
     the packed operands and mask the last columns; 80 and 128 columns run 64-column blocks and a 16-column one.
     Measured on a Zen 5 CPU: o <= 3.6e-3 (the sum rule's 2.1e-3 is about its rounding to bfloat16 alone), final
     state <= 2.7e-3 (sum rule 6.8e-8), gradients <= 4.3e-3; the gated rule (its decays on the delta rule's products):
-    o <= 3.1e-3, final state <= 2.4e-3, gradients <= 4.3e-3 (dg)."""
+    o <= 3.1e-3, final state <= 2.4e-3, gradients <= 4.3e-3 (dg). `kind`: vdpbf16ps (AVX-512 BF16) or AMX's tiles,
+    each where the machine has it (on an Intel Xeon with AMX, both kinds over these cases: delta rule o <= 3.6e-3, final
+    state <= 2.7e-3, gradients <= 4.3e-3; gated o <= 3.1e-3, final state <= 2.4e-3, gradients <= 4.3e-3; the same to
+    two digits for the two kinds)."""
     from fwp_kernels import chunk
 
-    _products_or_skip(chunk.BFLOAT16_PRODUCTS)
+    products = _bfloat16_kind_or_skip(kind, monkeypatch)
     chosen = _spy_products(monkeypatch)
     inputs, ref = case(rule, B, H, T, Dk, Dv, torch.bfloat16, seed=T + Dk)
     got = outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size)
     float32 = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in chunk.cpu_product_kinds() \
         else chunk.BLAS_PRODUCTS
-    assert chosen == [chunk.BFLOAT16_PRODUCTS] * 2  # forward, backward
+    assert chosen == [products] * 2  # forward, backward
     assert got["o"].dtype == torch.bfloat16 and got["final_state"].dtype == torch.float32
     assert_close(got, ref, TOL[torch.bfloat16])
     owner, name = (_cpp_kernel_modules()[1].GatedDeltaRuleChunks, "compiled_backward") if rule == "gated" \
@@ -320,23 +335,26 @@ def test_bfloat16_products(rule, B, H, T, Dk, Dv, chunk_size, monkeypatch):
 
     monkeypatch.setattr(owner, name, backward_with_float32_factors)
     assert_close(outputs_and_grads(rule, inputs, mode="chunk", chunk_size=chunk_size), ref, TOL[torch.bfloat16])
-    assert chosen[2:] == [chunk.BFLOAT16_PRODUCTS]  # the forward's; the backward's forced
+    assert chosen[2:] == [products]  # the forward's; the backward's forced
 
 
 @pytest.mark.parametrize("rule", ["delta", "sum"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 1, 150, 17, 40, 16),
                                                     (1, 2, 53, 64, 19, 20)])
-def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chunk_size, monkeypatch):
+@pytest.mark.parametrize("kind", ["vdpbf16ps", "tiles"])
+def test_bfloat16_backward_widens_and_rounds(rule, threads, B, H, T, Dk, Dv, chunk_size, kind, monkeypatch):
     """The C++ backward of bfloat16 inputs takes q, k, v, beta and the output gradient as bfloat16 and writes bfloat16
     gradients: exactly the float32 backward of the widened inputs with its gradients rounded once (the kernel widens
     and rounds chunk by chunk; at B*H = 1 and 2 threads the value-column blocks sum their partial dq, dk and dbeta in
     float32 before rounding), with float32 factors and with bfloat16 ones (read in place in its recomputation of the
     forward, packed from float32 on the widened inputs). Ragged last chunks, odd Dk and Dv; the autograd path hands
-    the op bfloat16 tensors."""
+    the op bfloat16 tensors. `kind`: the bfloat16 factors' products, vdpbf16ps or AMX's tiles (skipped without)."""
     from fwp_kernels import chunk
 
     _cpp_kernel_or_skip()
+    if kind == "tiles" or chunk.BFLOAT16_PRODUCTS in chunk.cpu_product_kinds():
+        _bfloat16_kind_or_skip(kind, monkeypatch)
     g = torch.Generator().manual_seed(T)
     BH = B * H
     q, k = (F.normalize(torch.randn(BH, T, Dk, generator=g), dim=-1).bfloat16() for _ in range(2))
@@ -401,14 +419,15 @@ def test_bfloat16_outputs_round_as_torch_does():
 @pytest.mark.parametrize("rule", ["delta", "sum"])
 @pytest.mark.parametrize("BH,T,Dk,Dv,chunk_size", [(2, 21, 64, 32, 10), (2, 100, 64, 64, 16), (1, 53, 17, 19, 16),
                                                    (2, 70, 128, 80, 32), (1, 40, 24, 24, 20)])
-def test_bfloat16_operands_in_place_are_the_generic_ones(rule, BH, T, Dk, Dv, chunk_size):
+@pytest.mark.parametrize("kind", ["vdpbf16ps", "tiles"])
+def test_bfloat16_operands_in_place_are_the_generic_ones(rule, BH, T, Dk, Dv, chunk_size, kind, monkeypatch):
     """The bfloat16 forward's own operands (q and k read in place, K interleaved once, S^T's pairs written by the
     previous chunk's update from its registers) give bit for bit the outputs and final state of the generic
     bfloat16-factor products on the widened inputs, which pack every operand from float32 per product: short chunks
-    (copied and stacked), odd Dk, Dv of two column blocks, ragged last chunks."""
+    (copied and stacked), odd Dk, Dv of two column blocks, ragged last chunks; with vdpbf16ps and with AMX's tiles."""
     from fwp_kernels import chunk
 
-    _products_or_skip(chunk.BFLOAT16_PRODUCTS)
+    products = _bfloat16_kind_or_skip(kind, monkeypatch)
     g = torch.Generator().manual_seed(T + Dk)
     q, k = (F.normalize(torch.randn(BH, T, Dk, generator=g), dim=-1).bfloat16() for _ in range(2))
     v = torch.randn(BH, T, Dv, generator=g).bfloat16()
@@ -418,7 +437,7 @@ def test_bfloat16_operands_in_place_are_the_generic_ones(rule, BH, T, Dk, Dv, ch
     def forward(dtype):
         x = [None if t is None else t.to(dtype) for t in (q, k, v, beta)]
         S, o = s0.clone(), torch.empty_like(x[2])
-        chunk._CPU_KERNEL.ops.chunk_forward(*x, S, chunk_size, o, None, None, chunk.BFLOAT16_PRODUCTS)
+        chunk._CPU_KERNEL.ops.chunk_forward(*x, S, chunk_size, o, None, None, products)
         return o, S
 
     (o, S), (o_generic, S_generic) = forward(torch.bfloat16), forward(torch.float32)
@@ -461,7 +480,7 @@ def test_products_follow_the_inputs_dtypes():
     x = {d: torch.zeros(1, 1, T, 8, dtype=d) for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
     beta = torch.zeros(1, 1, T, dtype=torch.bfloat16)
     fp32 = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in kinds else chunk.BLAS_PRODUCTS
-    bf16 = chunk.BFLOAT16_PRODUCTS if chunk.BFLOAT16_PRODUCTS in kinds else fp32
+    bf16 = chunk.cpu_bfloat16_products() or fp32
     b16 = x[torch.bfloat16]
     assert chunk.cpu_products(b16, b16, b16, (beta,)) == bf16 and chunk.cpu_products(b16, b16, b16, ()) == bf16
     assert chunk.cpu_products(b16, b16, b16, (beta,), bfloat16_factors=False) == fp32
@@ -641,21 +660,31 @@ def test_auto_chunk_size_from_the_measured_table(monkeypatch):
             monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
             assert chunk.auto_chunk_size(cpu, width, 64) == size
         assert chunk.auto_chunk_size(cpu, row.chunk_sizes[-1][0] + 1, 256) == 256
+        for width, size in row.bfloat16_tile_chunk_sizes:  # bfloat16 factors in AMX tiles: their own row
+            assert chunk.auto_chunk_size(cpu, width, 64, chunk.TILE_BFLOAT16_PRODUCTS) == size
+        for width, size in row.chunk_sizes:  # other products: the float32 row
+            assert chunk.auto_chunk_size(cpu, width, 64, chunk.BFLOAT16_PRODUCTS) == size
+            if width > max((w for w, _ in row.bfloat16_tile_chunk_sizes), default=0):
+                assert chunk.auto_chunk_size(cpu, width, 64, chunk.TILE_BFLOAT16_PRODUCTS) == size
     assert chunk.cpu_auto_choice(8) == chunk._CPU_AUTO[max(chunk._CPU_AUTO)]
     monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: False)
     assert chunk.auto_chunk_size(cpu, 64, 64) == 64
 
 
 @pytest.mark.parametrize("rule", ["delta", "gated"])
-def test_auto_mode_runs_the_table_chunk_size(rule):
-    """mode="auto" with the C++ kernel runs the table's chunk size for the delta and the gated rule alike: the same
-    bits as mode="chunk" at that size, whatever chunk_size the caller passed."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_mode_runs_the_table_chunk_size(rule, dtype):
+    """mode="auto" with the C++ kernel runs the table's chunk size for the delta and the gated rule alike (for
+    bfloat16 inputs, the row of their products: AMX tiles' own where the machine has them): the same bits as
+    mode="chunk" at that size, whatever chunk_size the caller passed."""
     from fwp_kernels import chunk
 
     _cpp_kernel_or_skip()
     inputs = {n: None if x is None else x.detach()
-              for n, x in make_inputs(rule, 1, 2, 100, 64, 64, torch.float32, seed=3).items()}
-    size = chunk.auto_chunk_size(torch.device("cpu"), 64, 64)
+              for n, x in make_inputs(rule, 1, 2, 100, 64, 64, dtype, seed=3).items()}
+    gates = tuple(inputs[n] for n in ("beta", "g") if inputs.get(n) is not None)
+    products = chunk.cpu_products(inputs["q"], inputs["k"], inputs["v"], gates)
+    size = chunk.auto_chunk_size(torch.device("cpu"), 64, 64, products)
     auto, _ = run(rule, inputs, mode="auto", chunk_size=128)
     table, _ = run(rule, inputs, mode="chunk", chunk_size=size)
     other, _ = run(rule, inputs, mode="chunk", chunk_size=128)
@@ -847,8 +876,8 @@ def test_gated_bfloat16_widens_and_rounds(g_dtype, threads, B, H, T, Dk, Dv, chu
     assert got["o"].dtype == bf16 and got["dg"].dtype == g_dtype
     assert calls[0] == [[bf16] * 4 + [g_dtype, f32, bf16]]  # q, k, v, beta, g, S, o
     assert calls[1] == [[bf16] * 4 + [g_dtype, f32, bf16, f32] + [bf16] * 4 + [g_dtype]]  # ..., s0, dout, dS, grads
-    if chunk.BFLOAT16_PRODUCTS in chunk.cpu_product_kinds():
-        assert set(chosen) == {chunk.BFLOAT16_PRODUCTS}
+    if chunk.cpu_bfloat16_products() is not None:
+        assert set(chosen) == {chunk.cpu_bfloat16_products()}
 
 
 @pytest.mark.parametrize("rule", RULES)

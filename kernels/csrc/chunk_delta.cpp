@@ -34,6 +34,10 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>  // arch_prctl: the permission to use AMX's tile registers (tiles_usable)
+#include <unistd.h>
+#endif
 
 // The ops' namespace: fwp_chunk_<build key> when cpp_build compiles this file (-DFWP_OP_NAMESPACE), one
 // per build, so that builds of different sources (the package's, a saved model folder's older copy) load side by
@@ -93,7 +97,8 @@ struct BlasGemm {
 };
 
 // Which policy a call of the ops asks for (their `products` argument).
-enum Products : int64_t { kBlas = 0, kVectorFloat32 = 1, kVectorBfloat16 = 2 };
+// kTileBfloat16: the bfloat16 factors of kVectorBfloat16 multiplied in AMX's tile registers (tile_gemm).
+enum Products : int64_t { kBlas = 0, kVectorFloat32 = 1, kVectorBfloat16 = 2, kTileBfloat16 = 3 };
 
 // sum_j x_j y_j over n elements, summed in vector lanes (in the order the compiler's reduction picks: a serial sum is
 // one dependent add per element, which made the backward's row sums and the gated rule's <S, dS'> a sizeable share of
@@ -310,11 +315,28 @@ void column_block(int64_t m, int64_t w, int64_t steps, const typename F::Element
 // `lines`: the calling thread's PacedLines (paced_lines(), looked up once per sequence by the chunk loops: a
 // thread_local of a loaded library is a call of __tls_get_addr each time, 2-3% of the bfloat16 forward's samples,
 // B1 H8 T4096 D64, 1 thread, when every product looked it up).
+#if defined(FWP_NATIVE_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FWP_TILE_BF16 1
+struct TileThreadState;
+TileThreadState& tile_state();
+void tile_gemm(int64_t m, int64_t n, int64_t steps, const bf16_bits* A, int64_t a_row, int64_t a_step,
+               const bf16_bits* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta, PacedLines& lines,
+               uint16_t* pairs, int64_t pairs_ld, TileThreadState& state);
+#endif
+
 template <typename F>
 __attribute__((noinline)) void vector_gemm(int64_t m, int64_t n, int64_t steps, const typename F::Element* A,
                                            int64_t a_row, int64_t a_step, const typename F::Element* B, int64_t b_step,
                                            float alpha, float* C, int64_t ldc, float beta, PacedLines& lines,
                                            uint16_t* pairs = nullptr, int64_t pairs_ld = 0) {
+#ifdef FWP_TILE_BF16
+  // bfloat16 factors in the tile registers where the sequence's policy asks for them (kTileBfloat16), same operands
+  if constexpr (std::is_same_v<F, Bfloat16Factors>) {
+    TileThreadState& state = tile_state();
+    if (state.enabled)
+      return tile_gemm(m, n, steps, A, a_row, a_step, B, b_step, alpha, C, ldc, beta, lines, pairs, pairs_ld, state);
+  }
+#endif
   for (int64_t j = 0; j < n; j += 64) {
     const int64_t w = std::min<int64_t>(64, n - j);
     const typename F::Element* Bj = B + F::kPerStep * j;
@@ -649,9 +671,179 @@ float pairs_dot(int64_t k, int64_t n, const bf16_bits* a, const bf16_bits* b, in
   return _mm512_reduce_add_ps(acc);
 }
 
+#ifdef FWP_TILE_BF16
+// ---------------------------------------------------------------------------------------------------------------
+// bfloat16 factors in AMX's tile registers (Sapphire Rapids and later Xeons): TDPBF16PS multiplies a 16 x 32 bfloat16
+// tile of A by a 32 x 16 tile of B held as 16 rows of column pairs (pack_pairs' layout, as vdpbf16ps reads it) into a
+// 16 x 16 float32 tile of sums, 16 times the work of one vdpbf16ps, where Intel's cores issue vdpbf16ps once a cycle
+// (half their float32 FMA rate: the AVX-512 BF16 products ran no faster than float32 on such a core). Each product of a
+// bfloat16 pair is exact in float32 and every sum is rounded to nearest even, as with vdpbf16ps; the order of a
+// pair's two products within a sum may differ between the two, so their bits can differ in the last place.
+
+// Whether this process may use the tile data: Linux grants it on request, once per process and for all its threads
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; refused by a kernel before 5.16, and then the AVX-512 BF16
+// products run).
+bool tiles_usable() {
+  static const bool usable = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+// The tile registers' shapes, LDTILECFG's operand (palette 1): two 16 x 16 float32 sums, a 16-row tile of A and two of
+// B (16 pairs of the inner dimension each), and where the inner dimension's pairs are not a multiple of 16, tiles of A
+// and B for the last `tail` pairs. (The intrinsics take a register's number as a literal: tile_gemm writes these.)
+enum TileRegister : int { kSums0 = 0, kSums1 = 1, kTileA = 2, kTileB0 = 3, kTileB1 = 4, kTailA = 5, kTailB0 = 6,
+                          kTailB1 = 7 };
+struct alignas(64) TileShapes {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t row_bytes[16] = {};
+  uint8_t rows[16] = {};
+  explicit TileShapes(int64_t tail) {
+    for (int t : {kSums0, kSums1, kTileA, kTileB0, kTileB1}) rows[t] = 16, row_bytes[t] = 64;
+    if (tail == 0) return;
+    rows[kTailA] = 16, row_bytes[kTailA] = uint16_t(4 * tail);
+    for (int t : {kTailB0, kTailB1}) rows[t] = uint8_t(tail), row_bytes[t] = 64;
+  }
+};
+
+// A thread's tile state, set by on_this_thread as a sequence begins: whether its policy multiplies in tiles, the tail
+// its tile shapes were loaded for (-1: not loaded since the sequence began: other code, oneDNN's kernels, loads
+// shapes of its own between the ops' calls; a load costs about a tenth of a product's time at D = 64, C = 32, by
+// perf), and its copies of A.
+struct TileThreadState {
+  bool enabled = false;
+  int64_t loaded_tail = -1;
+  std::vector<pair_bits> transposed, last_rows;
+};
+TileThreadState& tile_state() {
+  thread_local TileThreadState state;
+  return state;
+}
+
+// C [rows, 16 groups at most] = alpha sums + beta C for one or two 16-column groups of sums [2][16][16] (C not read
+// where beta is 0), columns [0, n) kept; with `pairs`, the results also as bfloat16 pairs of rows (tile's kPairs: zero
+// past row `rows` and column n, 16-column groups written whole).
+inline void tile_results(int64_t rows, int64_t n, int groups, const float (*sums)[16][16], float alpha, float* C,
+                         int64_t ldc, float beta, uint16_t* pairs, int64_t pairs_ld) {
+  const __m512 scale = _mm512_set1_ps(alpha), prior_scale = _mm512_set1_ps(beta);
+  for (int g = 0; g < groups; ++g) {
+    const __mmask16 keep = first_lanes(n - 16 * g);
+    __m512 even = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      float* c = C + r * ldc + 16 * g;
+      __m512 prior = _mm512_setzero_ps();
+      if (beta != 0.f) prior = _mm512_maskz_loadu_ps(keep, c);
+      if (beta != 0.f && beta != 1.f) prior = _mm512_mul_ps(prior_scale, prior);
+      const __m512 result = _mm512_maskz_mov_ps(keep, _mm512_fmadd_ps(scale, _mm512_load_ps(sums[g][r]), prior));
+      _mm512_mask_storeu_ps(c, keep, result);
+      if (pairs == nullptr) continue;
+      if (r % 2 == 0) {
+        even = result;
+        if (r + 1 == rows) store_pairs(pairs + r / 2 * pairs_ld + 32 * g, even, _mm512_setzero_ps());
+      } else {
+        store_pairs(pairs + r / 2 * pairs_ld + 32 * g, even, result);
+      }
+    }
+  }
+}
+
+// A's rows as the tiles read them, 16 pairs of the inner dimension (64 bytes) at a time: in place where there are 16
+// rows from row i0, else copied into `copy`, 16 rows of `steps` pairs (zero past row m).
+inline const pair_bits* tile_rows_of_a(int64_t m, int64_t i0, int64_t steps, const pair_bits* A, int64_t lda,
+                                       std::vector<pair_bits>& copy) {
+  if (m - i0 >= 16) return A + i0 * lda;
+  copy.assign(16 * steps, 0);
+  for (int64_t r = 0; i0 + r < m; ++r) std::memcpy(copy.data() + r * steps, A + (i0 + r) * lda, 4 * steps);
+  return copy.data();
+}
+
+// One 16 x 32 block of tile_gemm's C: where its sums go and how they are written.
+struct TileBlock {
+  int64_t i0 = 0, j0 = 0;
+  bool two = false;  // two 16-column groups
+  bool pending = false;  // sums stored in the thread's buffer, results not yet written
+};
+
+// vector_gemm's C [m, n] = alpha A B + beta C for bfloat16 factors (A, B, `pairs` as there) in tiles: per 16 rows of A
+// and 32 columns of B, two 16 x 16 sums over the inner dimension in blocks of 16 pairs (the last `tail` in tiles of
+// their own shape). A block's results are written (tile_results) while the tiles compute the next block's sums; where
+// they are C's own values (alpha 1, beta 0, no pairs, 16 x 16 inside C) the sums are stored into C directly.
+void tile_gemm(int64_t m, int64_t n, int64_t steps, const bf16_bits* A, int64_t a_row, int64_t a_step,
+               const bf16_bits* B, int64_t b_step, float alpha, float* C, int64_t ldc, float beta, PacedLines& lines,
+               uint16_t* pairs, int64_t pairs_ld, TileThreadState& state) {
+  const pair_bits* a = reinterpret_cast<const pair_bits*>(A);
+  int64_t lda = a_row / 2;  // pairs from one row of A to the next
+  if (a_step != 2) {        // pair s of row r at A + 2 r + s a_step: the columns of pairs transposed into rows
+    state.transposed.assign(round_up(m, 16) * steps, 0);
+    transpose_into(steps, m, a, a_step / 2, state.transposed.data(), steps);
+    a = state.transposed.data(), lda = steps;
+  }
+  const int64_t full = steps / 16 * 16, tail = steps - full;
+  if (state.loaded_tail < 0 || (tail > 0 && state.loaded_tail != tail)) {  // (any shapes have the full tiles)
+    const TileShapes shapes(tail);
+    _tile_loadconfig(&shapes);
+    state.loaded_tail = tail;
+  }
+  const bool direct = alpha == 1.f && beta == 0.f && pairs == nullptr;
+  const int64_t b_stride = 2 * b_step;  // bytes
+  alignas(64) float sums[2][2][16][16];  // [block parity][column group]
+  TileBlock last;
+  const auto finish = [&](TileBlock& b) {  // the results of a block whose sums are in the buffer
+    if (!b.pending) return;
+    tile_results(std::min<int64_t>(16, m - b.i0), n - b.j0, b.two ? 2 : 1, sums[(b.j0 / 32) % 2], alpha,
+                 C + b.i0 * ldc + b.j0, ldc, beta, pairs == nullptr ? nullptr : pairs + b.i0 / 2 * pairs_ld + 2 * b.j0,
+                 pairs_ld);
+    b.pending = false;
+  };
+  for (int64_t i0 = 0; i0 < m; i0 += 16) {
+    const pair_bits* Ai = a_step == 2 ? tile_rows_of_a(m, i0, steps, a, lda, state.last_rows) : a + i0 * lda;
+    const int64_t a_stride = a_step == 2 && m - i0 < 16 ? 4 * steps : 4 * lda;
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+      const bool two = n - j0 > 16;
+      const bf16_bits* Bj = B + 2 * j0;
+      lines.issue(PacedLines::kPerTile);
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t s = 0; s < full; s += 16) {
+        _tile_loadd(2, Ai + s, a_stride);
+        _tile_loadd(3, Bj + s * b_step, b_stride);
+        _tile_dpbf16ps(0, 2, 3);
+        if (!two) continue;
+        _tile_loadd(4, Bj + s * b_step + 32, b_stride);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+      if (tail > 0) {
+        _tile_loadd(5, Ai + full, a_stride);
+        _tile_loadd(6, Bj + full * b_step, b_stride);
+        _tile_dpbf16ps(0, 5, 6);
+        if (two) {
+          _tile_loadd(7, Bj + full * b_step + 32, b_stride);
+          _tile_dpbf16ps(1, 5, 7);
+        }
+      }
+      finish(last);  // the previous block's results, while the tiles compute
+      last = TileBlock{i0, j0, two, true};
+      if (direct && m - i0 >= 16 && n - j0 >= (two ? 32 : 16)) {
+        _tile_stored(0, C + i0 * ldc + j0, 4 * ldc);
+        if (two) _tile_stored(1, C + i0 * ldc + j0 + 16, 4 * ldc);
+        last.pending = false;
+        continue;
+      }
+      _tile_stored(0, sums[(j0 / 32) % 2][0], 64);
+      if (two) _tile_stored(1, sums[(j0 / 32) % 2][1], 64);
+    }
+  }
+  finish(last);
+}
+#endif  // FWP_TILE_BF16
+
 template <>
 struct VectorGemm<Bfloat16Factors> {
   PacedLines* lines = nullptr;
+  bool tiles = false;  // in AMX's tile registers (kTileBfloat16)
   void operator()(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* A,
                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) const {
     const int64_t kp = (k + 1) / 2, np = round_up(n, 16);
@@ -689,6 +881,13 @@ void with_products(int64_t products, const F& f) {
 #endif
 #ifdef FWP_NATIVE_BF16
     if (products == kVectorBfloat16) return f(VectorGemm<Bfloat16Factors>());
+#endif
+#ifdef FWP_TILE_BF16
+    if (products == kTileBfloat16 && tiles_usable()) {
+      VectorGemm<Bfloat16Factors> tiles;
+      tiles.tiles = true;
+      return f(tiles);
+    }
 #endif
   }
   TORCH_CHECK(products == kBlas, "fwp_chunk: this build or dtype has no products of kind ", products);
@@ -728,6 +927,9 @@ int64_t product_kinds() {
 #endif
 #ifdef FWP_NATIVE_BF16
   kinds |= 1 << kVectorBfloat16;
+#endif
+#ifdef FWP_TILE_BF16
+  if (tiles_usable()) kinds |= 1 << kTileBfloat16;  // the CPU has AMX and Linux grants the process its tile data
 #endif
   return kinds;
 }
@@ -1003,6 +1205,13 @@ template <typename F>
 inline VectorGemm<F> on_this_thread(const VectorGemm<F>& gemm) {
   VectorGemm<F> bound = gemm;
   bound.lines = &paced_lines();
+#ifdef FWP_TILE_BF16
+  if constexpr (std::is_same_v<F, Bfloat16Factors>) {
+    TileThreadState& state = tile_state();
+    state.enabled = gemm.tiles;
+    state.loaded_tail = -1;  // shapes loaded anew
+  }
+#endif
   return bound;
 }
 #endif
