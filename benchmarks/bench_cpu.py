@@ -12,7 +12,8 @@ versions, machine, load average before and after), for each thread count side by
    ``mode="auto"``; the products as shipped: the kernel's own micro-kernel where built, AVX-512 or AVX2), the same fp32 calls
    with the BLAS's products (``*_auto_blas``: the kernel before its micro-kernel), bf16 inputs (``*_auto_bf16``:
    as shipped, bfloat16 factors forward and backward where the build has AVX-512 BF16; ``*_auto_bf16_in_fp32``: the same
-   inputs with float32 products throughout),
+   inputs with float32 products throughout; ``*_auto_bf16_vdpbf16ps``, where the bfloat16 factors run in AMX tiles:
+   the same inputs with AVX-512 BF16's vdpbf16ps instead),
    and transformers' ``torch_chunk_gated_delta_rule`` (g = 0, the same delta rule: ``bench_kernels.hf_delta_rule``);
    the gated delta rule (``gated_Cauto``; ``gated_auto_blas``; ``gated_auto_bf16`` and ``gated_auto_bf16_in_fp32`` as
    for the delta rule; transformers' with the same g):
@@ -29,10 +30,11 @@ versions, machine, load average before and after), for each thread count side by
    more than the cache), float32 and bfloat16: GB/s of the streaming kernel (``fwp_dense.linear_rows``,
    csrc/decode_linear.cpp), ``F.linear`` and oneDNN's matmul, beside ``x.sum()``'s read rate over the same weights.
 5. ``auto_table``: the chunk size with the least forward + (forward + backward) time per head width (64, 128), B*H = 8,
-   and the T = 1 decode step against the step loop: the rows of ``fwp_kernels.chunk._CPU_AUTO`` (printed as code).
+   and the T = 1 decode step against the step loop: the rows of ``fwp_kernels.chunk._CPU_AUTO`` (printed as code);
+   where the bfloat16 factors run in AMX tiles, the same for bf16 inputs (its ``bfloat16_tile_chunk_sizes``).
 6. ``products_by_length``: the delta rule's forward from T = 2 to 1,024 (D = 64 and 128), the C++ kernel's products
    forced to each kind: fp32 inputs through the BLAS and the micro-kernel, bf16 inputs with float32 and bfloat16
-   factors.
+   factors (vdpbf16ps, and AMX tiles where the machine has them).
 
 Times are medians over the rounds (best beside them in the file); every function runs once per round. The kernel rows
 (2.) are timed warm, each call right after an untimed one of the same row: its inputs in the cache as after the layer
@@ -142,6 +144,10 @@ def kernel_functions(T: int, hf) -> dict:
                               (f"{rule}_auto_bf16_in_fp32", bf16, fp32_products)):
             call = functools.partial(auto_call, rule, x, kind)
             fns[name] = (call, fwd_bwd(call, x), flops)
+    if chunk.TILE_BFLOAT16_PRODUCTS in chunk.cpu_product_kinds():  # the tiles' alternative: vdpbf16ps
+        for rule in ("delta", "sum"):
+            call = functools.partial(auto_call, rule, bf16, chunk.BFLOAT16_PRODUCTS)
+            fns[f"{rule}_auto_bf16_vdpbf16ps"] = (call, fwd_bwd(call, bf16), fns[f"{rule}_Cauto"][2])
     # the gated delta rule (mode="auto": its C++ kernel) with decays a = exp(g) spread over (0.5, 1)
     gates = fp32 + [F.logsigmoid(torch.randn(1, 8, T, generator=torch.Generator().manual_seed(1)) + 2)
                     .requires_grad_()]
@@ -192,7 +198,7 @@ def kernels(size: dict, hf, peak: dict) -> dict:
             row["forward_of_fp32_peak"] = row["forward_gflops"] / peak["matmul_fp32_gflops"]
             row["fwd_bwd_gflops"] = sum(flops) / both[name]["median"] / 1e9
             row["fwd_bwd_of_fp32_peak"] = row["fwd_bwd_gflops"] / peak["matmul_fp32_gflops"]
-            if name.endswith("_bf16") and chunk.native_bf16_available():
+            if name.endswith(("_bf16", "_vdpbf16ps")) and chunk.native_bf16_available():
                 row["forward_of_bf16_peak"] = row["forward_gflops"] / peak["matmul_bf16_gflops"]
         compared = {"_bf16": {"fp32": name.replace("_auto_bf16", "_Cauto"), "bf16_in_fp32": f"{name}_in_fp32"},
                     "_Cauto": {"blas": name.replace("_Cauto", "_auto_blas")}}
@@ -225,18 +231,21 @@ def delta_net_1b3(size: dict, peak: dict) -> dict:
                      "decode_token": decode_token}, size["repeats"])
     C = chunk.auto_chunk_size(torch.device("cpu"), D, 64)
     flops = layers * chunk_flops("delta", 1, H, T, D, D, C)
+    bf16_products = chunk.cpu_products(*prefill_bf16[:3], prefill_bf16[3:])
+    C_bf16 = chunk.auto_chunk_size(torch.device("cpu"), D, 64, bf16_products)
+    flops_bf16 = layers * chunk_flops("delta", 1, H, T, D, D, C_bf16)
     state_bytes = H * D * D * 4  # one layer's fp32 state
     decode_bound_s = layers * 2 * state_bytes / (peak["read_gbs"] * 1e9)  # read once, written once
     model_bound_s = (MODEL_1B3["params"] * 4 + layers * 2 * state_bytes) / (peak["read_gbs"] * 1e9)
     prefill_s = layers * t["prefill_layer"]["median"]
-    bf16_factors = chunk.cpu_products(*prefill_bf16[:3], prefill_bf16[3:]) == chunk.BFLOAT16_PRODUCTS
+    bf16_factors = bf16_products in (chunk.BFLOAT16_PRODUCTS, chunk.TILE_BFLOAT16_PRODUCTS)
     bf16_peak = peak["matmul_bf16_gflops" if bf16_factors else "matmul_fp32_gflops"]
     return {
-        "prefill_T": T, "chunk_size": C,
+        "prefill_T": T, "chunk_size": C, "chunk_size_bf16": C_bf16,
         "prefill_tokens_per_s": T / prefill_s,
         "prefill_matmul_bound_tokens_per_s": T / (flops / (peak["matmul_fp32_gflops"] * 1e9)),
         "prefill_bf16_tokens_per_s": T / (layers * t["prefill_layer_bf16"]["median"]),
-        "prefill_bf16_matmul_bound_tokens_per_s": T / (flops / (bf16_peak * 1e9)),
+        "prefill_bf16_matmul_bound_tokens_per_s": T / (flops_bf16 / (bf16_peak * 1e9)),
         "decode_ms_per_token": median_ms(t["decode_token"]),
         "decode_bandwidth_bound_ms": decode_bound_s * 1e3,
         "whole_model_decode_bound_ms": model_bound_s * 1e3,
@@ -271,12 +280,13 @@ def linear_rows(size: dict) -> dict:
 def products_by_length(size: dict) -> dict:
     """Forward ms of the delta rule (mode="auto", B*H = 8 for D = 64, 16 for D = 128) from T = 2 up, the C++ kernel's
     products forced: fp32 inputs with the BLAS's and the micro-kernel's, bf16 inputs with float32 and bfloat16 factors
-    (kinds this build lacks are skipped)."""
+    (vdpbf16ps, and AMX tiles; kinds this build or machine lacks are skipped)."""
     kinds = chunk.cpu_product_kinds()
     variants = {"fp32_blas": (torch.float32, chunk.BLAS_PRODUCTS),
                 "fp32_vector": (torch.float32, chunk.FLOAT32_PRODUCTS),
                 "bf16_fp32_factors": (torch.bfloat16, chunk.FLOAT32_PRODUCTS),
-                "bf16_bf16_factors": (torch.bfloat16, chunk.BFLOAT16_PRODUCTS)}
+                "bf16_bf16_factors": (torch.bfloat16, chunk.BFLOAT16_PRODUCTS),
+                "bf16_tile_factors": (torch.bfloat16, chunk.TILE_BFLOAT16_PRODUCTS)}
     out = {}
     for D, H in ((64, 8), (128, 16)):
         for T in size["lengths"]:
@@ -290,19 +300,24 @@ def products_by_length(size: dict) -> dict:
 
 
 def auto_table(size: dict) -> dict:
-    """Per head width: forward and fwd + bwd ms per chunk size (delta rule, B*H = 8), the best size; T = 1."""
+    """Per head width: forward and fwd + bwd ms per chunk size (delta rule, B*H = 8), the best size, for fp32 inputs
+    and, where the kernel multiplies bfloat16 in AMX tiles, for bf16 inputs (``*_bf16``: the table's
+    ``bfloat16_tile_chunk_sizes``); T = 1."""
     out = {}
+    tiles = chunk.TILE_BFLOAT16_PRODUCTS in chunk.cpu_product_kinds()
     for D in (64, 128):
-        x = make_inputs(1, 8, size["table_T"], D, requires_grad=True)
-        fns = {f"C{C}": (lambda C=C: delta_rule(*x, output_final_state=True, mode="chunk", chunk_size=C))
-               for C in CHUNKS}
-        with torch.no_grad():
-            fwd = timings(fns, size["repeats"])
-        both = timings({n: fwd_bwd(f, x) for n, f in fns.items()}, max(2, size["repeats"] - 2))
-        cost = {n: fwd[n]["median"] + both[n]["median"] for n in fns}
-        out[f"D{D}"] = {"forward_ms": {n: median_ms(fwd[n]) for n in fns},
-                        "fwd_bwd_ms": {n: median_ms(both[n]) for n in fns},
-                        "best_chunk_size": int(min(cost, key=cost.get)[1:])}
+        out[f"D{D}"] = {}
+        for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")) if tiles else ((torch.float32, ""),):
+            x = make_inputs(1, 8, size["table_T"], D, dtype=dtype, requires_grad=True)
+            fns = {f"C{C}": (lambda C=C, x=x: delta_rule(*x, output_final_state=True, mode="chunk", chunk_size=C))
+                   for C in CHUNKS}
+            with torch.no_grad():
+                fwd = timings(fns, size["repeats"])
+            both = timings({n: fwd_bwd(f, x) for n, f in fns.items()}, max(2, size["repeats"] - 2))
+            cost = {n: fwd[n]["median"] + both[n]["median"] for n in fns}
+            out[f"D{D}"].update({f"forward_ms{suffix}": {n: median_ms(fwd[n]) for n in fns},
+                                 f"fwd_bwd_ms{suffix}": {n: median_ms(both[n]) for n in fns},
+                                 f"best_chunk_size{suffix}": int(min(cost, key=cost.get)[1:])})
         step = make_inputs(1, 8, 1, D)
         state = 0.1 * torch.randn(1, 8, D, D)
         with torch.no_grad():
@@ -365,9 +380,12 @@ def print_side_by_side(results: dict) -> None:
     print("\nmode='auto' table (fwp_kernels/chunk.py _CPU_AUTO), from this run:")
     for th, r in runs.items():
         widths = tuple((int(D[1:]), row["best_chunk_size"]) for D, row in r["auto_table"].items())
+        tiles = tuple((int(D[1:]), row["best_chunk_size_bf16"]) for D, row in r["auto_table"].items()
+                      if "best_chunk_size_bf16" in row)
         t1 = "; ".join(f"{D} step loop {row['T1_ms']['step_loop']:.3f}, decode_step {row['T1_ms']['decode_step']:.3f}"
                        for D, row in r["auto_table"].items())
-        print(f"    {th}: CpuAutoChoice(recurrent_max_t=0, chunk_sizes={widths}),  # T = 1 ms: {t1}")
+        tile_rows = f", bfloat16_tile_chunk_sizes={tiles}" if tiles else ""
+        print(f"    {th}: CpuAutoChoice(recurrent_max_t=0, chunk_sizes={widths}{tile_rows}),  # T = 1 ms: {t1}")
 
 
 def main() -> None:

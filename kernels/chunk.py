@@ -537,8 +537,10 @@ class CpuAutoChoice(NamedTuple):
 # 3.4 / 16.3, 4.6 / 18.0; D = 128 bf16 5.3 / 25.7, 4.6 / 19.8, 5.2 / 21.6: 32 at both widths (the tiles' products
 # cost little beside the chunk's float32 work, of which there is less per position in longer chunks).
 _CPU_AUTO = {
-    1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32)), bfloat16_tile_chunk_sizes=((128, 32),)),
-    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32)), bfloat16_tile_chunk_sizes=((128, 32),)),
+    1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32)),
+                     bfloat16_tile_chunk_sizes=((64, 32), (128, 32))),
+    2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32)),
+                     bfloat16_tile_chunk_sizes=((64, 32), (128, 32))),
 }
 # CPU without the C++ kernel: the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop
 # (same benchmark). CUDA, measured on an H100 (benchmarks/results/gpu_check_h100/run3_bench_gpu.json, auto_crossover:

@@ -184,11 +184,14 @@ def test_kernels_compile_for_cpus_without_avx512(stem, arch):
 
 @pytest.mark.parametrize("arch,products", [("x86-64", set()), ("x86-64-v3", {"FWP_VECTOR_PRODUCTS"}),
                                            ("skylake-avx512", {"FWP_VECTOR_PRODUCTS"}),
-                                           ("sapphirerapids", {"FWP_VECTOR_PRODUCTS", "FWP_NATIVE_BF16"})])
+                                           ("cooperlake", {"FWP_VECTOR_PRODUCTS", "FWP_NATIVE_BF16"}),
+                                           ("sapphirerapids", {"FWP_VECTOR_PRODUCTS", "FWP_NATIVE_BF16",
+                                                               "FWP_TILE_BF16"})])
 def test_chunk_kernel_products_by_instruction_set(arch, products):
     """Which products csrc/chunk_delta.cpp builds for a CPU (its preprocessor's macros; nothing compiled): the BLAS
     only on the x86-64 baseline, the float32 micro-kernel with AVX2 + FMA (x86-64-v3: Zen 1-3) and with AVX-512, and
-    bfloat16 factors only with AVX-512 BF16 (Sapphire Rapids; Zen 4-5 as well)."""
+    bfloat16 factors only with AVX-512 BF16 (Cooper Lake, Zen 4-5), in AMX tiles as well with AMX-BF16 (Sapphire
+    Rapids and later Xeons)."""
     import platform
     import subprocess
 
@@ -200,4 +203,4 @@ def test_chunk_kernel_products_by_instruction_set(arch, products):
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     defined = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("#define FWP_")}
-    assert defined & {"FWP_VECTOR_PRODUCTS", "FWP_NATIVE_BF16"} == products
+    assert defined & {"FWP_VECTOR_PRODUCTS", "FWP_NATIVE_BF16", "FWP_TILE_BF16"} == products
