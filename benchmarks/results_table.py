@@ -189,11 +189,13 @@ def cpu_limit_rows(s: Source) -> List[Row]:
     # which micro-kernel the run's CPU built (the files from before session 35 record no flags: AVX-512 machines)
     flags = s.get("run.machine.cpu_flags")
     isa = "AVX-512" if flags is None or "avx512f" in flags else "AVX2" if "avx2" in flags else "(no micro-kernel)"
-    bf16 = ("bfloat16 factors" if flags is None or "avx512_bf16" in flags
+    tiles = s.get("threads_1.kernels.delta_auto_bf16_vdpbf16ps.forward_ms") is not None  # the run had AMX tiles
+    bf16 = ("bfloat16 factors in AMX tiles" if tiles else "bfloat16 factors" if flags is None or "avx512_bf16" in flags
             else "float32 factors: no bfloat16 products without AVX-512 BF16")
     for th in (1, 2):
         k = f"threads_{th}.kernels"
-        names = ("delta_Cauto", "delta_auto_blas", "delta_auto_bf16", "delta_auto_bf16_in_fp32", "delta_hf")
+        names = ("delta_Cauto", "delta_auto_blas", "delta_auto_bf16", "delta_auto_bf16_in_fp32", "delta_hf") + (
+            ("delta_auto_bf16_vdpbf16ps",) if tiles else ())
         fw, fb = ({n: scaled(s.pair(f"{k}.{n}.{part}_timings.median", f"{k}.{n}.{part}_timings.best"), 1e3)
                    for n in names} for part in ("forward", "fwd_bwd"))
         peak = s.get(f"threads_{th}.peaks.matmul_fp32_gflops")
@@ -220,7 +222,10 @@ def cpu_limit_rows(s: Source) -> List[Row]:
                  r=pdiv(fw["delta_Cauto"], fw["delta_auto_bf16"]), b=fb["delta_auto_bf16"],
                  q=pdiv(fb["delta_Cauto"], fb["delta_auto_bf16"])),
             "fp32 kernel " + both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=fw["delta_Cauto"], b=fb["delta_Cauto"])
-            + "; bf16 inputs with fp32 products " + both("fwd {t:.2f} ms", t=fw["delta_auto_bf16_in_fp32"]),
+            + "; bf16 inputs with fp32 products " + both("fwd {t:.2f} ms", t=fw["delta_auto_bf16_in_fp32"])
+            + ("; with vdpbf16ps instead of the tiles " + both(
+                "fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=fw["delta_auto_bf16_vdpbf16ps"],
+                b=fb["delta_auto_bf16_vdpbf16ps"]) if tiles else ""),
             ">= 1.7x"])
         gated = {n: (scaled(s.pair(f"{k}.{n}.forward_timings.median", f"{k}.{n}.forward_timings.best"), 1e3),
                      scaled(s.pair(f"{k}.{n}.fwd_bwd_timings.median", f"{k}.{n}.fwd_bwd_timings.best"), 1e3))
@@ -729,6 +734,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen5_session58_slow_state.json", decode_rows),
     ("benchmarks/results/bench_versions.json", version_rows),
     ("benchmarks/results/bench_cpu_zen3.json", cpu_limit_rows),
+    ("benchmarks/results/bench_cpu_amx.json", cpu_limit_rows),
     ("benchmarks/results/bench_versions_zen3.json", version_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),

@@ -264,13 +264,17 @@ BFLOAT16_DEFAULT_PRODUCTS = TILE_BFLOAT16_PRODUCTS
 FLOAT32_DEFAULT_PRODUCTS = FLOAT32_PRODUCTS
 
 
-def bfloat16_products_min_t(head_dim: int) -> int:
-    """The positions from which bfloat16 inputs take bfloat16 factors, for heads `head_dim` (max(Dk, Dv)) wide: 8 up to
-    64, 16 above. Below it the state's packing into pairs (Dk x Dv per chunk) outweighs the few rows multiplied
+def bfloat16_products_min_t(head_dim: int, products: int = BFLOAT16_PRODUCTS) -> int:
+    """The positions from which bfloat16 inputs take bfloat16 factors of kind `products`, for heads `head_dim`
+    (max(Dk, Dv)) wide. AMX tiles (TILE_BFLOAT16_PRODUCTS): 16 (bench_cpu_amx.json, products_by_length, time with
+    float32 factors / with the tiles, 1 / 2 threads: D = 64 T = 8 0.91x / 0.98x, T = 16 0.98x / 0.98x, T = 64 1.21x /
+    1.12x; D = 128 T = 8 1.05x / 0.98x, T = 16 1.30x / 1.20x). vdpbf16ps: 8 up to 64, 16 above. Below it the state's packing into pairs (Dk x Dv per chunk) outweighs the few rows multiplied
     (bench_cpu_zen5.json at ce9bee2, products_by_length, bfloat16 inputs, time with float32 factors / with bfloat16
     factors, 1 / 2 threads: D = 64 T = 4 1.00x / 0.99x, T = 8 1.03x / 1.03x, T = 16 1.10x / 1.06x; D = 128 T = 8
     0.90x / 0.91x, T = 16 1.00x / 1.00x, T = 1,024 1.65x / 1.62x; at 4c33034 D = 128 T = 8 was 1.06x / 1.02x, at
     3648aca 0.97-1.10x over both widths: 8 for both until ce9bee2)."""
+    if products == TILE_BFLOAT16_PRODUCTS:
+        return 16
     return 8 if head_dim <= 64 else 16
 
 
@@ -315,8 +319,9 @@ def native_bf16_available() -> bool:
 def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple[torch.Tensor, ...],
                  bfloat16_factors: bool = True) -> int:
     """How the C++ chunk kernel computes the products for these inputs (forward and backward alike): with bfloat16
-    factors when q, k, v and the gates are all bfloat16, the build has AVX-512 BF16, there are at least
-    ``bfloat16_products_min_t`` positions and `bfloat16_factors` (float32 sums, state and substitutions; the state,
+    factors (``cpu_bfloat16_products``: AMX tiles where the machine has them, else vdpbf16ps) when q, k, v and the
+    gates are all bfloat16, the build has AVX-512 BF16, there are at least ``bfloat16_products_min_t`` positions for
+    that kind and `bfloat16_factors` (float32 sums, state and substitutions; the state,
     U' and the gradients rounded only as factors of a product, as fla's kernels multiply on a GPU); else float32 with
     ``FLOAT32_DEFAULT_PRODUCTS`` where built; else (float64, float16, mixed) the BLAS. The backward of bfloat16 inputs
     took float32 factors until its products shed their per-chunk transposes and re-multiplications: with bfloat16
@@ -324,8 +329,8 @@ def cpu_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Tuple
     step loop where float32 factors give 2.4e-3 (``tests/test_kernels.py::test_bfloat16_products``)."""
     kinds = cpu_product_kinds()
     dtypes = {x.dtype for x in (q, k, v, *gates)}
-    long_enough = q.shape[-2] >= bfloat16_products_min_t(max(q.shape[-1], v.shape[-1]))
     bfloat16 = cpu_bfloat16_products()
+    long_enough = q.shape[-2] >= bfloat16_products_min_t(max(q.shape[-1], v.shape[-1]), bfloat16)
     if _bfloat16_io(q, k, v, gates) and bfloat16 is not None and bfloat16_factors and long_enough:
         return bfloat16
     if dtypes <= {torch.float32, torch.bfloat16, torch.float16} and FLOAT32_DEFAULT_PRODUCTS in kinds:
@@ -535,7 +540,9 @@ class CpuAutoChoice(NamedTuple):
 # 4096) bf16 7.0 / 33.0, 5.3 / 26.5, 6.7 / 32.8 (fp32 10.8 / 46.9, 11.0 / 52.7, 14.6 / 61.7); D = 128 (T = 2048) bf16
 # 10.1 / 45.7, 8.7 / 36.0, 9.2 / 36.5 (fp32 15.3 / 87.6, 19.0 / 81.0, 21.8 / 84.1); 2 threads D = 64 bf16 3.8 / 18.0,
 # 3.4 / 16.3, 4.6 / 18.0; D = 128 bf16 5.3 / 25.7, 4.6 / 19.8, 5.2 / 21.6: 32 at both widths (the tiles' products
-# cost little beside the chunk's float32 work, of which there is less per position in longer chunks).
+# cost little beside the chunk's float32 work, of which there is less per position in longer chunks). bench_cpu's
+# auto_table (bench_cpu_amx.json, T = 2048) picked 32 for width 64 and 64 for 128, where 64's forward + (forward +
+# backward) was 2% less than 32's and its forward 16-19% more: 32 kept for both.
 _CPU_AUTO = {
     1: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32)),
                      bfloat16_tile_chunk_sizes=((64, 32), (128, 32))),

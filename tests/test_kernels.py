@@ -472,11 +472,13 @@ def test_products_follow_the_inputs_dtypes():
 
     _cpp_kernel_or_skip()
     kinds = chunk.cpu_product_kinds()
-    T = chunk.bfloat16_products_min_t(8)
-    wide = torch.zeros(1, 1, T, 128, dtype=torch.bfloat16)  # wider heads: more positions before bfloat16 factors
-    assert chunk.bfloat16_products_min_t(128) > T
-    assert chunk.cpu_products(wide, wide, wide, (torch.zeros(1, 1, T, dtype=torch.bfloat16),)) == (
-        chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in kinds else chunk.BLAS_PRODUCTS)
+    bfloat16 = chunk.cpu_bfloat16_products()
+    T = chunk.bfloat16_products_min_t(8, bfloat16 if bfloat16 is not None else chunk.BFLOAT16_PRODUCTS)
+    if bfloat16 in (None, chunk.BFLOAT16_PRODUCTS):  # vdpbf16ps: wider heads need more positions
+        wide = torch.zeros(1, 1, T, 128, dtype=torch.bfloat16)
+        assert chunk.bfloat16_products_min_t(128) > T
+        assert chunk.cpu_products(wide, wide, wide, (torch.zeros(1, 1, T, dtype=torch.bfloat16),)) == (
+            chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in kinds else chunk.BLAS_PRODUCTS)
     x = {d: torch.zeros(1, 1, T, 8, dtype=d) for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
     beta = torch.zeros(1, 1, T, dtype=torch.bfloat16)
     fp32 = chunk.FLOAT32_DEFAULT_PRODUCTS if chunk.FLOAT32_DEFAULT_PRODUCTS in kinds else chunk.BLAS_PRODUCTS
