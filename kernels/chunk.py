@@ -268,7 +268,8 @@ def bfloat16_products_min_t(head_dim: int, products: int = BFLOAT16_PRODUCTS) ->
     """The positions from which bfloat16 inputs take bfloat16 factors of kind `products`, for heads `head_dim`
     (max(Dk, Dv)) wide. AMX tiles (TILE_BFLOAT16_PRODUCTS): 16 (bench_cpu_amx.json, products_by_length, time with
     float32 factors / with the tiles, 1 / 2 threads: D = 64 T = 8 0.91x / 0.98x, T = 16 0.98x / 0.98x, T = 64 1.21x /
-    1.12x; D = 128 T = 8 1.05x / 0.98x, T = 16 1.30x / 1.20x). vdpbf16ps: 8 up to 64, 16 above. Below it the state's packing into pairs (Dk x Dv per chunk) outweighs the few rows multiplied
+    1.12x; D = 128 T = 8 1.05x / 0.98x, T = 16 1.30x / 1.20x). vdpbf16ps: 8 up to 64, 16 above. Below it the state's
+    packing into pairs (Dk x Dv per chunk) outweighs the few rows multiplied
     (bench_cpu_zen5.json at ce9bee2, products_by_length, bfloat16 inputs, time with float32 factors / with bfloat16
     factors, 1 / 2 threads: D = 64 T = 4 1.00x / 0.99x, T = 8 1.03x / 1.03x, T = 16 1.10x / 1.06x; D = 128 T = 8
     0.90x / 0.91x, T = 16 1.00x / 1.00x, T = 1,024 1.65x / 1.62x; at 4c33034 D = 128 T = 8 was 1.06x / 1.02x, at
