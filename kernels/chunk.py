@@ -256,8 +256,8 @@ cpu_kernel_available = _CPU_KERNEL.available
 # process the tile data).
 BLAS_PRODUCTS, FLOAT32_PRODUCTS, BFLOAT16_PRODUCTS, TILE_BFLOAT16_PRODUCTS = 0, 1, 2, 3
 # bfloat16 factors take the tiles where the machine has them: on an Intel Xeon with AMX (2 vCPUs), B1 H8 T4096 D64,
-# the bfloat16 forward at C = 32 14.7 -> 5.1 ms with the tiles, where vdpbf16ps issues at half the float32 FMA rate of
-# those cores and ran slower than float32 (by hand, session 61; bench_cpu_amx.json for the figures in the README).
+# mode auto, 1 / 2 threads, the bfloat16 forward 11.59 / 5.86 ms with vdpbf16ps (which those cores issue at half their
+# float32 FMA rate: slower than the float32 kernel's 8.13 / 4.10) and 5.20 / 2.82 with the tiles (bench_cpu_amx.json).
 BFLOAT16_DEFAULT_PRODUCTS = TILE_BFLOAT16_PRODUCTS
 # float32 inputs take the micro-kernel where it is built: faster than MKL's sgemm at the chunk loops' sizes on the AMD
 # CPUs measured (MKL runs AVX2 code there; bench_cpu, "kernels": fp32 forward and forward + backward).
@@ -671,7 +671,8 @@ def run_outer_product_rule(
     kernel = select_kernel(recurrence, mode, q.shape[2], device)
     values = tuple(gates.values())
     if mode == "auto":  # the measured chunk size
-        products = cpu_products(q, k, v, values) if device.type == "cpu" else None
+        # (only bfloat16 inputs have a row of their own: cpu_products is a few us, on every decode step)
+        products = cpu_products(q, k, v, values) if device.type == "cpu" and q.dtype == torch.bfloat16 else None
         chunk_size = auto_chunk_size(device, max(q.shape[-1], v.shape[-1]), chunk_size, products)
     if mask is not None:
         k, *values = mask_positions(mask, k, *values)

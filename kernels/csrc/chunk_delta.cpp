@@ -207,6 +207,17 @@ struct Bfloat16Factors {
 // Rows 2p and 2p + 1 of a result, 16 columns each, as 16 bfloat16 pairs (rounded to nearest even; as pack_pairs).
 inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row);
 
+// alpha sums + beta c for 16 columns of C at `c` (`keep` of them read and written; c not read where beta is 0),
+// stored and returned: the last step of every product (tile's, and tile_results' for the AMX tiles).
+inline __m512 write_result(__m512 sums, float* c, __mmask16 keep, __m512 scale, __m512 prior_scale, float beta) {
+  __m512 prior = _mm512_setzero_ps();
+  if (beta != 0.f) prior = _mm512_maskz_loadu_ps(keep, c);
+  if (beta != 0.f && beta != 1.f) prior = _mm512_mul_ps(prior_scale, prior);
+  const __m512 result = _mm512_fmadd_ps(scale, sums, prior);
+  _mm512_mask_storeu_ps(c, keep, result);
+  return result;
+}
+
 // The micro-kernel: C [MR, 16 NV] = alpha A B + beta C (C not read when beta is 0), MR x NV float32 sums in registers,
 // over `steps` steps of the inner dimension. Row r's step s of A is at A + r a_row + s a_step; B's step s is the row at
 // B + s b_step (F::kPerStep elements per column). The last 16 columns keep `lanes` of theirs (n not a multiple of 16).
@@ -239,15 +250,8 @@ inline void tile(int64_t steps, const typename F::Element* A, int64_t a_row, int
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      const __mmask16 keep = v + 1 < NV ? 0xFFFF : lanes;
-      float* c = C + r * ldc + 16 * v;
-      __m512 prior = _mm512_setzero_ps();
-      if (beta != 0.f) prior = _mm512_maskz_loadu_ps(keep, c);
-      if (beta != 0.f && beta != 1.f) prior = _mm512_mul_ps(prior_scale, prior);
-      acc[r][v] = _mm512_fmadd_ps(scale, acc[r][v], prior);
-      _mm512_mask_storeu_ps(c, keep, acc[r][v]);
-    }
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = write_result(acc[r][v], C + r * ldc + 16 * v, v + 1 < NV ? 0xFFFF : lanes, scale, prior_scale, beta);
   }
   if constexpr (kPairs) {
 #pragma GCC unroll 4
@@ -733,12 +737,9 @@ inline void tile_results(int64_t rows, int64_t n, int groups, const float (*sums
     const __mmask16 keep = first_lanes(n - 16 * g);
     __m512 even = _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; ++r) {
-      float* c = C + r * ldc + 16 * g;
-      __m512 prior = _mm512_setzero_ps();
-      if (beta != 0.f) prior = _mm512_maskz_loadu_ps(keep, c);
-      if (beta != 0.f && beta != 1.f) prior = _mm512_mul_ps(prior_scale, prior);
-      const __m512 result = _mm512_maskz_mov_ps(keep, _mm512_fmadd_ps(scale, _mm512_load_ps(sums[g][r]), prior));
-      _mm512_mask_storeu_ps(c, keep, result);
+      // (zero past column n for the pairs: the tiles' sums there are of whatever B's padding held)
+      const __m512 result = _mm512_maskz_mov_ps(
+          keep, write_result(_mm512_load_ps(sums[g][r]), C + r * ldc + 16 * g, keep, scale, prior_scale, beta));
       if (pairs == nullptr) continue;
       if (r % 2 == 0) {
         even = result;
@@ -789,11 +790,12 @@ void tile_gemm(int64_t m, int64_t n, int64_t steps, const bf16_bits* A, int64_t 
   }
   const bool direct = alpha == 1.f && beta == 0.f && pairs == nullptr;
   const int64_t b_stride = 2 * b_step;  // bytes
-  alignas(64) float sums[2][2][16][16];  // [block parity][column group]
+  // the sums of the last block, by column group (finish reads them before the next block's are stored over them)
+  alignas(64) float sums[2][16][16];
   TileBlock last;
   const auto finish = [&](TileBlock& b) {  // the results of a block whose sums are in the buffer
     if (!b.pending) return;
-    tile_results(std::min<int64_t>(16, m - b.i0), n - b.j0, b.two ? 2 : 1, sums[(b.j0 / 32) % 2], alpha,
+    tile_results(std::min<int64_t>(16, m - b.i0), n - b.j0, b.two ? 2 : 1, sums, alpha,
                  C + b.i0 * ldc + b.j0, ldc, beta, pairs == nullptr ? nullptr : pairs + b.i0 / 2 * pairs_ld + 2 * b.j0,
                  pairs_ld);
     b.pending = false;
@@ -832,8 +834,8 @@ void tile_gemm(int64_t m, int64_t n, int64_t steps, const bf16_bits* A, int64_t 
         last.pending = false;
         continue;
       }
-      _tile_stored(0, sums[(j0 / 32) % 2][0], 64);
-      if (two) _tile_stored(1, sums[(j0 / 32) % 2][1], 64);
+      _tile_stored(0, sums[0], 64);
+      if (two) _tile_stored(1, sums[1], 64);
     }
   }
   finish(last);
