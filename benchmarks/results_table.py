@@ -708,6 +708,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_batch2.json", decode_batch_rows),
     ("benchmarks/results/bench_decode_avx2_bf16.json", decode_rows),
     ("benchmarks/results/bench_decode_zen5.json", decode_rows),
+    ("benchmarks/results/bench_decode_amx.json", decode_rows),
     ("benchmarks/results/bench_decode_zen5_compile.json", compiled_decode_rows),
     ("benchmarks/results/bench_decode_zen5_token_step.json", decode_rows),
     ("benchmarks/results/bench_decode_zen5_token_step_compile.json", decode_rows),
