@@ -71,13 +71,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per build")
     parser.add_argument("--quick", action="store_true", help="a toy model and 2 steps: checks that the script runs")
     parser.add_argument("--out", default=str(RESULTS), help="default: benchmarks/results/bench_decode_builds.json")
+    parser.add_argument("--base_cflags", default=None,
+                        help="the base build's compiler flags, one string (default: the package's)")
     args = parser.parse_args()
     record = RunRecord.start("python benchmarks/bench_decode_builds.py")
     if not dense._CPU_KERNEL.available():
         raise SystemExit(f"the package's C++ decode_linear kernel is not available: {dense._CPU_KERNEL.describe()}")
-    ops = {"base": base_ops(args.base, SOURCE, "fwp_dense", "linear_rows"), "package": dense._CPU_KERNEL.ops}
+    base_cflags = None if args.base_cflags is None else args.base_cflags.split()
+    ops = {"base": base_ops(args.base, SOURCE, "fwp_dense", "linear_rows",
+                            base_cflags or dense._CPU_KERNEL.extra_cflags),
+           "package": dense._CPU_KERNEL.ops}
     steps = 2 if args.quick else args.steps
-    results = {"base": args.base, "quick": args.quick, "steps": steps, "cases": {}}
+    results = {"base": args.base, "base_cflags": base_cflags or list(dense._CPU_KERNEL.extra_cflags),
+               "package_cflags": list(dense._CPU_KERNEL.extra_cflags), "quick": args.quick, "steps": steps, "cases": {}}
     threads_before = torch.get_num_threads()
     print(f"ms per token, median (best); base {args.base} / package: ratio of medians, median of per-step ratios")
     for dtype in args.dtypes:

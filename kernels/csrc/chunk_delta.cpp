@@ -2350,6 +2350,16 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   backward_all(shapes, q, k, v, beta, std::nullopt, s0, dout, dS, dq, dk, dv, dbeta, std::nullopt, products);
 }
 
+// The decode step and the token step below keep GCC's own preference of 256-bit vectors for the loops it vectorises:
+// the package builds this file with -mprefer-vector-width=512 (kernels/chunk.py, CHUNK_KERNEL_CFLAGS: the chunk loops
+// 2-12% faster), under which this decode step of 24 layers of B1 H16 D128 states ran 0.92-0.96x as fast and its
+// sums added in another order (side by side, bench_chunk_builds.py --base_cflags, 2026-12-02, Intel Xeon with AMX).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("prefer-vector-width=256")
+#define FWP_DECODE_VECTOR_WIDTH_PUSHED 1
+#endif
+
 // One position for every sequence (decoding), each row of the state read and written once. Row i of S [Dv, Dk]
 // (value i) with the key k, query q, and the decay a = exp(g) of the gated delta rule (a = 1 without g):
 //   delta rule (eqs. 20, 24, 25):  d_i = beta (v_i - a S_i k),  S'_i = a S_i + d_i k^T,
@@ -2775,6 +2785,9 @@ void token_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 }  // namespace token
+#ifdef FWP_DECODE_VECTOR_WIDTH_PUSHED
+#pragma GCC pop_options
+#endif
 
 // ---------------------------------------------------------------------------------------------------------------
 // The gated delta rule (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks", sec. 3.1):
