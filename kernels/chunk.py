@@ -243,9 +243,9 @@ except ImportError:  # the installed package: the source is csrc/chunk_delta.cpp
 # the packing) in 512-bit registers where the CPU has AVX-512 (no effect on one without): GCC's tuning for Intel's
 # cores and its generic one prefer 256 bits, half the width of the intrinsics beside them. Side by side in one process
 # (2026-12-02, Intel Xeon with AMX, B1 H8 T4096 D64, ratio of medians over 21 rounds, outputs and gradients bit for
-# bit the same; benchmarks/results/bench_chunk_builds_wide_vectors.json): forward 1.02-1.07x faster at 1 thread and
-# 1.03-1.12x at 2 (delta and gated rules, float32 and bfloat16), forward + backward 1.00-1.10x and 1.05-1.07x; T = 16
-# 0.99-1.02x. The decode step keeps 256 bits (csrc/chunk_delta.cpp, above decode_rows).
+# bit the same; benchmarks/results/bench_chunk_builds_wide_vectors.json): forward 1.02-1.20x faster at 1 thread and
+# 1.02-1.12x at 2 (delta and gated rules, float32 and bfloat16; bfloat16 1.10-1.20x), forward + backward 0.96-1.07x
+# and 1.01-1.07x; T = 16 0.99-1.03x. The decode step keeps 256 bits (csrc/chunk_delta.cpp, above decode_rows).
 CHUNK_KERNEL_CFLAGS = KERNEL_CFLAGS + (("-mprefer-vector-width=512",) if NATIVE_ARCH_FLAG in KERNEL_CFLAGS else ())
 _CPU_KERNEL = register_cpu_kernel(
     "chunk_delta", _EMBEDDED_SOURCE, "fwp_chunk", "chunk_forward", CHUNK_KERNEL_CFLAGS,
