@@ -43,10 +43,11 @@
 namespace {
 // 64-byte aligned storage (a cache line, an AVX-512 register, a row of an AMX tile) for the kernels' buffers: a
 // std::vector's heap block is only 16-byte aligned, so that the rows of a buffer (the chunk's Z, the packed operands)
-// crossed cache lines in most placements, and a build's speed moved with where its buffers fell: two builds side by
-// side read 1.17x in one process and 0.91x in the next. Aligned, against the 16-byte buffers side by side (B1 H8
-// T4096 D64, Intel Xeon with AMX, 1 / 2 threads, same bits): forward + backward 1.08-1.10x faster in float32 and
-// bfloat16, the bfloat16 forward 1.01-1.26x (the float32 one 1.00-1.13x).
+// crossed cache lines in most placements, and a build's speed moved with where its buffers fell (two builds side by
+// side read 1.17x in one process and 0.91x in the next, by hand). Aligned, against the 16-byte buffers (same bits,
+// bench_chunk_builds.py --base 1d860ea, bench_chunk_builds_aligned.json; B1 H8 T4096 D64, Intel Xeon with AMX, 1 / 2
+// threads): the bfloat16 forward 1.10-1.13x faster, forward + backward 1.04-1.18x; float32 0.97-1.14x; T = 16
+// 0.98-1.05x.
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
