@@ -143,11 +143,12 @@ def kernel_functions(T: int, hf) -> dict:
         for name, x, kind in ((f"{rule}_auto_blas", fp32, chunk.BLAS_PRODUCTS), (f"{rule}_auto_bf16", bf16, None),
                               (f"{rule}_auto_bf16_in_fp32", bf16, fp32_products)):
             call = functools.partial(auto_call, rule, x, kind)
-            fns[name] = (call, fwd_bwd(call, x), flops)
+            fns[name] = (call, with_products(kind, fwd_bwd(call, x)), flops)
     if chunk.TILE_BFLOAT16_PRODUCTS in chunk.cpu_product_kinds():  # the tiles' alternative: vdpbf16ps
         for rule in ("delta", "sum"):
             call = functools.partial(auto_call, rule, bf16, chunk.BFLOAT16_PRODUCTS)
-            fns[f"{rule}_auto_bf16_vdpbf16ps"] = (call, fwd_bwd(call, bf16), fns[f"{rule}_Cauto"][2])
+            fns[f"{rule}_auto_bf16_vdpbf16ps"] = (call, with_products(chunk.BFLOAT16_PRODUCTS, fwd_bwd(call, bf16)),
+                                                  fns[f"{rule}_Cauto"][2])
     # the gated delta rule (mode="auto": its C++ kernel) with decays a = exp(g) spread over (0.5, 1)
     gates = fp32 + [F.logsigmoid(torch.randn(1, 8, T, generator=torch.Generator().manual_seed(1)) + 2)
                     .requires_grad_()]
@@ -156,7 +157,7 @@ def kernel_functions(T: int, hf) -> dict:
                           ("gated_auto_bf16", gates_bf16, None),
                           ("gated_auto_bf16_in_fp32", gates_bf16, fp32_products)):
         call = functools.partial(auto_call, "gated", x, kind)
-        fns[name] = (call, fwd_bwd(call, x), None)
+        fns[name] = (call, with_products(kind, fwd_bwd(call, x)), None)
     if hf is not None:
         for name, x in (("delta_hf", fp32), ("gated_hf", gates)):
             hf_call = functools.partial(hf, *x)
@@ -167,17 +168,33 @@ def kernel_functions(T: int, hf) -> dict:
 def auto_call(rule: str, x: list, products: Optional[int]):
     """`rule` (delta / sum / gated) in mode="auto" on the inputs `x` (q, k, v, beta, and g for the gated rule), the C++
     kernel's products forced to `products` (a ``chunk.*_PRODUCTS`` kind; None: as shipped, ``chunk.cpu_products``)."""
-    choose = chunk.cpu_products
-    if products is not None:
-        chunk.cpu_products = lambda *args, **kwargs: products
-    try:
+    def call():
         if rule == "delta":
             return delta_rule(*x, output_final_state=True)
         if rule == "gated":
             return gated_delta_rule(*x, output_final_state=True)
         return linear_attention(*x[:3], output_final_state=True)
-    finally:
-        chunk.cpu_products = choose
+
+    return with_products(products, call)()
+
+
+def with_products(products: Optional[int], fn):
+    """fn with the C++ kernel's products forced to `products` while it runs (None: fn itself). A forward + backward
+    is wrapped whole: the backward chooses its products again (``chunk._backward_cpu``), and before 2026-12-03 the
+    forced rows' backward ran with the shipped products (``*_auto_blas``, ``*_auto_bf16_in_fp32`` and
+    ``*_auto_bf16_vdpbf16ps`` forward + backward: the forward forced, the backward as ``*_Cauto`` / ``*_auto_bf16``)."""
+    if products is None:
+        return fn
+
+    def forced():
+        choose = chunk.cpu_products
+        chunk.cpu_products = lambda *args, **kwargs: products
+        try:
+            return fn()
+        finally:
+            chunk.cpu_products = choose
+
+    return forced
 
 
 def kernels(size: dict, hf, peak: dict) -> dict:
@@ -397,7 +414,8 @@ def main() -> None:
     size = sizes(args.quick)
     hf = hf_delta_rule()
     results = {"quick": args.quick, "sizes": size, "chunk_kernel": chunk.cpu_kernel_status() if
-               chunk.cpu_kernel_available() else f"PyTorch ({chunk.cpu_kernel_status()})"}
+               chunk.cpu_kernel_available() else f"PyTorch ({chunk.cpu_kernel_status()})",
+               "forced_products": "forward and backward"}  # (with_products: files without it forced the forward only)
     threads_before = torch.get_num_threads()
     for th in THREADS:
         torch.set_num_threads(th)

@@ -192,6 +192,12 @@ def cpu_limit_rows(s: Source) -> List[Row]:
     tiles = s.get("threads_1.kernels.delta_auto_bf16_vdpbf16ps.forward_ms") is not None  # the run had AMX tiles
     bf16 = ("bfloat16 factors in AMX tiles" if tiles else "bfloat16 factors" if flags is None or "avx512_bf16" in flags
             else "float32 factors: no bfloat16 products without AVX-512 BF16")
+    # the rows whose products bench_cpu forces (BLAS, vdpbf16ps, float32 factors for bf16 inputs): in the files from
+    # before 2026-12-03 their backward ran with the shipped products (only the forward forced), so their forward +
+    # backward times are not shown
+    forced_backward = s.get("forced_products") == "forward and backward"
+    unforced = "" if forced_backward else (" (forward + backward not shown: this run's forced rows ran their backward "
+                                          "with the shipped products; bench_cpu forces both since 2026-12-03)")
     for th in (1, 2):
         k = f"threads_{th}.kernels"
         names = ("delta_Cauto", "delta_auto_blas", "delta_auto_bf16", "delta_auto_bf16_in_fp32", "delta_hf") + (
@@ -210,43 +216,55 @@ def cpu_limit_rows(s: Source) -> List[Row]:
             "BLAS products " + both("{t:.2f} ms", t=fw["delta_auto_blas"]),
             "0.8 of the peak; >= 5x transformers' at 2 threads"])
         both_share = div(s.get(f"{k}.delta_Cauto.fwd_bwd_gflops"), peak)
+        vs_blas = dict(r=pdiv(fb["delta_auto_blas"], fb["delta_Cauto"])) if forced_backward else {}
         rows.append([
-            "same, fwd+bwd, fp32", both("{t:.1f} ms ({r:.2f}x faster)", True, t=fb["delta_Cauto"],
-                                       r=pdiv(fb["delta_auto_blas"], fb["delta_Cauto"]))
+            "same, fwd+bwd, fp32", both("{t:.1f} ms" + (" ({r:.2f}x faster)" if vs_blas else ""), True,
+                                       t=fb["delta_Cauto"], **vs_blas)
             + fill("; {:.2f} of the fp32 matmul peak at the median (the backward's products as "
                    "`chunk_backward_flops` counts them)", both_share),
-            "BLAS products " + both("{t:.1f} ms", t=fb["delta_auto_blas"]), "0.8 of the peak; faster"])
+            ("BLAS products " + both("{t:.1f} ms", t=fb["delta_auto_blas"])) if forced_backward
+            else "BLAS products" + unforced, "0.8 of the peak; faster"])
+        vdpbf16ps = "; with vdpbf16ps instead of the tiles " + (
+            both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=fw["delta_auto_bf16_vdpbf16ps"],
+                 b=fb["delta_auto_bf16_vdpbf16ps"]) if forced_backward
+            else both("fwd {t:.2f} ms", t=fw["delta_auto_bf16_vdpbf16ps"]) + unforced) if tiles else ""
+        in_fp32 = ("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms" if forced_backward else "fwd {t:.2f} ms")
         rows.append([
             f"same, bf16 inputs: {bf16}, forward and backward (float32 sums and state) vs the fp32 kernel",
             both("fwd {t:.2f} ms ({r:.2f}x), fwd+bwd {b:.1f} ms ({q:.2f}x)", True, t=fw["delta_auto_bf16"],
                  r=pdiv(fw["delta_Cauto"], fw["delta_auto_bf16"]), b=fb["delta_auto_bf16"],
                  q=pdiv(fb["delta_Cauto"], fb["delta_auto_bf16"])),
             "fp32 kernel " + both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=fw["delta_Cauto"], b=fb["delta_Cauto"])
-            + "; bf16 inputs with fp32 products " + both("fwd {t:.2f} ms", t=fw["delta_auto_bf16_in_fp32"])
-            + ("; with vdpbf16ps instead of the tiles " + both(
-                "fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=fw["delta_auto_bf16_vdpbf16ps"],
-                b=fb["delta_auto_bf16_vdpbf16ps"]) if tiles else ""),
-            ">= 1.7x"])
-        gated = {n: (scaled(s.pair(f"{k}.{n}.forward_timings.median", f"{k}.{n}.forward_timings.best"), 1e3),
-                     scaled(s.pair(f"{k}.{n}.fwd_bwd_timings.median", f"{k}.{n}.fwd_bwd_timings.best"), 1e3))
-                 for n in ("gated_Cauto", "gated_auto_blas", "gated_hf", "gated_auto_bf16")}
-        rows.append([
-            f"chunk gated delta rule, {shape}, fp32: the kernel's {isa} products vs the BLAS's",
-            both("fwd {t:.2f} ms ({r:.2f}x faster; {h:.1f}x transformers'), fwd+bwd {b:.1f} ms ({q:.2f}x; {p:.1f}x)",
-                 True, t=gated["gated_Cauto"][0], r=pdiv(gated["gated_auto_blas"][0], gated["gated_Cauto"][0]),
-                 h=pdiv(gated["gated_hf"][0], gated["gated_Cauto"][0]), b=gated["gated_Cauto"][1],
-                 q=pdiv(gated["gated_auto_blas"][1], gated["gated_Cauto"][1]),
-                 p=pdiv(gated["gated_hf"][1], gated["gated_Cauto"][1])),
-            "BLAS products " + both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_auto_blas"][0],
-                                    b=gated["gated_auto_blas"][1])
-            + "; transformers' `torch_chunk_gated_delta_rule`, same g, "
-            + both("fwd {t:.1f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_hf"][0], b=gated["gated_hf"][1])
-            + f"; bf16 inputs ({bf16}) "
-            + both("fwd {t:.2f} ms ({r:.2f}x the fp32 kernel), fwd+bwd {b:.1f} ms ({q:.2f}x)",
-                   t=gated["gated_auto_bf16"][0], r=pdiv(gated["gated_Cauto"][0], gated["gated_auto_bf16"][0]),
-                   b=gated["gated_auto_bf16"][1], q=pdiv(gated["gated_Cauto"][1], gated["gated_auto_bf16"][1])),
-            "faster"])
+            + "; bf16 inputs with fp32 products "
+            + both(in_fp32, t=fw["delta_auto_bf16_in_fp32"],
+                   **(dict(b=fb["delta_auto_bf16_in_fp32"]) if forced_backward else {}))
+            + vdpbf16ps, ">= 1.7x"])
+        rows.append(gated_row(s, k, shape, isa, bf16, forced_backward, unforced))
     return rows
+
+
+def gated_row(s: Source, k: str, shape: str, isa: str, bf16: str, forced_backward: bool, unforced: str) -> Row:
+    """cpu_limit_rows' row of the gated delta rule (bench_cpu's ``gated_*`` kernels under `k`)."""
+    gated = {n: (scaled(s.pair(f"{k}.{n}.forward_timings.median", f"{k}.{n}.forward_timings.best"), 1e3),
+                 scaled(s.pair(f"{k}.{n}.fwd_bwd_timings.median", f"{k}.{n}.fwd_bwd_timings.best"), 1e3))
+             for n in ("gated_Cauto", "gated_auto_blas", "gated_hf", "gated_auto_bf16")}
+    ours, blas = gated["gated_Cauto"], gated["gated_auto_blas"]
+    vs_blas = dict(q=pdiv(blas[1], ours[1])) if forced_backward else {}
+    return [
+        f"chunk gated delta rule, {shape}, fp32: the kernel's {isa} products vs the BLAS's",
+        both("fwd {t:.2f} ms ({r:.2f}x faster; {h:.1f}x transformers'), fwd+bwd {b:.1f} ms ("
+             + ("{q:.2f}x; " if vs_blas else "") + "{p:.1f}x" + ("" if vs_blas else " transformers'") + ")",
+             True, t=ours[0], r=pdiv(blas[0], ours[0]), h=pdiv(gated["gated_hf"][0], ours[0]), b=ours[1],
+             p=pdiv(gated["gated_hf"][1], ours[1]), **vs_blas),
+        "BLAS products " + (both("fwd {t:.2f} ms, fwd+bwd {b:.1f} ms", t=blas[0], b=blas[1]) if forced_backward
+                            else both("fwd {t:.2f} ms", t=blas[0]) + unforced)
+        + "; transformers' `torch_chunk_gated_delta_rule`, same g, "
+        + both("fwd {t:.1f} ms, fwd+bwd {b:.1f} ms", t=gated["gated_hf"][0], b=gated["gated_hf"][1])
+        + f"; bf16 inputs ({bf16}) "
+        + both("fwd {t:.2f} ms ({r:.2f}x the fp32 kernel), fwd+bwd {b:.1f} ms ({q:.2f}x)",
+               t=gated["gated_auto_bf16"][0], r=pdiv(ours[0], gated["gated_auto_bf16"][0]),
+               b=gated["gated_auto_bf16"][1], q=pdiv(ours[1], gated["gated_auto_bf16"][1])),
+        "faster"]
 
 
 def version_rows(s: Source) -> List[Row]:
