@@ -754,6 +754,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_versions.json", version_rows),
     ("benchmarks/results/bench_cpu_zen3.json", cpu_limit_rows),
     ("benchmarks/results/bench_cpu_amx.json", cpu_limit_rows),
+    ("benchmarks/results/bench_versions_amx.json", version_rows),
     ("benchmarks/results/bench_versions_zen3.json", version_rows),
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
