@@ -1345,11 +1345,17 @@ struct KeptBuffers {
     if (delta) kept.x = next;
     return kept;
   }
+  // frees the blocks where they hold more than `limit` bytes (else they stay for the next record of the thread)
+  void release_over(int64_t limit) {
+    if (int64_t(values.capacity() * sizeof(T) + bfloat16.capacity() * sizeof(uint16_t)) <= limit) return;
+    Buffer<T>().swap(values);
+    Buffer<uint16_t>().swap(bfloat16);
+  }
 };
 
 // The calling thread's KeptBuffers, kept from one backward call to the next: fresh ones were fresh pages on every call,
 // each faulted in on its first write (MBs per sequence). Their blocks stay with the thread while they are at most
-// kKeptBytesKept bytes (a 1.3B Delta Net head at T = 2048 keeps about 6 MB); larger ones are released by release_large.
+// kKeptBytesKept bytes (a 1.3B Delta Net head at T = 2048 keeps about 6 MB); larger ones are freed after the call.
 // Against fresh buffers (benchmarks/results/bench_chunk_builds_kept_buffers.json, same bits): float32 delta rule
 // fwd+bwd 1.02x / 1.07x faster at 1 / 2 threads, B1 H8 T4096 D64; the gated and bfloat16 cases 1.00-1.04x.
 template <typename T>
@@ -1358,13 +1364,6 @@ KeptBuffers<T>& thread_kept_buffers() {
   return buffers;
 }
 constexpr int64_t kKeptBytesKept = int64_t(64) << 20;
-template <typename T>
-void release_large(KeptBuffers<T>& keep) {
-  if (int64_t(keep.values.capacity() * sizeof(T) + keep.bfloat16.capacity() * sizeof(uint16_t)) <= kKeptBytesKept)
-    return;
-  Buffer<T>().swap(keep.values);
-  Buffer<uint16_t>().swap(keep.bfloat16);
-}
 
 // out[j] = exp(a + s x[j]) for j < m, 0 for m <= j < n (s = 1 or -1: a + s x[j] rounded once, as a - x[j] is).
 // Where built with AVX-512, 16 lanes at a time: e^y = 2^k e^r, k = round(y log2(e)), r = y - k ln(2) in two parts
@@ -2244,7 +2243,7 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
                                          state + n * s.Dk, gemm);
       scatter_columns(dvb, s.L, s.Dv, j0, n, dv + bh * s.L * s.Dv);
     }
-    release_large(keep);
+    keep.release_over(kKeptBytesKept);
   });
   dq.copy_(dq_parts.sum(0));
   dk.copy_(dk_parts.sum(0));
@@ -2338,7 +2337,7 @@ void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const 
                           bs != nullptr ? dbeta + bh * L : nullptr, gs != nullptr ? dg + bh * L : nullptr, work.data(),
                           gemm);
   }
-  release_large(keep);
+  keep.release_over(kKeptBytesKept);
 }
 
 // The backward of every sequence (chunk_backward, and the gated rule's backward: g and dg given): in value blocks for
