@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +15,7 @@ import torch
 import transformers
 
 from conftest import accelerate_launch_two_processes
-from training import result_file, synthetic, train_lm
+from training import result_file, synthetic, train_lm, trainer_utils
 
 
 # --------------------------------------------------------------------------------------------------
@@ -228,6 +232,8 @@ def test_train_lm_smoke_carry_state_and_resume(tiny_corpus, tmp_path):
     assert saved["args"]["save_total_limit"] == 1 and saved["args"]["block_size"] == 16
     assert saved["environment"] == result_file.environment()  # the model card's "Environment" line
     assert results["model"]["model_type"] == "fwp_delta_net"
+    # on CPU the Trainer's KeepFreedCpuMemory callback told glibc to keep freed memory (unless the process had chosen)
+    assert saved["training"]["cpu_keep_freed_memory"] is trainer_utils.keep_freed_cpu_memory()
 
     resumed = train_lm.main(common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"])
     assert resumed["training"]["steps"] == 3
@@ -459,3 +465,73 @@ def test_shortcut_accuracy_of_the_trivial_rules():
                 ("[ SM 2 3 ] = 5".split(), [(6, "5")])]
     assert synthetic.shortcut_accuracy(listops, dataset(listops, programs)) == pytest.approx(2 / 3)
     assert synthetic.shortcut_accuracy(synthetic.build_task("retrieval"), generated) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# The allocator on CPU (trainer_utils.keep_freed_cpu_memory)
+# --------------------------------------------------------------------------------------------------
+
+REFAULT_SCRIPT = """
+import resource, sys, torch
+from training import trainer_utils
+kept = trainer_utils.keep_freed_cpu_memory()
+n = 64 * 2**20  # 256 MB of float32
+faults = []
+for _ in range(8):  # allocated, written, freed, as a training step's activations
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.empty(n)
+    x.fill_(1.0)
+    del x
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, min(faults[2:]))  # (torch's 64-byte aligned blocks: glibc may take a few before it reuses them)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_keep_freed_cpu_memory_reuses_a_freed_block_without_faulting_it_in_again(opt_out):
+    env = {k: v for k, v in os.environ.items()
+           if k not in {name for _, name, _ in trainer_utils.KEEP_FREED_MALLOPT} | {"GLIBC_TUNABLES", "LD_PRELOAD"}}
+    env["FWP_KEEP_FREED_MEMORY"] = "0" if opt_out else "1"
+    out = subprocess.run([sys.executable, "-c", REFAULT_SCRIPT], env=env, cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, check=True).stdout.split()
+    pages = 256 * 2**20 // 4096  # of one block
+    assert out[0] == str(not opt_out)
+    if opt_out:  # glibc as shipped: each block was unmapped when freed, and every page of each new one faults
+        assert int(out[1]) > pages // 2
+    else:
+        assert int(out[1]) < pages // 20
+
+
+@pytest.mark.parametrize("choice", ["MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
+                                    "GLIBC_TUNABLES", "LD_PRELOAD", "FWP_KEEP_FREED_MEMORY"])
+def test_keep_freed_cpu_memory_leaves_a_process_that_chose_its_allocator_alone(choice, monkeypatch):
+    calls = []
+
+    def mallopt(param, value):
+        calls.append((param, value))
+        return 1
+
+    fake_libc = type("FakeGlibc", (), {"gnu_get_libc_version": object()})()
+    fake_libc.mallopt = mallopt
+    monkeypatch.setattr(trainer_utils.ctypes, "CDLL", lambda name: fake_libc)
+    monkeypatch.setattr(trainer_utils, "_kept_freed", False)
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD",
+                 "FWP_KEEP_FREED_MEMORY"):
+        monkeypatch.delenv(name, raising=False)
+    value = {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2", "FWP_KEEP_FREED_MEMORY": "0"}.get(choice, "131072")
+    monkeypatch.setenv(choice, value)
+    assert trainer_utils.keep_freed_cpu_memory() is False and calls == []
+    monkeypatch.delenv(choice)
+    assert trainer_utils.keep_freed_cpu_memory() is True
+    assert calls == [(param, v) for param, _, v in trainer_utils.KEEP_FREED_MALLOPT]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_keep_freed_cpu_memory_callback_acts_on_cpu_only(device, monkeypatch):
+    called = []
+    monkeypatch.setattr(trainer_utils, "keep_freed_cpu_memory", lambda: called.append(1) or True)
+    callback = trainer_utils.KeepFreedCpuMemory()
+    args = type("Args", (), {"device": torch.device(device)})()
+    callback.on_train_begin(args, None, None)
+    assert callback.kept is (device == "cpu") and called == ([1] if device == "cpu" else [])

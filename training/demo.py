@@ -57,7 +57,7 @@ from .data import load_wiki_splits, prepare_wiki  # noqa: E402
 from .hub_options import hub_request, push_if_requested  # noqa: E402
 from .result_file import environment  # noqa: E402
 from .tokenizer import train_bpe_tokenizer  # noqa: E402
-from .trainer_utils import WallClockBudget, budget_optimizers  # noqa: E402
+from .trainer_utils import KeepFreedCpuMemory, WallClockBudget, budget_optimizers  # noqa: E402
 
 logger = logging.getLogger("training.demo")
 
@@ -264,7 +264,7 @@ def build_trainer(
     optimizers, budget = budget_optimizers(model, training_args, args.max_train_minutes)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_ds, data_collator=default_data_collator,
-        optimizers=optimizers, callbacks=[budget],
+        optimizers=optimizers, callbacks=[budget, KeepFreedCpuMemory()],
     )
     return trainer, budget
 

@@ -300,7 +300,7 @@ def run_stage(
     """Trains `model` (resuming from the stage's last checkpoint) unless the stage is finished, then evaluates it."""
     from transformers import Trainer, default_data_collator
 
-    from .trainer_utils import build_optimizer
+    from .trainer_utils import KeepFreedCpuMemory, build_optimizer
 
     trainer_args = training_arguments(args, stage.directory, train)
     optimizer = build_optimizer(model, trainer_args, fwl_learning_rates(model, args)) if train else None
@@ -313,6 +313,7 @@ def run_stage(
         compute_metrics=perplexity_metrics,
         preprocess_logits_for_metrics=per_token_nll,
         optimizers=(optimizer, None),
+        callbacks=[KeepFreedCpuMemory()],
     )
     from .demo_stages import label_progress_bars
 

@@ -71,6 +71,7 @@ from modeling_fwp.families import FAMILIES  # noqa: E402
 from . import associative_retrieval, latest_checkpoint, plots  # noqa: E402
 from .arguments import ParsedArguments, parse_arguments, parse_overrides, require_positive  # noqa: E402
 from .result_file import RunRecord  # noqa: E402
+from .trainer_utils import KeepFreedCpuMemory  # noqa: E402
 
 logger = logging.getLogger("training.synthetic")
 
@@ -458,7 +459,8 @@ def train_one(
     training_args.output_dir = str(output_dir)
     if training_args.warmup_steps >= 1:  # at most a tenth of the run
         training_args.warmup_steps = min(training_args.warmup_steps, args.max_steps // 10)
-    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=pad_collator)
+    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=pad_collator,
+                      callbacks=[KeepFreedCpuMemory()])
     resuming = args.resume_from_checkpoint == "latest"
     resume = latest_checkpoint(output_dir) if resuming else args.resume_from_checkpoint
     if resuming:

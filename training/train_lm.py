@@ -91,7 +91,7 @@ from .result_file import environment  # noqa: E402
 from .tokenizer import gpt2_tokenizer, train_bpe_tokenizer  # noqa: E402
 from .train_transfo_xl import encode_stream, read_documents  # noqa: E402
 from .trainer_utils import (  # noqa: E402,F401  (segment_dataset: API)
-    InOrderTrainer, StateCarryingTrainer, segment_dataset)
+    InOrderTrainer, KeepFreedCpuMemory, StateCarryingTrainer, segment_dataset)
 
 logger = logging.getLogger("training.train_lm")
 
@@ -317,7 +317,9 @@ def train_model(args: ParsedArguments) -> TrainedModel:
     logger.info("%s: %.2fM parameters", type(model).__name__, n_params / 1e6)
 
     trainer_cls = StateCarryingTrainer if args.carry_state else InOrderTrainer if args.in_order else Trainer
-    trainer = trainer_cls(model=model, args=training_args, train_dataset=train_ds, data_collator=default_data_collator)
+    allocator = KeepFreedCpuMemory()
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=train_ds, data_collator=default_data_collator,
+                          callbacks=[allocator])
     resume = True if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
     start = time.perf_counter()
     train_output = trainer.train(resume_from_checkpoint=resume)
@@ -334,6 +336,7 @@ def train_model(args: ParsedArguments) -> TrainedModel:
         "tokens_seen": steps * tokens_per_step, "seconds": train_s,
         "tokens_per_second": train_output.metrics.get("train_samples_per_second", 0.0) * args.block_size,
         "train_loss": train_output.training_loss, "resumed_from": resume if resume else None,
+        "cpu_keep_freed_memory": allocator.kept,  # glibc told to keep freed memory (trainer_utils.keep_freed_cpu_memory)
         "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
     }
     return TrainedModel(trainer.model, tokenizer, documents, n_params, data, training,

@@ -49,6 +49,7 @@ from transformers import (  # noqa: E402
 from modeling_fwp import FastWeightSeq2SeqConfig, FastWeightSeq2SeqForConditionalGeneration  # noqa: E402
 
 from .arguments import ParsedArguments, parse_arguments  # noqa: E402
+from .trainer_utils import KeepFreedCpuMemory  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ["<pad>", "<s>", "</s>"]
@@ -247,7 +248,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     task = GettextTask(task_args) if task_args.task == "gettext" else CipherTask(task_args)
     torch.manual_seed(training_args.seed)
     model = build_model(model_args, task.vocab_size, task.max_tokens)
-    trainer = Seq2SeqTrainer(model=model, args=training_args, data_collator=collate, train_dataset=task.split("train"))
+    trainer = Seq2SeqTrainer(model=model, args=training_args, data_collator=collate, train_dataset=task.split("train"),
+                             callbacks=[KeepFreedCpuMemory()])
     train = trainer.train()
     results = {
         "task": task.name, "corpus": task.manifest,

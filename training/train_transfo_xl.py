@@ -44,7 +44,7 @@ from modeling_fwp import TransfoXLConfig, TransfoXLForCausalLM  # noqa: E402
 from modeling_fwp.convert_transfo_xl import build_word_level_tokenizer  # noqa: E402
 
 from .arguments import ParsedArguments, parse_arguments, require_positive  # noqa: E402
-from .trainer_utils import StateCarryingTrainer, budget_optimizers, segment_dataset  # noqa: E402
+from .trainer_utils import KeepFreedCpuMemory, StateCarryingTrainer, budget_optimizers, segment_dataset  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -142,7 +142,8 @@ def train(
     optimizers, budget = budget_optimizers(model, training_args, args.max_train_minutes, fwl_rate)
     trainer = StateCarryingTrainer(
         model=model, args=training_args, train_dataset=data, data_collator=default_data_collator,
-        optimizers=optimizers, callbacks=[budget], forward_kwargs={"logits_to_keep": 1},  # the loss needs no logits
+        optimizers=optimizers, callbacks=[budget, KeepFreedCpuMemory()],
+        forward_kwargs={"logits_to_keep": 1},  # the loss needs no logits
     )
     start = time.perf_counter()
     output = trainer.train()
