@@ -315,6 +315,26 @@ RFWP_SCANS = {"Delta RNN (B) recurrent part": "Delta RNN", "Delta LSTM (D) recur
               "Recurrent Delta Net": "RDN"}
 
 
+def allocator_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_cpu_allocator.py: a CPU training step with glibc told to keep freed memory (the training
+    scripts' ``keep_freed_cpu_memory``) against glibc as shipped, each in a process of its own."""
+    def step(name: str) -> Pair:
+        return s.pair(f"settings.{name}.step.median", f"settings.{name}.step.best", f"settings.{name}.step.all")
+
+    plain, kept = step("plain"), step("mallopt")
+    faults = {name: s.get(f"settings.{name}.faults_per_step") for name in ("plain", "mallopt")}
+    rss = {name: s.get(f"settings.{name}.maxrss_mb") for name in ("plain", "mallopt")}
+    what = fill("CPU training step, bench_training's Delta Net, batch {b}, T = {t:,}, {n} thread(s): glibc told to keep"
+                " freed memory (training scripts' `KeepFreedCpuMemory`)", b=s.get("batch"), t=s.get("length"),
+                n=s.get("threads"))
+    ours = (both("{r:.2f}x faster ({k:.2f} s)", True, r=pdiv(plain, kept), k=kept)
+            + fill("; {:,.0f} page faults per step; peak RSS {:,.0f} MB ({:.2f}x)", faults["mallopt"], rss["mallopt"],
+                   div(rss["mallopt"], rss["plain"])))
+    base = (both("glibc as shipped {p:.2f} s", p=plain)
+            + fill("; {:,.0f} page faults per step; peak RSS {:,.0f} MB", faults["plain"], rss["plain"]))
+    return [[what, ours, base, "faster"]]
+
+
 def rfwp_rows(s: Source) -> List[Row]:
     t = "training_throughput."
     step = {m: s.pair(f"{t}{m}.step_cpu_s_median", f"{t}{m}.step_cpu_s", f"{t}{m}.steps_cpu_s")
@@ -759,6 +779,8 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_compile.json", compile_rows),
     ("benchmarks/results/bench_assisted.json", assisted_rows),
     ("benchmarks/results/bench_rl_update.json", rl_update_rows),
+    ("benchmarks/results/bench_cpu_allocator.json", allocator_rows),
+    ("benchmarks/results/bench_cpu_allocator_threads2.json", allocator_rows),
 )
 
 
