@@ -4,7 +4,8 @@
     python benchmarks/bench_chunk_builds.py --base HEAD --base_cflags "-O3 -fopenmp -march=native"   # flags only
 
 For a change to the C++ chunk kernels that should only make them faster: the delta rule and the gated delta rule,
-float32 and bfloat16 inputs, forward and forward + backward, 1 and 2 threads, at B1 H8 T4096 D64 and at T = 16. Each
+float32 and bfloat16 inputs, forward and forward + backward, 1 and 2 threads, at B1 H8 T4096 D64 and at T = 16
+(``--heads 1``: B1 H1, where 2 threads split each sequence's values in blocks, value_blocks). Each
 case first checks that the two builds return the same outputs and gradients bit for bit (a build that changes the
 arithmetic is not a speed change: the script stops), then times the two in alternation, every round once each
 (``bench_kernels.timings``, round-robin: the machine's load hits both alike). And the decode step of the 1.3B Delta
@@ -67,11 +68,11 @@ def with_ops(ops, fn: Callable, kernel=None) -> Callable:
     return call
 
 
-def case_inputs(rule: str, T: int, dtype: torch.dtype) -> List[torch.Tensor]:
-    """q, k, v, beta (and g, log-decays in (log 0.5, 0)) at B1 H8 D64, leaves of autograd."""
-    x = make_inputs(1, 8, T, 64, dtype=dtype)
+def case_inputs(rule: str, T: int, dtype: torch.dtype, heads: int = 8) -> List[torch.Tensor]:
+    """q, k, v, beta (and g, log-decays in (log 0.5, 0)) at B1 `heads` D64, leaves of autograd."""
+    x = make_inputs(1, heads, T, 64, dtype=dtype)
     if rule == "gated":
-        x.append(F.logsigmoid(torch.randn(1, 8, T, generator=torch.Generator().manual_seed(1)) + 2).to(dtype))
+        x.append(F.logsigmoid(torch.randn(1, heads, T, generator=torch.Generator().manual_seed(1)) + 2).to(dtype))
     return [t.requires_grad_() for t in x]
 
 
@@ -90,11 +91,11 @@ def largest_difference(base: List[torch.Tensor], package: List[torch.Tensor]) ->
 
 
 def compare(rule: str, T: int, dtype: torch.dtype, ops: Dict[str, object], repeats: int, calls: int,
-            tolerance: Optional[float] = None) -> dict:
+            tolerance: Optional[float] = None, heads: int = 8) -> dict:
     """One case: the bit-for-bit check (or, with `tolerance`, for a change of the sums' rounding: every output and
     gradient within `tolerance` of the base's, relative to its largest entry), then forward and forward + backward
     times of each build (ms per call)."""
-    x = case_inputs(rule, T, dtype)
+    x = case_inputs(rule, T, dtype, heads)
     fn = lambda: RULES[rule](*x, output_final_state=True)  # noqa: E731
     results = {name: outputs_and_grads(with_ops(o, fn), x) for name, o in ops.items()}
     difference = largest_difference(results["base"], results["package"])
@@ -175,6 +176,7 @@ def main() -> None:
                         help="for a change that rounds the sums otherwise: the builds' outputs and gradients compared "
                              "within this relative difference instead of bit for bit (the decode states within 1e-5, "
                              "as with --base_cflags)")
+    parser.add_argument("--heads", type=int, default=8, help="heads of the chunk cases (B = 1)")
     args = parser.parse_args()
     record = RunRecord.start("python benchmarks/bench_chunk_builds.py")
     if not chunk.cpu_kernel_available():
@@ -189,7 +191,8 @@ def main() -> None:
         lengths = {label: (T, args.rounds, calls) for label, (T, _, calls) in lengths.items()}
     results = {"base": args.base, "tolerance": args.tolerance,
                "base_cflags": base_cflags or list(chunk.CHUNK_KERNEL_CFLAGS),
-               "package_cflags": list(chunk._CPU_KERNEL.extra_cflags), "quick": args.quick, "cases": {}}
+               "package_cflags": list(chunk._CPU_KERNEL.extra_cflags), "quick": args.quick, "heads": args.heads,
+               "cases": {}}
     threads_before = torch.get_num_threads()
     print(f"ms per call, median (best); base {args.base} / package, ratio of medians")
     for threads in (1, 2):
@@ -198,7 +201,8 @@ def main() -> None:
             for rule in RULES:
                 for dtype in (torch.float32, torch.bfloat16):
                     name = f"{rule}_{str(dtype)[6:]}_T{T}_threads{threads}"
-                    r = results["cases"][name] = compare(rule, T, dtype, ops, repeats, calls, args.tolerance)
+                    r = results["cases"][name] = compare(rule, T, dtype, ops, repeats, calls, args.tolerance,
+                                                         args.heads)
                     cells = [f"{kind} {r[kind]['ms']['base']['median']:.3f} -> {r[kind]['ms']['package']['median']:.3f}"
                              f" ({r[kind]['base_over_package']['of_medians']:.2f}x)" for kind in ("forward", "fwd_bwd")]
                     print(f"  {name:<32}" + "   ".join(cells))
