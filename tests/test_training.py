@@ -471,6 +471,11 @@ def test_shortcut_accuracy_of_the_trivial_rules():
 # The allocator on CPU (trainer_utils.keep_freed_cpu_memory)
 # --------------------------------------------------------------------------------------------------
 
+# what says that a process chose its allocator already
+ALLOCATOR_CHOICES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD",
+                     "FWP_KEEP_FREED_MEMORY")
+
+
 REFAULT_SCRIPT = """
 import resource, sys, torch
 from training import trainer_utils
@@ -490,8 +495,7 @@ print(kept, min(faults[2:]))  # (torch's 64-byte aligned blocks: glibc may take 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
 @pytest.mark.parametrize("opt_out", [False, True])
 def test_keep_freed_cpu_memory_reuses_a_freed_block_without_faulting_it_in_again(opt_out):
-    env = {k: v for k, v in os.environ.items()
-           if k not in {name for _, name, _ in trainer_utils.KEEP_FREED_MALLOPT} | {"GLIBC_TUNABLES", "LD_PRELOAD"}}
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_CHOICES}
     env["FWP_KEEP_FREED_MEMORY"] = "0" if opt_out else "1"
     out = subprocess.run([sys.executable, "-c", REFAULT_SCRIPT], env=env, cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True, check=True).stdout.split()
@@ -503,8 +507,7 @@ def test_keep_freed_cpu_memory_reuses_a_freed_block_without_faulting_it_in_again
         assert int(out[1]) < pages // 20
 
 
-@pytest.mark.parametrize("choice", ["MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
-                                    "GLIBC_TUNABLES", "LD_PRELOAD", "FWP_KEEP_FREED_MEMORY"])
+@pytest.mark.parametrize("choice", ALLOCATOR_CHOICES)
 def test_keep_freed_cpu_memory_leaves_a_process_that_chose_its_allocator_alone(choice, monkeypatch):
     calls = []
 
@@ -516,8 +519,7 @@ def test_keep_freed_cpu_memory_leaves_a_process_that_chose_its_allocator_alone(c
     fake_libc.mallopt = mallopt
     monkeypatch.setattr(trainer_utils.ctypes, "CDLL", lambda name: fake_libc)
     monkeypatch.setattr(trainer_utils, "_kept_freed", False)
-    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD",
-                 "FWP_KEEP_FREED_MEMORY"):
+    for name in ALLOCATOR_CHOICES:
         monkeypatch.delenv(name, raising=False)
     value = {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2", "FWP_KEEP_FREED_MEMORY": "0"}.get(choice, "131072")
     monkeypatch.setenv(choice, value)

@@ -336,7 +336,7 @@ def train_model(args: ParsedArguments) -> TrainedModel:
         "tokens_seen": steps * tokens_per_step, "seconds": train_s,
         "tokens_per_second": train_output.metrics.get("train_samples_per_second", 0.0) * args.block_size,
         "train_loss": train_output.training_loss, "resumed_from": resume if resume else None,
-        "cpu_keep_freed_memory": allocator.kept,  # glibc told to keep freed memory (trainer_utils.keep_freed_cpu_memory)
+        "cpu_keep_freed_memory": allocator.kept,  # glibc told to keep freed memory (keep_freed_cpu_memory)
         "loss_curve": [{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
     }
     return TrainedModel(trainer.model, tokenizer, documents, n_params, data, training,
