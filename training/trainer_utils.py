@@ -54,12 +54,11 @@ def keep_freed_cpu_memory() -> bool:
     A CPU training step frees and allocates the same large activations every step; as glibc ships, each freed block
     above its mmap threshold goes back to the system, and the next step's tensor of that size is faulted in again page
     by page (``benchmarks/bench_cpu_allocator.py``: 440k-530k page faults, about 2 GB, per step of bench_training's
-    Delta Net; with these settings the step was 1.24x / 1.48x faster at 1 / 2 threads and the process's peak resident
-    memory 1.29x / 1.27x larger: freed blocks stay with the process, and not every one fits the next request of its
-    size). Nothing is changed, and False returned,
-    where FWP_KEEP_FREED_MEMORY=0, where the process has chosen already (any of the MALLOC_*_ variables or
-    GLIBC_TUNABLES set, or an allocator preloaded: LD_PRELOAD naming a malloc) or where the C library is not glibc;
-    True once the settings are in force."""
+    Delta Net; with these settings the step was 1.24x / 1.18x faster at 1 / 2 threads and the process's peak resident
+    memory 1.29x / 1.22x larger: freed blocks stay with the process, and not every one fits the next request of its
+    size). Nothing is changed, and False returned, where FWP_KEEP_FREED_MEMORY=0, where the process has chosen already
+    (any of the MALLOC_*_ variables or GLIBC_TUNABLES set, or an allocator preloaded: LD_PRELOAD naming a malloc) or
+    where the C library is not glibc; True once the settings are in force."""
     global _kept_freed
     if _kept_freed:
         return True
