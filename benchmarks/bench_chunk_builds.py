@@ -54,17 +54,27 @@ def base_ops(revision: str, source: str = SOURCE, namespace: str = "fwp_chunk", 
     return kernel.ops
 
 
+def saves_new_values(ops) -> bool:
+    """Whether the build's chunk_forward can save the delta rule's U' and X for its backward (its argument `x`, from
+    session 66 on): a build without it runs as it did, its backward recomputing the whole forward."""
+    return any(a.name == "x" for a in ops.chunk_forward.default._schema.arguments)
+
+
 def with_ops(ops, fn: Callable, kernel=None) -> Callable:
-    """`fn` run on the kernel build `ops` (swapped into `kernel`, default fwp_kernels' chunk kernel, for the call)."""
+    """`fn` run on the kernel build `ops` (swapped into `kernel`, default fwp_kernels' chunk kernel, for the call;
+    ``chunk.SAVE_NEW_VALUES`` off for a build that cannot save them)."""
     kernel = chunk._CPU_KERNEL if kernel is None else kernel
+    saving = kernel is not chunk._CPU_KERNEL or saves_new_values(ops)
 
     def call():
-        package = kernel.ops
+        package, package_saving = kernel.ops, chunk.SAVE_NEW_VALUES
         object.__setattr__(kernel, "ops", ops)
+        chunk.SAVE_NEW_VALUES = package_saving and saving
         try:
             return fn()
         finally:
             object.__setattr__(kernel, "ops", package)
+            chunk.SAVE_NEW_VALUES = package_saving
     return call
 
 
