@@ -54,27 +54,17 @@ def base_ops(revision: str, source: str = SOURCE, namespace: str = "fwp_chunk", 
     return kernel.ops
 
 
-def saves_new_values(ops) -> bool:
-    """Whether the build's chunk_forward can save the delta rule's U' and X for its backward (its argument `x`, from
-    session 66 on): a build without it runs as it did, its backward recomputing the whole forward."""
-    return any(a.name == "x" for a in ops.chunk_forward.default._schema.arguments)
-
-
 def with_ops(ops, fn: Callable, kernel=None) -> Callable:
-    """`fn` run on the kernel build `ops` (swapped into `kernel`, default fwp_kernels' chunk kernel, for the call;
-    ``chunk.SAVE_NEW_VALUES`` off for a build that cannot save them)."""
+    """`fn` run on the kernel build `ops` (swapped into `kernel`, default fwp_kernels' chunk kernel, for the call)."""
     kernel = chunk._CPU_KERNEL if kernel is None else kernel
-    saving = kernel is not chunk._CPU_KERNEL or saves_new_values(ops)
 
     def call():
-        package, package_saving = kernel.ops, chunk.SAVE_NEW_VALUES
+        package = kernel.ops
         object.__setattr__(kernel, "ops", ops)
-        chunk.SAVE_NEW_VALUES = package_saving and saving
         try:
             return fn()
         finally:
             object.__setattr__(kernel, "ops", package)
-            chunk.SAVE_NEW_VALUES = package_saving
     return call
 
 
@@ -107,7 +97,8 @@ def compare(rule: str, T: int, dtype: torch.dtype, ops: Dict[str, object], repea
     times of each build (ms per call)."""
     x = case_inputs(rule, T, dtype, heads)
     fn = lambda: RULES[rule](*x, output_final_state=True)  # noqa: E731
-    results = {name: outputs_and_grads(with_ops(o, fn), x) for name, o in ops.items()}
+    # (the backward inside the swap too: each build's gradients from its own backward, not the package's)
+    results = {name: with_ops(o, lambda: outputs_and_grads(fn, x))() for name, o in ops.items()}
     difference = largest_difference(results["base"], results["package"])
     if tolerance is None and not all(torch.equal(a, b) for a, b in zip(*results.values())):
         raise SystemExit(f"{rule} T={T} {dtype}: the builds' outputs or gradients differ; no timing")

@@ -123,13 +123,6 @@ def bmm(x: torch.Tensor, y: torch.Tensor, add: Optional[torch.Tensor] = None, al
     return out.unflatten(0, x.shape[:2])
 
 
-# Whether the C++ delta rule's forward under autograd saves its new values U' and X = V - K S^T for the backward (2 x
-# B*H*T*Dv floats), which then recomputes only the states entering the chunks (S_{n+1} = S_n + U'^T K) instead of
-# the whole forward: the same gradients bit for bit (tests/test_kernels.py). False: only the inputs are saved (less
-# memory, a slower backward; README, "Results").
-SAVE_NEW_VALUES = True
-
-
 class Intra(NamedTuple):
     """Per-chunk quantities that do not depend on the state, all ``[B*H, N, ...]``."""
 
@@ -197,18 +190,9 @@ class ChunkRule:
         """The compiled forward on ``[B, H, T, D]`` inputs: ``(o [B, H, T, Dv] in q's dtype, final state)``."""
         return _forward_cpu(q, k, v, gates, initial_state, chunk_size)
 
-    def compiled_forward_saving(self, q, k, v, gates, initial_state, chunk_size: int) -> Tuple:
-        """The compiled forward under autograd: ``(o, final state, saved)``, `saved` the tensors that
-        :meth:`compiled_backward` reads back (csrc/chunk_delta.cpp: the delta rule's U' and X, unless
-        ``SAVE_NEW_VALUES`` is off; none for the sum rule, a rule of its own kernel, or a decode step)."""
-        if self.cpp and q.shape[2] > 1 and SAVE_NEW_VALUES:
-            return _forward_cpu_saving(q, k, v, gates, initial_state, chunk_size)
-        return (*self.compiled_forward(q, k, v, gates, initial_state, chunk_size), ())
-
-    def compiled_backward(self, do, d_final, q, k, v, gates, initial_state, chunk_size: int, saved: Tuple = ()):
-        """The compiled backward: ``(dq, dk, dv, dgates, d initial_state)``; `saved`: what
-        :meth:`compiled_forward_saving` saved."""
-        return _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size, saved)
+    def compiled_backward(self, do, d_final, q, k, v, gates, initial_state, chunk_size: int):
+        """The compiled backward: ``(dq, dk, dv, dgates, d initial_state)``."""
+        return _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size)
 
 
 def _forward(rule: ChunkRule, q, k, v, gates, s0):
@@ -429,28 +413,16 @@ def _forward_cpu(q, k, v, gates, initial_state, chunk_size: int) -> Tuple[torch.
     """The C++ forward: ``[B, H, T, D]`` inputs -> o ``[B, H, T, Dv]`` (q's dtype), final state ``[B, H, Dv, Dk]``."""
     if q.shape[2] == 1:
         return decode_cpu(q, k, v, gates, initial_state)
-    return _forward_cpu_saving(q, k, v, gates, initial_state, chunk_size, save=False)[:2]
-
-
-def _forward_cpu_saving(q, k, v, gates, initial_state, chunk_size: int, save: bool = True) -> Tuple:
-    """The C++ forward (any T) ``(o, final state, saved)``; with `save`, the delta rule's ``saved`` = ``(U', X)``
-    ``[B*H, T, Dv]`` in the accumulation dtype: the new values and X = V - K S^T of every chunk, which the backward
-    reads instead of recomputing the forward (it recomputes only the states entering the chunks, S_{n+1} = S_n +
-    U'_n^T K_n). ``()`` for the sum rule, whose U' is V."""
     acc = acc_dtype(q, k, v, initial_state, *gates)
     io = io_dtype(q, k, v, gates, acc)
     state, o = compiled_forward_buffers(q, v, initial_state, acc, io)
-    beta = _op_beta(gates)
-    flat = [_flat(x, io) for x in (q, k, v, beta)]
-    saved = (torch.empty_like(o, dtype=acc), torch.empty_like(o, dtype=acc)) if save and beta is not None else ()
-    u_new, x = saved if saved else (None, ())  # (x: an argument only when saving)
-    _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, u_new, _flat_products(flat), *saved[1:])
-    return as_dtype(o.view_as(v), q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1]), saved
+    flat = [_flat(x, io) for x in (q, k, v, _op_beta(gates))]
+    _CPU_KERNEL.ops.chunk_forward(*flat, state, chunk_size, o, None, None, _flat_products(flat))
+    return as_dtype(o.view_as(v), q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
 
-def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int, saved: Tuple = ()):
-    """The C++ backward (recomputes the states entering the chunks; the delta rule's U' and X too unless `saved`, the
-    forward's ``(U', X)`` of :func:`_forward_cpu_saving`): gradients ``(dq, dk, dv, dgates, ds0)``."""
+def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int):
+    """The C++ backward (recomputes the states entering the chunks): gradients ``(dq, dk, dv, dgates, ds0)``."""
     acc = acc_dtype(q, k, v, initial_state, *gates)
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
@@ -464,7 +436,7 @@ def _backward_cpu(do, d_final, q, k, v, gates, initial_state, chunk_size: int, s
         dS.copy_(d_final.reshape(B * H, Dv, Dk))
     dq, dk, dv = torch.empty_like(flat[0]), torch.empty_like(flat[1]), torch.empty_like(flat[2])
     dbeta = None if beta is None else torch.empty_like(flat[3])
-    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta, _flat_products(flat), *saved)
+    _CPU_KERNEL.ops.chunk_backward(*flat, s0, chunk_size, do, dS, dq, dk, dv, dbeta, _flat_products(flat))
     dq, dk, dv = (g.view(x.shape).to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
     dgates = () if beta is None else (dbeta.view(beta.shape).to(beta.dtype),)
     ds0 = None if initial_state is None else dS.view(initial_state.shape).to(initial_state.dtype)
@@ -475,10 +447,7 @@ class ChunkFastWeightFunction(torch.autograd.Function):
     """Chunkwise fast weights of one :class:`ChunkRule`:
     ``apply(rule, chunk_size, q, k, v, initial_state, *gates) -> (o, final state)``.
 
-    Saves its inputs for backward, which recomputes the rest chunk by chunk; where the compiled kernel runs the delta
-    rule, also the new values U' and X = V - K S^T of every position (two ``[B*H, T, Dv]`` tensors in the accumulation
-    dtype), so that its backward recomputes only the states entering the chunks, one product per chunk, rather than
-    the whole forward.
+    Saves only its inputs for backward, which recomputes everything else chunk by chunk.
     """
 
     @staticmethod
@@ -486,7 +455,6 @@ class ChunkFastWeightFunction(torch.autograd.Function):
         """Saves the inputs for backward; returns the chunk length (a sequence shorter than a chunk is one chunk of
         its own length: no padded work)."""
         ctx.save_for_backward(q, k, v, initial_state, *gates)
-        ctx.gate_count = len(gates)  # what follows the gates: what a compiled forward saved (compiled_forward_saving)
         ctx.rule, ctx.chunk_size = rule, max(1, min(chunk_size, q.shape[2]))
         ctx.set_materialize_grads(False)
         return ctx.chunk_size
@@ -495,10 +463,7 @@ class ChunkFastWeightFunction(torch.autograd.Function):
     def forward(ctx, rule, chunk_size, q, k, v, initial_state, *gates):
         chunk_size = ChunkFastWeightFunction.save_inputs(ctx, rule, chunk_size, q, k, v, initial_state, gates)
         if rule.compiled(q, acc_dtype(q, k, v, initial_state, *gates)):
-            o, final, saved = rule.compiled_forward_saving(q, k, v, gates, initial_state, chunk_size)
-            if saved:
-                ctx.save_for_backward(q, k, v, initial_state, *gates, *saved)
-            return o, final
+            return rule.compiled_forward(q, k, v, gates, initial_state, chunk_size)
         (qc, kc, vc, gc), s0 = _prepare(q, k, v, gates, initial_state, chunk_size)
         o, final = rule.forward_chunks(qc, kc, vc, gc, s0)
         return _from_chunks(o, q), final.view(*q.shape[:2], *final.shape[1:])
@@ -506,12 +471,9 @@ class ChunkFastWeightFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, d_final):
         q, k, v, initial_state, *gates = ctx.saved_tensors
-        gates, saved = tuple(gates[: ctx.gate_count]), tuple(gates[ctx.gate_count :])
         rule, chunk_size = ctx.rule, ctx.chunk_size
         if rule.compiled(q, acc_dtype(q, k, v, initial_state, *gates)):
-            dq, dk, dv, dgates, ds0 = rule.compiled_backward(
-                do, d_final, q, k, v, gates, initial_state, chunk_size, saved
-            )
+            dq, dk, dv, dgates, ds0 = rule.compiled_backward(do, d_final, q, k, v, gates, initial_state, chunk_size)
             return (None, None, dq, dk, dv, ds0, *dgates)
         (qc, kc, vc, gc), s0 = _prepare(q, k, v, gates, initial_state, chunk_size)
         do = torch.zeros_like(v, dtype=s0.dtype) if do is None else do

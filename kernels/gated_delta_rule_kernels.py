@@ -150,8 +150,7 @@ class GatedDeltaRuleChunks(ChunkRule):
         _CPU_KERNEL.ops.gated_forward(*flat, state, chunk_size, o, _products(flat))
         return o.view_as(v).to(q.dtype), state.view(*q.shape[:2], v.shape[-1], q.shape[-1])
 
-    def compiled_backward(self, do, d_final, q, k, v, gates, initial_state, chunk_size: int, saved=()):
-        # (saved: none, the default compiled_forward_saving's: the gated backward recomputes its forward)
+    def compiled_backward(self, do, d_final, q, k, v, gates, initial_state, chunk_size: int):
         acc = acc_dtype(q, k, v, initial_state, *gates)
         B, H, T, Dk = q.shape
         Dv = v.shape[-1]

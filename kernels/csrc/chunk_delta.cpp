@@ -1319,33 +1319,6 @@ struct ForwardRecord {
     if (entering != nullptr) transpose(Dk, Dv, St, ld, entering + n * Dv * Dk, Dk);
     if (entering_pairs != nullptr) record_state_pairs(Dk, Dv, St, ld, entering_pairs + n * state_pairs_size(Dk, Dv));
   }
-  // U' and X of one sequence [L, Dv] from what its forward saved (SavedValues): read in place, except U' where a
-  // bfloat16-factor backward reads it as bfloat16 rows (rounded into u_new_rows, which KeptBuffers::record keeps)
-  void use_saved(const T* u, const T* x_saved, int64_t L, int64_t Dv) {
-    x = const_cast<T*>(x_saved);  // (read only: the backward writes no record)
-    if (u_new_rows != nullptr) return record_rows(L, Dv, u, u_new_rows);
-    u_new = const_cast<T*>(u);
-  }
-  // the same from the state itself, S [Dv, Dk] (states_from_values)
-  void keep_state_rows(int64_t n, int64_t Dk, int64_t Dv, const T* S) const {
-    if (entering != nullptr) std::memcpy(entering + n * Dv * Dk, S, sizeof(T) * Dv * Dk);
-    if (entering_pairs == nullptr) return;
-#ifdef FWP_NATIVE_BF16
-    if constexpr (std::is_same_v<T, float>) {
-      return pack_pairs(Dv, Dk, S, Dk, entering_pairs + n * state_pairs_size(Dk, Dv), round_up(Dk, 16));
-    }
-#endif
-    TORCH_CHECK(false, "fwp_chunk: bfloat16 state pairs need float32 states and a build with AVX-512 BF16");
-  }
-};
-
-// What a delta-rule forward saved for its backward, [BH, L, Dv] each in T: the new values U' (`u_new`) and X = V - K
-// S^T (`x`), so that the backward recomputes only the states entering the chunks (states_from_values) rather than the
-// whole forward. nullptr: not saved (the backward recomputes them).
-template <typename T>
-struct SavedValues {
-  const T* u_new = nullptr;
-  const T* x = nullptr;
 };
 
 // What a forward keeps of one sequence of L positions (N chunks, states [Dv, Dk]) for its backward, in buffers of its
@@ -1354,11 +1327,8 @@ template <typename T>
 struct KeptBuffers {
   Buffer<T> values;
   Buffer<uint16_t> bfloat16;
-  // saved: U' and X are the forward's (SavedValues; the caller points u_new and x there): not kept here as T
-  ForwardRecord<T> record(int64_t L, int64_t N, int64_t Dk, int64_t Dv, bool delta, bool as_bfloat16,
-                          bool saved = false) {
-    const int64_t states = N * Dv * Dk, per_position = delta && !saved ? L * Dv : 0,
-                  pairs = N * state_pairs_size(Dk, Dv);
+  ForwardRecord<T> record(int64_t L, int64_t N, int64_t Dk, int64_t Dv, bool delta, bool as_bfloat16) {
+    const int64_t states = N * Dv * Dk, per_position = delta ? L * Dv : 0, pairs = N * state_pairs_size(Dk, Dv);
     values.resize((as_bfloat16 ? 0 : states + per_position) + per_position);
     bfloat16.resize(as_bfloat16 ? pairs + (delta ? L * round_up(Dv, 2) : 0) : 0);
     ForwardRecord<T> kept;
@@ -1372,8 +1342,7 @@ struct KeptBuffers {
       if (delta) kept.u_new = next;
       next += per_position;
     }
-    if (delta && !saved) kept.x = next;
-    if (saved) kept.u_new = nullptr;
+    if (delta) kept.x = next;
     return kept;
   }
   // frees the blocks where they hold more than `limit` bytes (else they stay for the next record of the thread)
@@ -1614,25 +1583,6 @@ inline T* rows_for(Out* x, T* buf) {
 template <typename T, typename Out>
 inline void store_rows(const T* buf, int64_t n, Out* x) {
   if constexpr (!std::is_same_v<Out, T>) convert_copy(buf, n, x);
-}
-
-// The states entering the chunks of one sequence from the values written to it: S_{n+1} = S_n + U'_n^T K_n (the chunk's
-// writes, eq. 17 stacked; U' the delta rule's new values as its forward saved them, or the sum rule's V), into what
-// `kept` asks for (keep_state_rows). k [L, Dk], u [L, Dv]; S [Dv, Dk] holds S_0 on entry (the state entering the last
-// chunk on return). The full recomputation (chunk_forward_seq) also multiplies [K S^T | K K^T] and solves for U'
-// per chunk, and keeps the states transposed. `work`: 2 C max(Dk, Dv) elements (bfloat16 inputs widened).
-template <typename T, typename Gemm, typename In, typename U>
-void states_from_values(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* k, const U* u, T* S,
-                        const ForwardRecord<T>& kept, T* work, const Gemm& policy) {
-  const Gemm gemm = on_this_thread(policy);
-  for (int64_t t0 = 0, n = 0; t0 < L; t0 += C, ++n) {
-    const int64_t c = std::min(C, L - t0);
-    kept.keep_state_rows(n, Dk, Dv, S);
-    if (t0 + c == L) break;  // the final state: not read by the backward
-    const T* K = rows_as(k + t0 * Dk, c * Dk, work);
-    const T* Un = rows_as(u + t0 * Dv, c * Dv, work + C * std::max(Dk, Dv));
-    gemm(true, false, Dv, Dk, c, T(1), Un, Dv, K, Dk, T(1), S, Dk);  // S += U'^T K
-  }
 }
 
 // A backward's (or the gated forward's) chunk of inputs as T, positions [t0, t0 + c): each in place, or widened into
@@ -2228,29 +2178,23 @@ static ChunkShapes chunk_shapes(const at::Tensor& q, const at::Tensor& k, const 
 }
 
 // The forward of value_blocks(BH, L, Dv) = nb > 1 column blocks, one task per (sequence, block): see value_blocks.
-// U' and X are saved where `saved` points (SavedValues, [BH, L, Dv]; nullptr: not saved): each block's columns.
 template <typename T, typename Gemm, typename In, typename G>
 void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const In* k, const In* v, const In* beta,
-                          const G* g, T* S, In* o, T* u_new, T* x, const Gemm& gemm) {
+                          const G* g, T* S, In* o, const Gemm& gemm) {
   parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
     Buffer<In> columns;
     Buffer<T> work;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
       columns.resize(2 * s.L * n);
-      work.resize(chunk_workspace(s.C, s.Dk, n) + (u_new != nullptr ? 2 * s.L * n : 0));
+      work.resize(chunk_workspace(s.C, s.Dk, n));
       In* vb = columns.data();  // the block's columns of V, then of O   [L, n] each
       In* ob = vb + s.L * n;
-      ForwardRecord<T> record;  // the block's columns of U' and X        [L, n] each
-      if (u_new != nullptr) record.u_new = work.data() + chunk_workspace(s.C, s.Dk, n);
-      if (x != nullptr) record.x = work.data() + chunk_workspace(s.C, s.Dk, n) + s.L * n;
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       chunk_forward_seq<T>(s.L, s.Dk, n, s.C, q + bh * s.L * s.Dk, k + bh * s.L * s.Dk, vb,
                            beta != nullptr ? beta + bh * s.L : nullptr, g != nullptr ? g + bh * s.L : nullptr,
-                           S + (bh * s.Dv + j0) * s.Dk, ob, record, work.data(), gemm);
+                           S + (bh * s.Dv + j0) * s.Dk, ob, ForwardRecord<T>{}, work.data(), gemm);
       scatter_columns(ob, s.L, s.Dv, j0, n, o + bh * s.L * s.Dv);
-      if (u_new != nullptr) scatter_columns(record.u_new, s.L, s.Dv, j0, n, u_new + bh * s.L * s.Dv);
-      if (x != nullptr) scatter_columns(record.x, s.L, s.Dv, j0, n, x + bh * s.L * s.Dv);
     }
   });
 }
@@ -2260,17 +2204,15 @@ void forward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const I
 // each block writes its part in T, summed at the end (and then rounded, for bfloat16 gradients).
 template <typename T, typename Gemm, typename In, typename G>
 void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const In* k, const In* v, const In* beta,
-                           const G* g, const T* s0, const SavedValues<T>& saved, const In* dout, T* dS,
-                           const at::Tensor& dq, const at::Tensor& dk, In* dv, const std::optional<at::Tensor>& dbeta,
-                           const std::optional<at::Tensor>& dg, const Gemm& gemm) {
+                           const G* g, const T* s0, const In* dout, T* dS, const at::Tensor& dq, const at::Tensor& dk,
+                           In* dv, const std::optional<at::Tensor>& dbeta, const std::optional<at::Tensor>& dg,
+                           const Gemm& gemm) {
   const at::TensorOptions in_T = dq.options().dtype(c10::CppTypeToScalarType<T>::value);
   const at::Tensor dq_parts = dq.new_empty({nb, s.BH, s.L, s.Dk}, in_T);
   const at::Tensor dk_parts = dq.new_empty({nb, s.BH, s.L, s.Dk}, in_T);
   const at::Tensor gate_parts = dq.new_empty({2, nb, s.BH, s.L}, in_T);  // dbeta's, then dg's
   T *dqp = dq_parts.data_ptr<T>(), *dkp = dk_parts.data_ptr<T>(), *dbp = gate_parts.data_ptr<T>();
   T* dgp = dbp + nb * s.BH * s.L;
-  const bool from_values = g == nullptr && (beta == nullptr || saved.u_new != nullptr);  // states_from_values
-  const bool saved_values = beta != nullptr && from_values;
   parallel_tasks(s.BH * nb, [&](int64_t begin, int64_t end) {
     Buffer<In> columns;
     Buffer<T> buf;
@@ -2279,14 +2221,13 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
       const int64_t bh = task / nb, j = task % nb, j0 = j * s.Dv / nb, n = (j + 1) * s.Dv / nb - j0;
       const int64_t work = std::max(chunk_workspace(s.C, s.Dk, n), chunk_backward_workspace(s.C, s.Dk, n));
       columns.resize(2 * s.L * n);
-      buf.resize(s.L * n * (saved_values ? 3 : 1) + n * s.Dk + work);
+      buf.resize(s.L * n + n * s.Dk + work);
       In* vb = columns.data();  // the block's columns of V and dO      [L, n] each
       In* dob = vb + s.L * n;
       T* dvb = buf.data();      // the block's columns of dV            [L, n]
       T* state = dvb + s.L * n;  // its rows of the state                [n, Dk]
-      T* ub = state + n * s.Dk + work;  // the saved U' and X's columns    [L, n] each
-      ForwardRecord<T> kept = keep.record(s.L, s.N, s.Dk, n, beta != nullptr,
-                                          BackwardProducts<T, Gemm, In>::kKeepsBfloat16, from_values);
+      const ForwardRecord<T> kept = keep.record(s.L, s.N, s.Dk, n, beta != nullptr,
+                                                BackwardProducts<T, Gemm, In>::kKeepsBfloat16);
       gather_columns(v + bh * s.L * s.Dv, s.L, s.Dv, j0, n, vb);
       gather_columns(dout + bh * s.L * s.Dv, s.L, s.Dv, j0, n, dob);
       std::memcpy(state, s0 + (bh * s.Dv + j0) * s.Dk, sizeof(T) * n * s.Dk);
@@ -2294,16 +2235,7 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
       const In* ks = k + bh * s.L * s.Dk;
       const In* bs = beta != nullptr ? beta + bh * s.L : nullptr;
       const G* gs = g != nullptr ? g + bh * s.L : nullptr;
-      if (!from_values) {
-        chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, gs, state, nullptr, kept, state + n * s.Dk, gemm);
-      } else if (bs == nullptr) {
-        states_from_values<T>(s.L, s.Dk, n, s.C, ks, vb, state, kept, state + n * s.Dk, gemm);
-      } else {
-        gather_columns(saved.u_new + bh * s.L * s.Dv, s.L, s.Dv, j0, n, ub);
-        gather_columns(saved.x + bh * s.L * s.Dv, s.L, s.Dv, j0, n, ub + s.L * n);
-        kept.use_saved(ub, ub + s.L * n, s.L, n);
-        states_from_values<T>(s.L, s.Dk, n, s.C, ks, ub, state, kept, state + n * s.Dk, gemm);
-      }
+      chunk_forward_seq<T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, gs, state, nullptr, kept, state + n * s.Dk, gemm);
       const int64_t part = j * s.BH + bh;
       chunk_backward_seq<T, Gemm, In, T>(s.L, s.Dk, n, s.C, qs, ks, vb, bs, gs, kept, dob,
                                          dS + (bh * s.Dv + j0) * s.Dk, dqp + part * s.L * s.Dk,
@@ -2321,20 +2253,18 @@ void backward_value_blocks(const ChunkShapes& s, int64_t nb, const In* q, const 
 
 // The forward of every sequence (chunk_forward and the gated rule's forward; g nullptr without decay): one task per
 // sequence, or per (sequence, value block) for fewer sequences than threads (value_blocks). entering [BH, N, Dv, Dk]
-// entering [BH, N, Dv, Dk] is kept where given (no value blocks then), and u_new and x [BH, L, Dv] (U' and X of the
-// delta rule, SavedValues) where given.
+// and u_new [BH, L, Dv] are kept where given (the backward's own call, which splits by itself: no value blocks).
 template <typename T, typename Gemm, typename In, typename G>
 void forward_sequences(const ChunkShapes& s, const In* q, const In* k, const In* v, const In* beta, const G* g,
-                       T* S, In* o, T* entering, T* u_new, T* x, const Gemm& gemm) {
-  const int64_t nb = o != nullptr && entering == nullptr ? value_blocks(s.BH, s.L, s.Dv) : 1;
-  if (nb > 1) return forward_value_blocks<T>(s, nb, q, k, v, beta, g, S, o, u_new, x, gemm);
+                       T* S, In* o, T* entering, T* u_new, const Gemm& gemm) {
+  const int64_t nb = o != nullptr && entering == nullptr && u_new == nullptr ? value_blocks(s.BH, s.L, s.Dv) : 1;
+  if (nb > 1) return forward_value_blocks<T>(s, nb, q, k, v, beta, g, S, o, gemm);
   const int64_t L = s.L, Dk = s.Dk, Dv = s.Dv;
   for_sequences(s.BH, [&](int64_t begin, int64_t end) {
     Buffer<T> work(chunk_workspace(s.C, Dk, Dv));
     for (int64_t bh = begin; bh < end; ++bh) {
       const ForwardRecord<T> record{entering != nullptr ? entering + bh * s.N * Dv * Dk : nullptr,
-                                    u_new != nullptr ? u_new + bh * L * Dv : nullptr,
-                                    x != nullptr ? x + bh * L * Dv : nullptr};
+                                    u_new != nullptr ? u_new + bh * L * Dv : nullptr};
       chunk_forward_seq<T>(L, Dk, Dv, s.C, q + bh * L * Dk, k + bh * L * Dk, v + bh * L * Dv,
                            beta != nullptr ? beta + bh * L : nullptr, g != nullptr ? g + bh * L : nullptr,
                            S + bh * Dv * Dk, o != nullptr ? o + bh * L * Dv : nullptr, record, work.data(), gemm);
@@ -2343,14 +2273,13 @@ void forward_sequences(const ChunkShapes& s, const In* q, const In* k, const In*
 }
 
 // q, k [BH, L, Dk], v [BH, L, Dv], beta [BH, L] or None (sum rule); S [BH, Dv, Dk]: initial state in,
-// final state out; o [BH, L, Dv] optional (not computed when None); entering [BH, N, Dv, Dk] optional; u_new and x
-// [BH, L, Dv] optional, in S's dtype: U' and X = V - K S^T of the delta rule (what chunk_backward reads instead of
-// recomputing them). bfloat16 q, k, v, beta and o take a float32 S (and no entering): converted as they are read and
+// final state out; o [BH, L, Dv] optional (not computed when None); entering [BH, N, Dv, Dk] and u_new [BH, L, Dv]
+// optional. bfloat16 q, k, v, beta and o take a float32 S (and no entering / u_new): converted as they are read and
 // written. `products`: how the products are computed (a Products value; product_kinds() lists this build's).
 void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const std::optional<at::Tensor>& beta, const at::Tensor& S, int64_t chunk_size,
                    const std::optional<at::Tensor>& o, const std::optional<at::Tensor>& entering,
-                   const std::optional<at::Tensor>& u_new, int64_t products, const std::optional<at::Tensor>& x) {
+                   const std::optional<at::Tensor>& u_new, int64_t products) {
   const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
   const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv, N = shapes.N;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
@@ -2367,23 +2296,21 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     check(*beta, q, "beta");
     TORCH_CHECK(beta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
-  TORCH_CHECK(!bf16 || !entering.has_value(), "fwp_chunk: bfloat16 keeps no entering");
+  TORCH_CHECK(!bf16 || (!entering.has_value() && !u_new.has_value()), "fwp_chunk: bfloat16 keeps no entering / u_new");
   if (entering.has_value()) {
     check(*entering, q, "entering");
     TORCH_CHECK(entering->numel() == BH * N * Dv * Dk, "fwp_chunk: entering must be [BH, N, Dv, Dk]");
   }
-  TORCH_CHECK(!x.has_value() || beta.has_value(), "fwp_chunk: x only with beta (the delta rule)");
-  for (const auto* saved : {&u_new, &x}) {
-    if (!saved->has_value()) continue;
-    check(**saved, S, "u_new / x");
-    TORCH_CHECK((*saved)->numel() == BH * L * Dv, "fwp_chunk: u_new and x must be [BH, L, Dv]");
+  if (u_new.has_value()) {
+    check(*u_new, q, "u_new");
+    TORCH_CHECK(u_new->numel() == BH * L * Dv, "fwp_chunk: u_new must be [BH, L, Dv]");
   }
   dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
     using In = decltype(in);
     using T = at::opmath_type<In>;
     forward_sequences<T>(shapes, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), optional_data<In>(beta),
                          (const In*)nullptr, S.data_ptr<T>(), optional_data<In>(o), optional_data<T>(entering),
-                         optional_data<T>(u_new), optional_data<T>(x), gemm);
+                         optional_data<T>(u_new), gemm);
   });
 }
 
@@ -2391,29 +2318,20 @@ void chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // backward: g and dg given): the states entering the chunks and U' recomputed per sequence into the thread's buffers.
 template <typename T, typename Gemm, typename In, typename G>
 void backward_sequences(const ChunkShapes& s, int64_t begin, int64_t end, const In* q, const In* k, const In* v,
-                        const In* beta, const G* g, const T* s0, const SavedValues<T>& saved, const In* dout, T* dS,
-                        In* dq, In* dk, In* dv, In* dbeta, G* dg, const Gemm& gemm) {
+                        const In* beta, const G* g, const T* s0, const In* dout, T* dS, In* dq, In* dk, In* dv,
+                        In* dbeta, G* dg, const Gemm& gemm) {
   const int64_t L = s.L, Dk = s.Dk, Dv = s.Dv;
   Buffer<T> work(std::max(chunk_workspace(s.C, Dk, Dv), chunk_backward_workspace(s.C, Dk, Dv)));
   Buffer<T> state(Dv * Dk);
   KeptBuffers<T>& keep = thread_kept_buffers<T>();
-  const bool from_values = g == nullptr && (beta == nullptr || saved.u_new != nullptr);  // states_from_values
-  const ForwardRecord<T> record = keep.record(L, s.N, Dk, Dv, beta != nullptr,
-                                              BackwardProducts<T, Gemm, In>::kKeepsBfloat16, from_values);
+  const ForwardRecord<T> kept =
+      keep.record(L, s.N, Dk, Dv, beta != nullptr, BackwardProducts<T, Gemm, In>::kKeepsBfloat16);
   for (int64_t bh = begin; bh < end; ++bh) {
     const In *qs = q + bh * L * Dk, *ks = k + bh * L * Dk, *vs = v + bh * L * Dv;
     const In* bs = beta != nullptr ? beta + bh * L : nullptr;
     const G* gs = g != nullptr ? g + bh * L : nullptr;
     std::memcpy(state.data(), s0 + bh * Dv * Dk, sizeof(T) * Dv * Dk);
-    ForwardRecord<T> kept = record;
-    if (!from_values) {
-      chunk_forward_seq<T>(L, Dk, Dv, s.C, qs, ks, vs, bs, gs, state.data(), nullptr, kept, work.data(), gemm);
-    } else if (bs == nullptr) {
-      states_from_values<T>(L, Dk, Dv, s.C, ks, vs, state.data(), kept, work.data(), gemm);
-    } else {
-      kept.use_saved(saved.u_new + bh * L * Dv, saved.x + bh * L * Dv, L, Dv);
-      states_from_values<T>(L, Dk, Dv, s.C, ks, saved.u_new + bh * L * Dv, state.data(), kept, work.data(), gemm);
-    }
+    chunk_forward_seq<T>(L, Dk, Dv, s.C, qs, ks, vs, bs, gs, state.data(), nullptr, kept, work.data(), gemm);
     chunk_backward_seq<T>(L, Dk, Dv, s.C, qs, ks, vs, bs, gs, kept, dout + bh * L * Dv, dS + bh * Dv * Dk,
                           dq + bh * L * Dk, dk + bh * L * Dk, dv + bh * L * Dv,
                           bs != nullptr ? dbeta + bh * L : nullptr, gs != nullptr ? dg + bh * L : nullptr, work.data(),
@@ -2428,24 +2346,22 @@ void backward_all(const ChunkShapes& shapes, const at::Tensor& q, const at::Tens
                   const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& g, const at::Tensor& s0,
                   const at::Tensor& dout, const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk,
                   const at::Tensor& dv, const std::optional<at::Tensor>& dbeta, const std::optional<at::Tensor>& dg,
-                  int64_t products, const std::optional<at::Tensor>& u_new = std::nullopt,
-                  const std::optional<at::Tensor>& x = std::nullopt) {
+                  int64_t products) {
   const int64_t nb = value_blocks(shapes.BH, shapes.L, shapes.Dv);
   dispatch_products(q.scalar_type(), products, [&](auto in, const auto& gemm) {
     using In = decltype(in);
     using T = at::opmath_type<In>;
     const In *q_p = q.data_ptr<In>(), *k_p = k.data_ptr<In>(), *v_p = v.data_ptr<In>(), *dout_p = dout.data_ptr<In>();
     const In* beta_p = optional_data<In>(beta);
-    const SavedValues<T> saved{optional_data<T>(u_new), optional_data<T>(x)};
     with_decays<In, T>(g, [&](auto* g_p) {
       using G = std::remove_pointer_t<decltype(g_p)>;
       if (nb > 1) {
-        return backward_value_blocks<T>(shapes, nb, q_p, k_p, v_p, beta_p, (const G*)g_p, s0.data_ptr<T>(), saved,
-                                        dout_p, dS.data_ptr<T>(), dq, dk, dv.data_ptr<In>(), dbeta, dg, gemm);
+        return backward_value_blocks<T>(shapes, nb, q_p, k_p, v_p, beta_p, (const G*)g_p, s0.data_ptr<T>(), dout_p,
+                                        dS.data_ptr<T>(), dq, dk, dv.data_ptr<In>(), dbeta, dg, gemm);
       }
       for_sequences(shapes.BH, [&](int64_t begin, int64_t end) {
-        backward_sequences<T>(shapes, begin, end, q_p, k_p, v_p, beta_p, (const G*)g_p, s0.data_ptr<T>(), saved,
-                              dout_p, dS.data_ptr<T>(), dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(),
+        backward_sequences<T>(shapes, begin, end, q_p, k_p, v_p, beta_p, (const G*)g_p, s0.data_ptr<T>(), dout_p,
+                              dS.data_ptr<T>(), dq.data_ptr<In>(), dk.data_ptr<In>(), dv.data_ptr<In>(),
                               optional_data<In>(dbeta), optional_data<G>(dg), gemm);
       });
     });
@@ -2453,17 +2369,14 @@ void backward_all(const ChunkShapes& shapes, const at::Tensor& q, const at::Tens
 }
 
 // Gradients of chunk_forward. dS [BH, Dv, Dk]: the final state's gradient in, the initial state's out.
-// dq, dk [BH, L, Dk], dv [BH, L, Dv], dbeta [BH, L] (delta rule) are written. The states entering the chunks are
-// recomputed per sequence (one state per chunk, in a per-thread buffer): from U' (states_from_values) where the
-// forward saved the delta rule's U' and X (u_new, x [BH, L, Dv] in s0's dtype, both or neither), and always for the
-// sum rule (U' = V); else by the whole forward again (U' and X with them). bfloat16 q, k, v, beta and dout take a
-// float32 s0 and dS and write bfloat16 gradients: widened as they are read, rounded as they are written (the sums,
-// states and products float32).
+// dq, dk [BH, L, Dk], dv [BH, L, Dv], dbeta [BH, L] (delta rule) are written. The states entering the
+// chunks and U' are recomputed per sequence (one state per chunk, in a per-thread buffer). bfloat16 q, k, v, beta
+// and dout take a float32 s0 and dS and write bfloat16 gradients: widened as they are read, rounded as they are
+// written (the sums, states and products float32).
 void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& beta, const at::Tensor& s0, int64_t chunk_size,
                     const at::Tensor& dout, const at::Tensor& dS, const at::Tensor& dq, const at::Tensor& dk,
-                    const at::Tensor& dv, const std::optional<at::Tensor>& dbeta, int64_t products,
-                    const std::optional<at::Tensor>& u_new, const std::optional<at::Tensor>& x) {
+                    const at::Tensor& dv, const std::optional<at::Tensor>& dbeta, int64_t products) {
   const ChunkShapes shapes = chunk_shapes(q, k, v, chunk_size);
   const int64_t BH = shapes.BH, L = shapes.L, Dk = shapes.Dk, Dv = shapes.Dv;
   for (auto* x : {&k, &v, &dout, &dq, &dk, &dv}) check(*x, q, "input");
@@ -2480,15 +2393,7 @@ void chunk_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     check(*dbeta, q, "dbeta");
     TORCH_CHECK(beta->numel() == BH * L && dbeta->numel() == BH * L, "fwp_chunk: beta must be [BH, L]");
   }
-  TORCH_CHECK(u_new.has_value() == x.has_value() && (!u_new.has_value() || beta.has_value()),
-              "fwp_chunk: u_new and x go together, and only with beta (the delta rule)");
-  for (const auto* saved : {&u_new, &x}) {
-    if (!saved->has_value()) continue;
-    check(**saved, s0, "u_new / x");
-    TORCH_CHECK((*saved)->sizes() == v.sizes(), "fwp_chunk: u_new and x must be [BH, L, Dv]");
-  }
-  backward_all(shapes, q, k, v, beta, std::nullopt, s0, dout, dS, dq, dk, dv, dbeta, std::nullopt, products, u_new,
-               x);
+  backward_all(shapes, q, k, v, beta, std::nullopt, s0, dout, dS, dq, dk, dv, dbeta, std::nullopt, products);
 }
 
 // The decode step and the token step below keep GCC's own preference of 256-bit vectors for the loops it vectorises:
@@ -2983,7 +2888,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     using T = at::opmath_type<In>;
     with_decays<In, T>(g, [&](auto* g_p) {
       forward_sequences<T>(s, q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), beta.data_ptr<In>(), g_p,
-                           S.data_ptr<T>(), o.data_ptr<In>(), (T*)nullptr, (T*)nullptr, (T*)nullptr, gemm);
+                           S.data_ptr<T>(), o.data_ptr<In>(), (T*)nullptr, (T*)nullptr, gemm);
     });
   });
 }
@@ -3012,11 +2917,10 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
 FWP_TORCH_LIBRARY(FWP_OP_NAMESPACE, m) {
   m.def(
       "chunk_forward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor(a!) S, int chunk_size, Tensor(b!)? o, "
-      "Tensor(c!)? entering, Tensor(d!)? u_new, int products=0, Tensor(e!)? x=None) -> ()");
+      "Tensor(c!)? entering, Tensor(d!)? u_new, int products=0) -> ()");
   m.def(
       "chunk_backward(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor s0, int chunk_size, Tensor dout, "
-      "Tensor(a!) dS, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv, Tensor(e!)? dbeta, int products=0, "
-      "Tensor? u_new=None, Tensor? x=None) -> ()");
+      "Tensor(a!) dS, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv, Tensor(e!)? dbeta, int products=0) -> ()");
   m.def(
       "decode_step(Tensor q, Tensor k, Tensor v, Tensor? beta, Tensor? g, Tensor? S, Tensor(a!) S_out, Tensor(b!) o) "
       "-> ()");
