@@ -1119,7 +1119,7 @@ struct ChunkProducts {
   }
   // Y = [Q; K] [S^T | K^T], Y [rows, ld] (rows: the cq queries, then the c keys where the rule needs them)
   void states_and_keys(int64_t rows, int64_t c, T* Y) const {
-    if (!kInPlace) return gemm(false, false, rows, Dv + c, Dk, T(1), X, Dk, Z, ld, T(0), Y, ld);
+    if (K == Q + cq * Dk) return gemm(false, false, rows, Dv + c, Dk, T(1), Q, Dk, Z, ld, T(0), Y, ld);  // stacked
     if (cq > 0) gemm(false, false, cq, Dv + c, Dk, T(1), Q, Dk, Z, ld, T(0), Y, ld);
     if (rows > cq) gemm(false, false, rows - cq, Dv + c, Dk, T(1), K, Dk, Z, ld, T(0), Y + cq * ld, ld);
   }
@@ -1480,7 +1480,8 @@ void chunk_forward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* q
                        T* work, const Gemm& policy) {
   const Gemm gemm = on_this_thread(policy);
   // The state is kept transposed, St = S^T [Dk, Dv], beside K^T [Dk, c], and the chunk's queries and keys are stacked,
-  // X = [Q; K] [2c, Dk] (widened there, or read in place as two products: ChunkProducts). One buffer Z [Dk + 2C, Dv + C] (row stride ld) holds
+  // X = [Q; K] [2c, Dk] (widened there, or read in place as two products: ChunkProducts). One buffer Z [Dk + 2C,
+  // Dv + C] (row stride ld) holds
   //   rows 0 .. Dk:             [ S^T | K^T ]
   //   then c rows (with o):     [ Q S^T | Q K^T ]   -> [ O | tril(Q K^T) ]
   //   then c rows (delta rule): [ K S^T | K K^T ]
