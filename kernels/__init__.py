@@ -56,16 +56,45 @@ swiglu_block), where both apply::
                       decay_parameters, beta_scale, state, conv_weights, ...)      # -> (out, state, conv states)
 """
 import importlib
+import importlib.metadata
+import importlib.util
 import sys
+from pathlib import Path
+
+
+def _hub_kernels_package():
+    """Hugging Face's own ``kernels`` (the kernel hub), loaded from where it is installed, or None where it is not.
+    transformers >= 5.25 requires it and imports it with its own first import; from the repository's root this
+    folder comes first on ``sys.path`` under that name, and must give way to it."""
+    try:
+        init = Path(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if not init.is_file() or init.resolve() == Path(__file__).resolve():
+        return None
+    spec = importlib.util.spec_from_file_location("kernels", init, submodule_search_locations=[str(init.parent)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = package
+    try:
+        spec.loader.exec_module(package)
+    except BaseException:
+        del sys.modules["kernels"]
+        raise
+    return package
 
 
 def _installed_package():
-    """The package ``fwp_kernels`` when this folder is being imported under another name, else None. Where the
-    repository's root is on ``sys.path`` the folder is also a top-level ``kernels``, and transformers' probe for the
-    Hub's ``kernels`` library imports any top-level ``kernels`` (``is_kernels_available``): as ``kernels`` it becomes
-    the same module object as ``fwp_kernels``, so that its modules, C++ builds and torch ops exist once per process."""
+    """The package to stand for this folder when it is imported under another name than ``fwp_kernels``, else None.
+    Where the repository's root is on ``sys.path`` the folder is also a top-level ``kernels``, the import name of the
+    Hub's ``kernels`` library that transformers probes (``is_kernels_available``) and imports. As ``kernels`` it is
+    the Hub's library where that is installed; otherwise the same module object as ``fwp_kernels``, so that its
+    modules, C++ builds and torch ops exist once per process."""
     if __name__ == "fwp_kernels":
         return None
+    if __name__ == "kernels":
+        hub = _hub_kernels_package()
+        if hub is not None:
+            return hub
     try:
         return importlib.import_module("fwp_kernels")
     except ImportError:  # not installed: this folder is the package, under the name it was imported by

@@ -169,12 +169,25 @@ class RollbackMixin:
 
     def _init_recording(self) -> None:
         self.record_past = False
+        self.recurrent_states_to_keep: Optional[int] = None
         self._checkpoints: List[StateCheckpoint] = []
         self._replaying = False
 
-    def activate_past_recording(self) -> None:
-        """Keeps a checkpoint per forward pass from now on, so that ``crop(-n)`` can roll back."""
+    def activate_past_recording(self, recurrent_states_to_keep: Optional[int] = None) -> None:
+        """Keeps a checkpoint per forward pass from now on, so that ``crop(-n)`` can roll back.
+
+        ``recurrent_states_to_keep`` (transformers >= 5.25 passes the number of draft tokens) tells caches that keep a
+        state per position how many to keep. A checkpoint and a replay roll back any number of tokens, so here it
+        changes nothing; it is kept as ``self.recurrent_states_to_keep``.
+        """
+        if recurrent_states_to_keep is not None and (
+                isinstance(recurrent_states_to_keep, bool) or not isinstance(recurrent_states_to_keep, int)
+                or recurrent_states_to_keep < 0):
+            raise ValueError(
+                f"`recurrent_states_to_keep` must be a non-negative int or None, got {recurrent_states_to_keep!r}"
+            )
         self.record_past = True
+        self.recurrent_states_to_keep = recurrent_states_to_keep
 
     @property
     def is_croppable(self) -> bool:

@@ -1383,12 +1383,19 @@ class FWLCache(RollbackMixin, Cache):
         """The base model's cache, once its first forward pass has made one (recording too if this cache records)."""
         self.base_cache = base_cache
         if self.record_past and hasattr(base_cache, "activate_past_recording"):
-            base_cache.activate_past_recording()
+            self._activate_base_recording()
 
-    def activate_past_recording(self) -> None:
-        super().activate_past_recording()
+    def activate_past_recording(self, recurrent_states_to_keep: Optional[int] = None) -> None:
+        super().activate_past_recording(recurrent_states_to_keep)
         if self.base_cache is not None:
+            self._activate_base_recording()
+
+    def _activate_base_recording(self) -> None:
+        # transformers' caches of 5.25 take the count as a keyword; earlier ones take no argument
+        if self.recurrent_states_to_keep is None:
             self.base_cache.activate_past_recording()
+        else:
+            self.base_cache.activate_past_recording(recurrent_states_to_keep=self.recurrent_states_to_keep)
 
     @property
     def is_croppable(self) -> bool:

@@ -131,11 +131,13 @@ class ToyStatefulModel:
         self.cache.set_state(0, {"sum": state["sum"] + x.sum(1), "window": window}, x.shape[1])
 
 
+# transformers >= 5.25 passes the number of draft tokens (`recurrent_states_to_keep`); a replay rolls back any number
+@pytest.mark.parametrize("recording", [{}, {"recurrent_states_to_keep": 1}, {"recurrent_states_to_keep": 3}])
 @pytest.mark.parametrize("tokens_to_remove", [0, 1, 2, 3, 5, 6])
-def test_crop_restores_any_state_across_forward_passes(tokens_to_remove):
+def test_crop_restores_any_state_across_forward_passes(tokens_to_remove, recording):
     x = torch.arange(1.0, 8.0)[None]  # 7 tokens in passes of 3, 1 and 3 (the crop may reach back over passes)
     cache = FastWeightCache(1)
-    cache.activate_past_recording()
+    cache.activate_past_recording(**recording)
     model = ToyStatefulModel(cache)
     for part in (x[:, :3], x[:, 3:4], x[:, 4:]):
         model(part)
@@ -164,3 +166,6 @@ def test_crop_refuses_what_was_not_recorded():
         cache.crop(1)
     cache.crop(-2)
     assert cache.get_seq_length() == 2
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="recurrent_states_to_keep"):
+            cache.activate_past_recording(recurrent_states_to_keep=bad)

@@ -95,13 +95,15 @@ def test_dense_linear_uses_onednn_only_outside_autograd():
 
 def test_onednn_linear_op_is_defined_once_and_eager_calls_onednn_directly(monkeypatch):
     """``fwp_kernels::onednn_linear`` (for traced graphs) is one op however often dense.py is imported (as
-    ``fwp_kernels.dense`` and, from this repository's root, as ``kernels.dense``: transformers' probe for the Hub's
-    ``kernels`` library imports it so), and eager products of more rows than stream call oneDNN's op directly."""
-    import importlib
+    ``fwp_kernels.dense`` and under a second name: from this repository's root, ``kernels.dense`` where the Hub's
+    ``kernels`` library is not installed), and eager products of more rows than stream call oneDNN's op directly."""
+    import importlib.util
 
     if not dense.onednn_linear_available():
         pytest.skip("PyTorch has no oneDNN here")
-    copy = importlib.import_module("kernels.dense")
+    spec = importlib.util.spec_from_file_location("fwp_kernels._second_dense", dense.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)  # dense.py executed a second time, under another name
     assert copy is not dense and copy.onednn_linear is dense.onednn_linear
     calls = []
     monkeypatch.setattr(dense, "onednn_linear", lambda *args: calls.append(1) or copy.onednn_linear(*args))

@@ -116,9 +116,11 @@ def test_training_installs_as_fwp_training_with_console_scripts():
 
 
 # From the repository's root, where this folder is also a top-level ``kernels``: transformers' probe for the Hub's
-# ``kernels`` library imports it (before fwp_kernels and modeling_fwp are imported, or after).
+# ``kernels`` library imports it (before fwp_kernels and modeling_fwp are imported, or after), and transformers >= 5.25
+# requires that library and imports it at start-up.
 PROBE_KERNELS = r"""
-import sys
+import json, sys
+from pathlib import Path
 from transformers.utils.import_utils import is_kernels_available
 probe_first = sys.argv[1] == "probe_first"
 if probe_first:
@@ -127,14 +129,53 @@ import fwp_kernels, modeling_fwp
 from transformers import AutoConfig
 if not probe_first:
     available = is_kernels_available()
-print(available, sys.modules["kernels"] is fwp_kernels, sorted(m for m in sys.modules if m.startswith("kernels.")))
+kernels = sys.modules.get("kernels")
+folder = Path(fwp_kernels.__file__).resolve().parent
+files = {name: getattr(module, "__file__", None) for name, module in sys.modules.items()
+         if name == "kernels" or name.startswith("kernels.")}
+print(json.dumps({"available": available, "is_fwp_kernels": kernels is fwp_kernels,
+                  "from_this_folder": sorted(name for name, file in files.items()
+                                             if file and folder in Path(file).resolve().parents),
+                  "submodules": sorted(name for name in files if name != "kernels")}))
 """
+
+
+def _hub_kernels_init():
+    """The Hub's ``kernels/__init__.py`` where that distribution is installed, else None."""
+    import importlib.metadata
+    try:
+        init = Path(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return init if init.is_file() else None
 
 
 @pytest.mark.parametrize("order", ["probe_first", "probe_after"])
 def test_kernels_folder_probed_by_transformers_is_the_installed_package(order):
-    out = subprocess.run([sys.executable, "-c", PROBE_KERNELS, order], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.split()
-    # one module object under both names: no second copy of the kernels' modules, C++ builds and torch ops; and
-    # transformers does not take this folder for the Hub's library
-    assert out == ["False", "True", "[]"]
+    proc = subprocess.run([sys.executable, "-c", PROBE_KERNELS, order], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if _hub_kernels_init() is None:
+        # one module object under both names: no second copy of the kernels' modules, C++ builds and torch ops; and
+        # transformers does not take this folder for the Hub's library
+        assert out == {"available": False, "is_fwp_kernels": True, "from_this_folder": ["kernels"], "submodules": []}
+    else:
+        # the Hub's library is installed: `kernels` is that library, loaded from where it is installed, and nothing
+        # of this folder is loaded under the name `kernels`
+        assert out["is_fwp_kernels"] is False and out["from_this_folder"] == [], out
+
+
+def test_folder_imported_as_kernels_is_the_hubs_library_where_installed():
+    """Imported by the name ``kernels`` from the repository's root, this folder stands for the Hub's library where
+    that is installed (transformers >= 5.25 imports it at start-up), else for fwp_kernels."""
+    probe = ("import sys, kernels, fwp_kernels; from pathlib import Path; "
+             "print(Path(kernels.__file__).resolve(), kernels is fwp_kernels)")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    file, same = proc.stdout.split()
+    hub = _hub_kernels_init()
+    if hub is None:
+        assert (file, same) == (str(ROOT / "kernels" / "__init__.py"), "True")
+    else:
+        assert (file, same) == (str(hub.resolve()), "False")
