@@ -422,95 +422,6 @@ inline void store_pairs(uint16_t* out, __m512 even_row, __m512 odd_row) {
 inline void store_pairs(uint16_t*, __m512, __m512) {}  // no bfloat16 products in this build: never called
 #endif
 
-// One factor pair of difference_gemm: A [m, steps] and B [steps, n] as tile reads them (float32 factors).
-struct FactorPair {
-  int64_t steps;
-  const float* A;
-  int64_t a_row, a_step;
-  const float* B;
-  int64_t b_step;
-};
-
-// acc (+ or -)= A B over x's steps, rows [i, i + MR) of A and columns [j, j + 16 NV) of B (as tile's loop).
-template <int MR, int NV, bool kSubtract>
-__attribute__((always_inline)) inline void accumulate_pair(const FactorPair& x, int64_t i, int64_t j, __mmask16 lanes,
-                                                           __m512 (&acc)[MR][NV]) {
-  const float* A = x.A + i * x.a_row;
-  const float* B = x.B + j;
-  for (int64_t s = 0; s < x.steps; ++s) {
-    __m512 b[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_maskz_loadu_ps(v + 1 < NV ? 0xFFFF : lanes, B + s * x.b_step + 16 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(A[r * x.a_row + s * x.a_step]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v)
-        acc[r][v] = kSubtract ? _mm512_fnmadd_ps(a, b[v], acc[r][v]) : _mm512_fmadd_ps(a, b[v], acc[r][v]);
-    }
-  }
-}
-
-// C [MR, 16 NV] at rows i, columns j = alpha (A1 B1 - A2 B2) + beta C: both products' sums in the same registers (one
-// pass over C for the two, where two tiles would read and write it twice).
-template <int MR, int NV>
-inline void difference_tile(const FactorPair& x, const FactorPair& y, int64_t i, int64_t j, float alpha, float* C,
-                            int64_t ldc, float beta, __mmask16 lanes) {
-  __m512 acc[MR][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  accumulate_pair<MR, NV, false>(x, i, j, lanes, acc);
-  accumulate_pair<MR, NV, true>(y, i, j, lanes, acc);
-  const __m512 scale = _mm512_set1_ps(alpha), prior_scale = _mm512_set1_ps(beta);
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      write_result(acc[r][v], C + (i + r) * ldc + j + 16 * v, v + 1 < NV ? 0xFFFF : lanes, scale, prior_scale, beta);
-}
-
-// The last rows of a column block (fewer than a full tile): difference_tile with MR = rows, chosen at run time.
-template <int NV, int R = 1>
-inline void difference_rows(int rows, const FactorPair& x, const FactorPair& y, int64_t i, int64_t j, float alpha,
-                            float* C, int64_t ldc, float beta, __mmask16 lanes) {
-  if constexpr (R < 8) {
-    if (rows == R) return difference_tile<R, NV>(x, y, i, j, alpha, C, ldc, beta, lanes);
-    difference_rows<NV, R + 1>(rows, x, y, i, j, alpha, C, ldc, beta, lanes);
-  }
-}
-
-template <int NV>
-void difference_tiles(int64_t m, const FactorPair& x, const FactorPair& y, int64_t j, float alpha, float* C,
-                      int64_t ldc, float beta, __mmask16 lanes, PacedLines& lines) {
-  constexpr int MR = NV >= 3 ? 6 : 8;  // as tiles
-  int64_t i = 0;
-  for (; i + MR <= m; i += MR) {
-    lines.issue(PacedLines::kPerTile);
-    difference_tile<MR, NV>(x, y, i, j, alpha, C, ldc, beta, lanes);
-  }
-  if (i < m) difference_rows<NV>(int(m - i), x, y, i, j, alpha, C, ldc, beta, lanes);
-}
-
-// C [m, n] = alpha (A1 B1 - A2 B2) + beta C, x = (A1, B1) and y = (A2, B2) as tile reads them, in blocks of 64 columns.
-// Each sum is formed over x's steps, then y's (fused multiply-subtract), then alpha sum + beta C: not the bits of two
-// vector_gemm calls, which round C between the products. (Never inlined, as vector_gemm.)
-__attribute__((noinline)) void difference_gemm(int64_t m, int64_t n, const FactorPair& x, const FactorPair& y,
-                                               float alpha, float* C, int64_t ldc, float beta, PacedLines& lines) {
-  for (int64_t j = 0; j < n; j += 64) {
-    const int64_t w = std::min<int64_t>(64, n - j);
-    const __mmask16 lanes = first_lanes(w - 16 * ((w - 1) / 16));
-    switch ((w + 15) / 16) {
-      case 4: difference_tiles<4>(m, x, y, j, alpha, C, ldc, beta, lanes, lines); break;
-      case 3: difference_tiles<3>(m, x, y, j, alpha, C, ldc, beta, lanes, lines); break;
-      case 2: difference_tiles<2>(m, x, y, j, alpha, C, ldc, beta, lanes, lines); break;
-      default: difference_tiles<1>(m, x, y, j, alpha, C, ldc, beta, lanes, lines); break;
-    }
-  }
-}
-#define FWP_DIFFERENCE_GEMM 1
-
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 with FMA (x86-64-v3: Zen 1-3, Intel's cores without AVX-512): the float32 micro-kernel in 8-lane registers, 16
 // of them, where MKL's sgemm (AVX2 code on these CPUs too) pays a call's set-up for every small product (B1 H8 T4096
@@ -1818,28 +1729,6 @@ struct BackwardProducts {
     (*this)(Dv, Dk, k, a, b, alpha, T(1), dS, Dk);
   }
   Operand state_gradient_pairs(const T* dS) { return pairs(dS, Dv, Dk, Dk); }
-  // The delta rule's (no decays) last update of dS [Dv, Dk]: dS += op(a1) op(b1) - op(a2) op(b2), k rows each
-  // (dO^T Q - dX^T K). With the AVX-512 float32 products one product of both (difference_gemm: one pass over dS, the
-  // sums rounded once), else the two of update_state_gradient, in that order.
-  void add_state_difference(int64_t k, const Operand& a1, const Operand& b1, const Operand& a2, const Operand& b2,
-                            T* dS) {
-#ifdef FWP_DIFFERENCE_GEMM
-    if constexpr (std::is_same_v<Gemm, VectorGemm<Float32Factors>>) {
-      if (b1.form != Form::kTransposed && b2.form != Form::kTransposed)
-        return difference_gemm(Dv, Dk, factor_pair(k, a1, b1), factor_pair(k, a2, b2), 1.f, dS, Dk, 1.f,
-                               lines_or_thread(gemm.lines));
-    }
-#endif
-    (*this)(Dv, Dk, k, a1, b1, T(1), T(1), dS, Dk);
-    update_state_gradient(k, a2, b2, T(-1), dS);
-  }
-#ifdef FWP_DIFFERENCE_GEMM
-  // op(a) op(b) as difference_gemm reads it (b not transposed)
-  static FactorPair factor_pair(int64_t k, const Operand& a, const Operand& b) {
-    const bool trans_a = a.form == Form::kPairs;
-    return {k, a.x, trans_a ? 1 : a.ld, trans_a ? a.ld : 1, b.x, b.ld};
-  }
-#endif
   // <S, dS'> (the gated rule's decay of the state), S entering chunk n: with bfloat16 factors both rounded, as any
   // product reads them (pairs_dot, as the bfloat16 specialization computes it)
   T state_dot(const ForwardRecord<T>& kept, int64_t n, const T* dS) const {
@@ -1941,12 +1830,6 @@ struct BackwardProducts<float, VectorGemm<Bfloat16Factors>, c10::BFloat16> {
     vector_gemm<Bfloat16Factors>(Dv, Dk, (k + 1) / 2, a.x, a_pairs ? 2 : a.ld, a_pairs ? a.ld : 2, b.x, b.ld, alpha, dS,
                                  Dk, 1.f, lines, dS_pairs, 2 * round_up(Dk, 16));
     dS_pairs_kept = true;
-  }
-  // (the generic one's two products)
-  void add_state_difference(int64_t k, const Operand& a1, const Operand& b1, const Operand& a2, const Operand& b2,
-                            float* dS) {
-    (*this)(Dv, Dk, k, a1, b1, 1.f, 1.f, dS, Dk);
-    update_state_gradient(k, a2, b2, -1.f, dS);
   }
   Operand state_gradient_pairs(const float* dS) {
     if (dS_pairs_kept) return {dS_pairs, 2 * round_up(Dk, 16), Form::kPairs};
@@ -2095,11 +1978,7 @@ void delta_rule_chunk_backward(int64_t c, int64_t Dk, int64_t Dv, const T* K, co
     dX = w.G;
   }
   mm(c, Dk, Dv, mm.rows(dX, c, Dv, Dv), Sp, T(-1), T(1), dK, Dk);
-  if (decay == nullptr) {  // with dS += dO^T Q, left to this update (chunk_backward_seq)
-    mm.add_state_difference(c, in.dOp, in.Qp, mm.pairs(dX, c, Dv, Dv), in.Kp, dS);
-  } else {
-    mm.update_state_gradient(c, mm.pairs(dX, c, Dv, Dv), in.Kp, T(-1), dS);
-  }
+  mm.update_state_gradient(c, mm.pairs(dX, c, Dv, Dv), in.Kp, T(-1), dS);
   // dA = -strictly_lower(dR U'^T)  (gated: through D, dA <- dA * D)
   mm(c, c, Dv, mm.rows(w.dR, c, Dv, Dv), Ut, T(-1), T(0), w.dA, c);
   for (int64_t i = 0; i < c; ++i) std::fill(w.dA + i * c + i, w.dA + (i + 1) * c, T(0));
@@ -2223,8 +2102,7 @@ void chunk_backward_seq(int64_t L, int64_t Dk, int64_t Dv, int64_t C, const In* 
       Qp = mm.pairs(w.G, c, Dk, Dk);
     }
     if (beta != nullptr) {
-      // (without decays dO^T Q joins dS's last update: nothing reads dS before it)
-      if (decay != nullptr) mm(Dv, Dk, c, in.dOp, Qp, T(1), state_decay, dS, Dk);
+      mm(Dv, Dk, c, in.dOp, Qp, T(1), state_decay, dS, Dk);
       previous.fetch(kept.x, Dv);
       delta_rule_chunk_backward(c, Dk, Dv, x.K, x.V, kept.x + t0 * Dv, x.b, w, mm, in, Ut, Sp, dS, d.dK, d.dV, d.db,
                                 decay);
