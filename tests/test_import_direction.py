@@ -170,12 +170,12 @@ def test_folder_imported_as_kernels_is_the_hubs_library_where_installed():
     """Imported by the name ``kernels`` from the repository's root, this folder stands for the Hub's library where
     that is installed (transformers >= 5.25 imports it at start-up), else for fwp_kernels."""
     probe = ("import sys, kernels, fwp_kernels; from pathlib import Path; "
-             "print(Path(kernels.__file__).resolve(), kernels is fwp_kernels)")
+             "print(Path(kernels.__file__).resolve(), Path(fwp_kernels.__file__).resolve(), kernels is fwp_kernels)")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    file, same = proc.stdout.split()
+    file, installed, same = proc.stdout.split()
     hub = _hub_kernels_init()
     if hub is None:
-        assert (file, same) == (str(ROOT / "kernels" / "__init__.py"), "True")
+        assert (file, same) == (installed, "True")
     else:
-        assert (file, same) == (str(hub.resolve()), "False")
+        assert (file, same) == (str(hub.resolve()), "False") and file != installed
