@@ -835,6 +835,30 @@ def test_gated_delta_rule_with_zero_gate_is_the_delta_rule(dtype, mode):
         assert torch.equal(gated[name], delta[name]), name
 
 
+# log-decays per step of each chunk of 32 (cycled): spans of their cumulative sums over a chunk of 3.2 to 320
+STRONG_DECAYS = {"near_the_span": [-2.4], "wide": [-3.0], "alternating": [-0.1, -10.0]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("decays", list(STRONG_DECAYS))
+def test_gated_cpp_kernel_with_strong_decays(dtype, decays):
+    """The C++ kernel forms a chunk's decays D_ij = exp(gamma_i - gamma_j) from 2c exponentials where the chunk's
+    cumulative log-decays span at most 80, from one per entry where they span more (csrc/chunk_delta.cpp, Decays):
+    log-decays of -2.4 per step (a span of 74 over a chunk of 32: the factored form at its widest), of -3 (93: every
+    chunk the other way), and chunks that alternate between -0.1 and -10 per step (the ragged last chunk of 4 spans
+    30; exp(gamma_i - m) alone would overflow there). Outputs, final state and every gradient against the float64 step loop."""
+    _cpp_kernel_or_skip()
+    B, H, T, Dk, Dv, C = 1, 2, 100, 16, 12, 32
+    inputs = {n: x.detach().double() for n, x in make_inputs("gated", B, H, T, Dk, Dv, torch.float64, seed=6).items()}
+    per_chunk = STRONG_DECAYS[decays]
+    steps = torch.tensor([per_chunk[(t // C) % len(per_chunk)] for t in range(T)], dtype=torch.float64)
+    noise = torch.rand(B, H, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    inputs["g"] = steps * (0.9 + 0.2 * noise)
+    inputs = {n: x.to(dtype).requires_grad_() for n, x in inputs.items()}
+    got = outputs_and_grads("gated", inputs, mode="chunk", chunk_size=C)
+    assert_close(got, reference("gated", inputs), TOL[dtype])
+
+
 @pytest.mark.parametrize("g_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("B,H,T,Dk,Dv,chunk_size", [(2, 3, 100, 32, 48, 32), (1, 2, 53, 17, 19, 16),
