@@ -1974,6 +1974,8 @@ struct DecayGradients {
       const T row = rows(i);
       const T *Xi = X + i * c, *Di = d.D + i * c;
       T* dXi = dX + i * c;
+      // (H's row sum by dot, its products formed again in the loop below: a row of c in L1, read twice instead of a
+      // reduction's serial tail inside the loop; the dots' change as a whole in bench_chunk_builds_float32_dot.json)
       const T acc = row * dot(c, dXi, Xi);
 #pragma omp simd
       for (int64_t j = 0; j < c; ++j) {
