@@ -11,6 +11,9 @@ For each dtype and thread count, measured side by side in one process (round-rob
 - ``f_linear``: the same model with ``nn.Linear``'s own forward (``F.linear``, what transformers' models run) for
   every projection, the ones that share one streaming pass in ``ours`` (a layer's q, k, v, beta; gate and up) too, and
   so the blocks' decode step unfused (``unfused_block`` below: its fused calls stream the weights themselves);
+- ``block_loop``, decode steps only: the model as shipped but block by block, each block's checks and allocations
+  between the weight reads of the block before and its own (``FastWeightModel._decode_in_one_pass`` off: the model
+  before 2026-12-04), instead of all blocks' prepared first and their calls run one after the other;
 - ``three_call_block``, decode steps only: the model as shipped but for the blocks' decode step, which makes three
   calls, ``fwp_kernels.norm_linears``, the fast-weight layer's token step and ``fwp_kernels.swiglu_block``, and the
   tensor calls between them, instead of one ``fwp_kernels.block_decode_step`` (the model of 2026-12-01 morning);
@@ -68,7 +71,7 @@ from training.result_file import RunRecord, summarize  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode.json"
 VARIANTS = ("ours", "f_linear")
 BATCH_VARIANTS = VARIANTS + ("one_row_streaming",)  # --batch_size > 1
-DECODE_ONLY_VARIANTS = ("three_call_block", "unfused_block", "unfused_step")  # their prefill is ours
+DECODE_ONLY_VARIANTS = ("block_loop", "three_call_block", "unfused_block", "unfused_step")  # their prefill is ours
 PREFILL_ONLY_VARIANTS = ("no_buffer_reuse",)  # its decode steps are ours (they never enter the scope)
 
 
@@ -91,7 +94,9 @@ VARIANT_PATCHES = {
                  (fast_weight_layers, "dense_linears",
                   lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights)),
                  (modeling_fwp.FastWeightBlock, "_decode_plan", lambda *args: None)),  # (its ops stream the weights)
-    "three_call_block": ((modeling_fwp.FastWeightBlock, "_decode_step", three_call_decode_step),),
+    "block_loop": ((modeling_fwp.FastWeightModel, "_decode_in_one_pass", lambda *args: None),),
+    "three_call_block": ((modeling_fwp.FastWeightBlock, "_decode_step", three_call_decode_step),
+                         (modeling_fwp.FastWeightModel, "_decode_in_one_pass", lambda *args: None)),
     "unfused_block": ((modeling_fwp.FastWeightBlock, "_decode_plan", lambda *args: None),),
     "unfused_step": ((fast_weight_layers, "token_step_applies", lambda *tensors: False),),  # (the block's too)
     "one_row_streaming": ((dense, "STREAMING_MAX_ROWS", 1),),
@@ -102,7 +107,8 @@ VARIANT_PATCHES = {
 @contextlib.contextmanager
 def variant(name: str):
     """``ours``: the model as shipped; ``f_linear``: its projections run nn.Linear's own forward (F.linear);
-    ``three_call_block``: as shipped, the blocks' decode step in three calls; ``unfused_block``: as shipped, the
+    ``block_loop``: as shipped, block by block (no one-pass decode); ``three_call_block``: as shipped, the blocks'
+    decode step in three calls; ``unfused_block``: as shipped, the
     blocks' decode step op by op around the layers' token step; ``unfused_step``:
     as shipped, neither decode step fused; ``one_row_streaming``: as shipped, the
     weight-streaming kernel for one row of input only; ``no_buffer_reuse``: as shipped, without
@@ -275,7 +281,8 @@ def print_table(results: dict) -> None:
                   f"the bound {r['decode_bound_ms']:.1f}; {o['decode_of_round_bound']:.2f}x each round's), "
                   f"F.linear {f['decode_ms_per_token']['median']:.1f} ({f['decode_of_bound']:.2f}x); "
                   f"ours {r['decode_speedup']:.2f}x faster")
-            for name, what in (("three_call_block", "the blocks' step in three calls"),
+            for name, what in (("block_loop", "the blocks' steps block by block (no one-pass decode)"),
+                               ("three_call_block", "the blocks' step in three calls"),
                                ("unfused_block", "the blocks' ops one by one"),
                                ("unfused_step", "the blocks' and the layers' small ops one by one")):
                 u = r[name]

@@ -485,6 +485,12 @@ def decode_rows(s: Source) -> List[Row]:
                 s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s); bound = bytes read per token / "
                              "read bandwidth ({:.1f} GB/s, same run)", dtype, th, s.get(f"{key}.peaks.read_gbs")),
                 "ours", "f_linear", "F.linear", "faster"))
+            if s.get(f"{key}.block_loop.decode_ms_per_token.median") is not None:  # runs from 2026-12-04
+                rows.append(decode_bound_row(
+                    s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): all blocks' decode steps "
+                                 "prepared, then run in one pass (_decode_in_one_pass); same tokens: {}", dtype, th,
+                                 s.get(f"{key}.block_loop.same_tokens_as_ours")),
+                    "ours", "block_loop", "block by block (each block's Python between the weight reads)", "faster"))
             one_call = s.get(f"{key}.three_call_block.decode_ms_per_token.median") is not None  # runs from 12-01 pm
             if one_call:
                 rows.append(decode_bound_row(

@@ -54,6 +54,11 @@ swiglu_block), where both apply::
 
     block_decode_step(x, norm_weights, eps, weights, num_heads, num_value_heads, *, has_beta, has_gate,
                       decay_parameters, beta_scale, state, conv_weights, ...)      # -> (out, state, conv states)
+
+or prepared first and run later, a model's blocks one after the other (its outputs allocated, not yet computed)::
+
+    call = prepare_block_decode_step(x, ...)   # the same arguments -> BlockDecodeCall(arguments, out, new_state, ...)
+    call.run()
 """
 import importlib
 import importlib.metadata
@@ -117,7 +122,8 @@ else:
     from .recurrent_delta_rule_kernels import recurrent_delta_rule
     from .rfwp_scan import ScanState
     from .token_step import (
-        TOKEN_STEP_FEATURE_MAPS, block_decode_step, fast_weight_token_step, token_step_applies,
+        TOKEN_STEP_FEATURE_MAPS, BlockDecodeCall, block_decode_step, fast_weight_token_step,
+        prepare_block_decode_step, token_step_applies,
     )
 
 __all__ = [
@@ -140,6 +146,8 @@ __all__ = [
     "reusing_cpu_buffers",
     "fast_weight_token_step",
     "block_decode_step",
+    "prepare_block_decode_step",
+    "BlockDecodeCall",
     "token_step_applies",
     "TOKEN_STEP_FEATURE_MAPS",
     "MODES",

@@ -10,7 +10,7 @@ store one (bfloat16 follows them step by step; sums and the state in float32); m
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -139,6 +139,68 @@ LAYER_OPTIONS = {"beta_scale": 1.0, "state": None, "conv_weights": (), "conv_sta
                  "norm_weight": None, "norm_eps": 1e-6, "gate_activation": "silu"}
 
 
+class BlockDecodeCall(NamedTuple):
+    """A block's decode step ready to run (:func:`prepare_block_decode_step`): the op's arguments, checked, and its
+    outputs, allocated and not yet computed; ``run()`` computes them (once: the op reads ``x`` and the states given and
+    writes only the outputs). A model may prepare the calls of all its blocks, each block's ``x`` the ``out`` of the
+    one before, and then run them in order."""
+
+    arguments: tuple
+    out: torch.Tensor                   # [M, D]
+    new_state: torch.Tensor             # [M, Hv, Dv, Dk] float32
+    new_conv_states: Tuple[torch.Tensor, ...]  # [M, C, K - 1] each
+
+    def run(self) -> None:
+        """Computes ``out``, ``new_state`` and ``new_conv_states`` (csrc/decode_linear.cpp's ``block_decode_step``)."""
+        dense._CPU_KERNEL.ops.block_decode_step(*self.arguments)
+
+
+def prepare_block_decode_step(
+    x: torch.Tensor,
+    norm_weights: Tuple[torch.Tensor, torch.Tensor],
+    eps: Tuple[float, float],
+    weights: Sequence[torch.Tensor],
+    num_heads: int,
+    num_value_heads: int,
+    *,
+    has_beta: bool,
+    has_gate: bool,
+    decay_parameters: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    **options: Any,
+) -> BlockDecodeCall:
+    """:func:`block_decode_step`'s checks and allocations, without running it: its call (``BlockDecodeCall.run()``
+    computes what :func:`block_decode_step` returns). The arguments as :func:`block_decode_step` takes them; ``x``'s
+    values are read only when the call runs."""
+    if not options.keys() <= LAYER_OPTIONS.keys():
+        raise TypeError(f"block_decode_step() takes the options {sorted(LAYER_OPTIONS)}, got "
+                        f"{sorted(options.keys() - LAYER_OPTIONS.keys())}")
+    layer = {**LAYER_OPTIONS, **options}  # the layer's options, defaults filled in
+    if len(weights) != 7 + has_beta + has_gate + (decay_parameters is not None):
+        raise ValueError(f"`weights` must hold the layer's {3 + has_beta + has_gate + (decay_parameters is not None)} "
+                         f"projection weights, o_proj's and the feed-forward's three, got {len(weights)}")
+    q_weight, v_weight = weights[0], weights[2]  # their rows: q's and v's columns
+    _check_heads_and_options(q_weight.shape[0], v_weight.shape[0], num_heads, num_value_heads, layer["feature_map"],
+                             layer["gate_activation"])
+    *projections, o_weight, gate_weight, up_weight, down_weight = weights
+    optional = [has_beta, has_gate, decay_parameters is not None]  # their outputs follow q, k, v in this order
+    beta_index, gate_index, decay_index = (3 + sum(optional[:i]) if optional[i] else -1 for i in range(3))
+    A_log, dt_bias = decay_parameters or (None, None)
+    states, new_states = _conv_outputs(x, layer["conv_weights"], layer["conv_states"])
+    new_state = x.new_empty(x.shape[0], num_value_heads, v_weight.shape[0] // num_value_heads,
+                            q_weight.shape[0] // num_heads, dtype=torch.float32)
+    out = torch.empty_like(x)
+    arguments = (
+        x, norm_weights[0], float(eps[0]), projections, _token_step_op_name(), beta_index, gate_index, decay_index,
+        A_log, dt_bias, list(layer["conv_weights"]), states, layer["state"], layer["norm_weight"], num_heads,
+        FEATURE_MAP_CODES[layer["feature_map"]], layer["sum_normalization"], layer["value_silu"],
+        -1.0 if layer["l2_eps"] is None else layer["l2_eps"], layer["query_scale"] or 0.0, layer["beta_scale"],
+        layer["norm_eps"],
+        GATE_ACTIVATION_CODES[layer["gate_activation"]] if has_gate else 0, o_weight, norm_weights[1], float(eps[1]),
+        gate_weight, up_weight, down_weight, new_states, new_state, out,
+    )
+    return BlockDecodeCall(arguments, out, new_state, tuple(new_states))
+
+
 def block_decode_step(
     x: torch.Tensor,
     norm_weights: Tuple[torch.Tensor, torch.Tensor],
@@ -168,34 +230,10 @@ def block_decode_step(
         ``(out [M, D], new state [M, Hv, Dv, Dk] float32, new conv states [M, C, K - 1] each)``; the inputs are not
         written.
     """
-    if not options.keys() <= LAYER_OPTIONS.keys():
-        raise TypeError(f"block_decode_step() takes the options {sorted(LAYER_OPTIONS)}, got "
-                        f"{sorted(options.keys() - LAYER_OPTIONS.keys())}")
-    layer = {**LAYER_OPTIONS, **options}  # the layer's options, defaults filled in
-    if len(weights) != 7 + has_beta + has_gate + (decay_parameters is not None):
-        raise ValueError(f"`weights` must hold the layer's {3 + has_beta + has_gate + (decay_parameters is not None)} "
-                         f"projection weights, o_proj's and the feed-forward's three, got {len(weights)}")
-    q_weight, v_weight = weights[0], weights[2]  # their rows: q's and v's columns
-    _check_heads_and_options(q_weight.shape[0], v_weight.shape[0], num_heads, num_value_heads, layer["feature_map"],
-                             layer["gate_activation"])
-    *projections, o_weight, gate_weight, up_weight, down_weight = weights
-    optional = [has_beta, has_gate, decay_parameters is not None]  # their outputs follow q, k, v in this order
-    beta_index, gate_index, decay_index = (3 + sum(optional[:i]) if optional[i] else -1 for i in range(3))
-    A_log, dt_bias = decay_parameters or (None, None)
-    states, new_states = _conv_outputs(x, layer["conv_weights"], layer["conv_states"])
-    new_state = x.new_empty(x.shape[0], num_value_heads, v_weight.shape[0] // num_value_heads,
-                            q_weight.shape[0] // num_heads, dtype=torch.float32)
-    out = torch.empty_like(x)
-    dense._CPU_KERNEL.ops.block_decode_step(
-        x, norm_weights[0], float(eps[0]), projections, _token_step_op_name(), beta_index, gate_index, decay_index,
-        A_log, dt_bias, list(layer["conv_weights"]), states, layer["state"], layer["norm_weight"], num_heads,
-        FEATURE_MAP_CODES[layer["feature_map"]], layer["sum_normalization"], layer["value_silu"],
-        -1.0 if layer["l2_eps"] is None else layer["l2_eps"], layer["query_scale"] or 0.0, layer["beta_scale"],
-        layer["norm_eps"],
-        GATE_ACTIVATION_CODES[layer["gate_activation"]] if has_gate else 0, o_weight, norm_weights[1], float(eps[1]),
-        gate_weight, up_weight, down_weight, new_states, new_state, out,
-    )
-    return out, new_state, tuple(new_states)
+    call = prepare_block_decode_step(x, norm_weights, eps, weights, num_heads, num_value_heads, has_beta=has_beta,
+                                     has_gate=has_gate, decay_parameters=decay_parameters, **options)
+    call.run()
+    return call.out, call.new_state, call.new_conv_states
 
 
 def _token_step_op_name() -> str:

@@ -171,7 +171,7 @@ def l2_normalize(x: torch.Tensor, eps: float = QK_L2_EPS) -> torch.Tensor:
 OUTPUT_GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
-def _global_module_hooks() -> bool:
+def global_module_hooks() -> bool:
     """Whether any global module hook is registered (``torch.nn.modules.module.register_module_forward_hook`` and
     its pre-hook): a fused decode step would skip the module calls it expects."""
     module = torch.nn.modules.module
@@ -335,7 +335,7 @@ class FastWeightLinearAttention(nn.Module):
             return False
         convs = self._short_convs()
         if (not unhooked(feature_map, FeatureMap) or (o_norm is not None and not unhooked(o_norm, RMSNorm))
-                or _global_module_hooks()):
+                or global_module_hooks()):
             return False
         for conv in convs:
             if not unhooked(conv, CausalConv1d):

@@ -12,7 +12,7 @@ from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
-from fwp_kernels import block_decode_step, block_ops_apply, reusing_cpu_buffers
+from fwp_kernels import BlockDecodeCall, block_ops_apply, prepare_block_decode_step, reusing_cpu_buffers
 from torch import nn
 from transformers import GenerationMixin
 from transformers.activations import ACT2FN, SiLUActivation
@@ -31,7 +31,9 @@ from .configuration_fwp import (
     LinearTransformerConfig,
     RecurrentDeltaNetConfig,
 )
-from .fast_weight_layers import FAST_WEIGHT_LAYERS, Linear, RMSNorm, plain_linears, project, unhooked, weights_of
+from .fast_weight_layers import (
+    FAST_WEIGHT_LAYERS, Linear, RMSNorm, global_module_hooks, plain_linears, project, unhooked, weights_of,
+)
 from .feature_maps import FeatureMap
 from .pretrained import StatefulPreTrainedModel, logits_to_keep_index
 from .rfwp_layers import RecurrentFastWeightLayer  # noqa: F401  (registers the recurrent FWP layers)
@@ -132,9 +134,26 @@ class FastWeightBlock(GradientCheckpointingLayer):
         (``fwp_kernels.block_decode_step``): the first norm with the layer's projections, its token step, then
         ``o_proj``, the residual, the second norm and the feed-forward with its residual; the same values as
         ``forward``'s unfused path."""
-        out, fast_weight, conv_states = block_decode_step(
-            hidden_states[:, 0], norm_weights, eps, weights, **layer.token_step_settings(state or {}))
-        return out[:, None], layer.token_step_state(fast_weight, conv_states)
+        call, out, new_state = self._prepared_decode_step(hidden_states, state, layer, eps, norm_weights, weights)
+        call.run()
+        return out, new_state
+
+    def prepare_decode_step(self, hidden_states: torch.Tensor, state=None, token_mask=None
+                            ) -> Optional[Tuple[BlockDecodeCall, torch.Tensor, dict]]:
+        """Where ``forward(hidden_states, state, token_mask)`` is a decode step that ``_decode_step`` computes
+        (``_decode_plan``), that step prepared and not run: ``(call, out [B, 1, D], new state)``, whose tensors
+        ``call.run()`` computes (``fwp_kernels.prepare_block_decode_step``); else None. Nothing reads
+        `hidden_states`' values before the call runs: it may be the ``out`` of the block before, not yet computed."""
+        plan = self._decode_plan(hidden_states, state, token_mask)
+        return None if plan is None else self._prepared_decode_step(hidden_states, state, *plan)
+
+    @staticmethod
+    def _prepared_decode_step(hidden_states: torch.Tensor, state, layer: nn.Module, eps: Tuple[float, float],
+                              norm_weights: list, weights: list) -> Tuple[BlockDecodeCall, torch.Tensor, dict]:
+        """The call of ``_decode_step`` (its arguments as there), prepared: ``(call, out [B, 1, D], new state)``."""
+        call = prepare_block_decode_step(hidden_states[:, 0], norm_weights, eps, weights,
+                                         **layer.token_step_settings(state or {}))
+        return call, call.out[:, None], layer.token_step_state(call.new_state, call.new_conv_states)
 
 
 def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
@@ -279,19 +298,57 @@ class FastWeightModel(FastWeightPreTrainedModel):
         norm: ``(hidden_states [B, T, D], every block's input and the normed output, or None)``."""
         all_hidden_states = () if output_hidden_states else None
         with reusing_cpu_buffers(hidden_states):  # a CPU forward over many positions: no fresh pages per layer
-            for layer_idx, block in enumerate(self.layers):
-                if output_hidden_states:
-                    all_hidden_states += (hidden_states,)
-                state = cache.get_state(layer_idx) if cache is not None else None
-                if state is not None:
-                    state = {name: t.detach() for name, t in state.items()}
-                hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
-                if cache is not None:
-                    cache.set_state(layer_idx, new_state, seq_len)
+            decoded = self._decode_in_one_pass(hidden_states, cache, token_mask, seq_len)
+            if decoded is not None:
+                block_inputs, hidden_states = decoded
+                all_hidden_states = block_inputs if output_hidden_states else None
+            else:
+                for layer_idx, block in enumerate(self.layers):
+                    if output_hidden_states:
+                        all_hidden_states += (hidden_states,)
+                    state = cache.get_state(layer_idx) if cache is not None else None
+                    if state is not None:
+                        state = {name: t.detach() for name, t in state.items()}
+                    hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
+                    if cache is not None:
+                        cache.set_state(layer_idx, new_state, seq_len)
             hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         return hidden_states, all_hidden_states
+
+    def _decode_in_one_pass(self, hidden_states: torch.Tensor, cache: Optional[FastWeightCache],
+                            token_mask: Optional[torch.Tensor], seq_len: int
+                            ) -> Optional[Tuple[Tuple[torch.Tensor, ...], torch.Tensor]]:
+        """A decode step through the blocks where every block is a plain ``FastWeightBlock`` whose step
+        ``prepare_decode_step`` prepares: all of them prepared first (their checks and allocations; each block's input
+        the output of the one before, not yet computed), then their C++ calls one after the other, then the new states
+        into `cache`. The same calls and values as the block loop, but the Python between two blocks' weight reads ran
+        2-3 times slower than alone (the weights streamed through the caches push its code and data out: the
+        norm_linear_rows comment in csrc/decode_linear.cpp), and here it runs before them. Returns ``(every block's
+        input, the last block's output)``, or None (nothing run, the cache untouched) where a block takes its own
+        path."""
+        if hidden_states.shape[1] != 1 or token_mask is not None or global_module_hooks():
+            return None
+        prepared, block_inputs = [], []
+        for layer_idx, block in enumerate(self.layers):
+            if not unhooked(block, FastWeightBlock):  # its hooks and forward run in the block loop
+                return None
+            state = cache.get_state(layer_idx) if cache is not None else None
+            if state is not None:
+                state = {name: t.detach() for name, t in state.items()}
+            step = block.prepare_decode_step(hidden_states, state, token_mask)
+            if step is None:
+                return None
+            block_inputs.append(hidden_states)
+            prepared.append(step)
+            hidden_states = step[1]
+        for call, _, _ in prepared:
+            call.run()
+        if cache is not None:
+            for layer_idx, (_, _, new_state) in enumerate(prepared):
+                cache.set_state(layer_idx, new_state, seq_len)
+        return tuple(block_inputs), hidden_states
 
     def forward(
         self,

@@ -1,5 +1,6 @@
 """A pre-norm block's decode step in one C++ call (``FastWeightBlock._decode_step``: ``fwp_kernels.block_decode_step``,
-which runs ``norm_linears``, the fast-weight layer's token step and ``swiglu_block``) against the block's unfused ops:
+which runs ``norm_linears``, the fast-weight layer's token step and ``swiglu_block``; a model's blocks prepared first
+and run in one pass, ``FastWeightModel._decode_in_one_pass``) against the block's unfused ops and the block loop:
 logits and every cache state bit for bit, both dtypes, one and two sequences, over several steps; the cases that keep
 the unfused ops (hooks, replaced modules, dropout at work, autograd, other norms and feed-forwards, padding, several
 positions); the op against its three calls. A traced step keeps the fused call:
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import modeling_fwp.modeling_fwp as modeling
-from fwp_kernels import dense, dense_linears, normalize_rows
+from fwp_kernels import block_decode_step, dense, dense_linears, normalize_rows
 from modeling_fwp.cache_fwp import CACHE_ARGUMENT, output_cache
 from modeling_fwp.configuration_fwp import DeltaNetConfig, GatedDeltaNetConfig
 from test_token_step import FLA_DELTA_NET, SIZES, perturbed
@@ -34,11 +35,11 @@ def _model(name: str, dtype: torch.dtype, **options):
 
 
 def _counted(monkeypatch):
-    """The fused block op's calls, by name, as the blocks make them."""
+    """The fused block op's calls, by name, as the blocks make them (each block's, or the model's in one pass:
+    ``BlockDecodeCall.run``)."""
     calls = []
-    real = modeling.block_decode_step
-    monkeypatch.setattr(modeling, "block_decode_step",
-                        lambda *a, **kw: calls.append("block_decode_step") or real(*a, **kw))
+    real = modeling.BlockDecodeCall.run
+    monkeypatch.setattr(modeling.BlockDecodeCall, "run", lambda self: calls.append("block_decode_step") or real(self))
     return calls
 
 
@@ -75,6 +76,74 @@ def test_decode_step_equals_the_unfused_block(monkeypatch, name, dtype, batch):
         assert torch.equal(got, want)
     for got, want in zip(got_states, want_states):
         assert sorted(got) == sorted(want) and all(torch.equal(got[key], want[key]) for key in want)
+
+
+def _block_loop_only(patch):
+    """The model's decode steps block by block (each block's own call), as before the one-pass decode."""
+    patch.setattr(modeling.FastWeightModel, "_decode_in_one_pass", lambda *args: None)
+
+
+def _steps_with_hidden_states(model, ids, steps: int) -> tuple:
+    """Greedy steps after a prefill of `ids`, each with its hidden states: (logits, hidden states, last states)."""
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache, logits, hidden = output_cache(out), [], []
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), use_cache=True, output_hidden_states=True,
+                        **{CACHE_ARGUMENT: cache})
+            cache = output_cache(out)
+            logits.append(out.logits)
+            hidden.append(out.hidden_states)
+    return logits, hidden, [cache.get_state(i) for i in range(model.config.num_hidden_layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_in_one_pass_equals_the_block_loop(monkeypatch, name, dtype, batch):
+    """A decode step prepared for all blocks first, then run (``FastWeightModel._decode_in_one_pass``, taken at every
+    step: counted), gives the block loop's logits, hidden states and cache states to the bit: the same calls."""
+    _kernels()
+    model = _model(name, dtype)
+    ids = torch.randint(0, SIZES["vocab_size"], (batch, 5), generator=torch.Generator().manual_seed(batch))
+    with pytest.MonkeyPatch.context() as patch:
+        _block_loop_only(patch)
+        want = _steps_with_hidden_states(model, ids, 3)
+    passes = []
+    real = modeling.FastWeightModel._decode_in_one_pass
+    monkeypatch.setattr(modeling.FastWeightModel, "_decode_in_one_pass",
+                        lambda *args: passes.append(real(*args)) or passes[-1])
+    got = _steps_with_hidden_states(model, ids, 3)
+    assert len(passes) == 4 and passes[0] is None and all(p is not None for p in passes[1:])  # prefill, 3 steps
+    for got_logits, want_logits in zip(got[0], want[0]):
+        assert torch.equal(got_logits, want_logits)
+    for got_hidden, want_hidden in zip(got[1], want[1]):
+        assert len(got_hidden) == len(want_hidden) == SIZES["num_hidden_layers"] + 1
+        assert all(torch.equal(g, w) for g, w in zip(got_hidden, want_hidden))
+    for got_state, want_state in zip(got[2], want[2]):
+        assert sorted(got_state) == sorted(want_state)
+        assert all(torch.equal(got_state[key], want_state[key]) for key in want_state)
+
+
+def test_decode_in_one_pass_leaves_a_hooked_block_to_the_block_loop(monkeypatch):
+    """A hook on a block (or on a module of its last layer, found after the blocks before it were prepared) makes the
+    step run block by block: the hook fires and sees the computed output, the cache gets each state once, and the
+    logits are the block loop's."""
+    _kernels()
+    model = _model("fla_delta_net", torch.float32)
+    ids = torch.randint(0, SIZES["vocab_size"], (1, 4), generator=torch.Generator().manual_seed(3))
+    seen = []
+    for module in (model.model.layers[1], model.model.layers[-1].feed_forward.down_proj):
+        handle = module.register_forward_hook(lambda mod, args, out: seen.append(
+            (out[0] if isinstance(out, tuple) else out).abs().sum().item()))
+        want = _decode(model, ids, 2, fused=False)
+        seen.clear()
+        got = _decode(model, ids, 2, fused=True)
+        handle.remove()
+        assert len(seen) == 3 and all(v > 0 for v in seen)  # prefill and two steps, outputs computed
+        assert all(torch.equal(g, w) for g, w in zip(got[0], want[0]))
+        assert all(torch.equal(g[k], w[k]) for g, w in zip(got[1], want[1]) for k in w)
+        assert len(_one_step_calls(monkeypatch, model)) == SIZES["num_hidden_layers"]  # unhooked again: all fused
 
 
 def _one_step_calls(monkeypatch, model, **step_kwargs) -> list:
@@ -183,8 +252,8 @@ def test_block_decode_step_equals_its_three_calls(name, dtype):
         assert not carried["conv_q"].is_contiguous()
         wide = dict(carried, conv_k=carried["conv_k"].float())
         for state in (carried, {}, wide):
-            out, fast_weight, conv_states = modeling.block_decode_step(x, norm_weights, eps, weights,
-                                                                       **layer.token_step_settings(state))
+            out, fast_weight, conv_states = block_decode_step(x, norm_weights, eps, weights,
+                                                              **layer.token_step_settings(state))
             rounded = dict(state, conv_k=state["conv_k"].to(dtype)) if state else state
             mixed, want_state = layer.token_step_from(
                 dense.norm_linears(x, norm_weights[0], eps[0], projections), rounded)
@@ -194,12 +263,12 @@ def test_block_decode_step_equals_its_three_calls(name, dtype):
             assert all(torch.equal(got_state[key], want_state[key]) for key in want_state)
         settings = layer.token_step_settings(carried)
         with pytest.raises(ValueError, match="`weights`"):
-            modeling.block_decode_step(x, norm_weights, eps, weights[1:], **settings)
+            block_decode_step(x, norm_weights, eps, weights[1:], **settings)
         with pytest.raises(ValueError, match="`num_heads`"):
-            modeling.block_decode_step(x, norm_weights, eps, weights, **dict(settings, num_heads=5))
+            block_decode_step(x, norm_weights, eps, weights, **dict(settings, num_heads=5))
         with pytest.raises(ValueError, match="`feature_map`"):
-            modeling.block_decode_step(x, norm_weights, eps, weights, **dict(settings, feature_map="dpfp"))
+            block_decode_step(x, norm_weights, eps, weights, **dict(settings, feature_map="dpfp"))
         with pytest.raises(TypeError, match="options"):
-            modeling.block_decode_step(x, norm_weights, eps, weights, **dict(settings, gate=x))
+            block_decode_step(x, norm_weights, eps, weights, **dict(settings, gate=x))
         with pytest.raises(RuntimeError, match="token_step"):  # the op's own checks: q's rows against the heads
-            modeling.block_decode_step(x, norm_weights, eps, [weights[0][:-2]] + weights[1:], **settings)
+            block_decode_step(x, norm_weights, eps, [weights[0][:-2]] + weights[1:], **settings)

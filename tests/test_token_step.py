@@ -52,11 +52,11 @@ def _layer(name: str, dtype: torch.dtype, seed: int = 0):
 
 def _counted(monkeypatch):
     """The fused token steps, as a layer makes them (``fast_weight_token_step``) or an RMSNorm / SwiGLU block around
-    it (``block_decode_step``, whose C++ calls the token step's op)."""
+    it (``BlockDecodeCall.run``: ``block_decode_step``, whose C++ calls the token step's op)."""
     import modeling_fwp.modeling_fwp as modeling
 
     calls = []
-    for module, name in ((fast_weight_layers, "fast_weight_token_step"), (modeling, "block_decode_step")):
+    for module, name in ((fast_weight_layers, "fast_weight_token_step"), (modeling.BlockDecodeCall, "run")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, _real=real, **kwargs: calls.append(1) or _real(*args, **kwargs))
     return calls
