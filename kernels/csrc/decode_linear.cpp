@@ -70,26 +70,28 @@ inline float dot_portable(int64_t K, const W* w, const float* x) {
   return s;
 }
 
-// Each row is streamed on its own with four vector sums in flight: one memory stream per core, which the hardware
+// Each row is streamed on its own with two vector sums in flight: one memory stream per core, which the hardware
 // prefetcher follows best (four rows side by side reached 70% of x.sum()'s read bandwidth on one thread here; one
-// row, 90%: measured 2026-11-26, bfloat16 14.4 -> 24.5 GB/s). No software prefetch: float32 prefetched W 2 KB ahead
+// row, 90%: measured 2026-11-26, bfloat16 14.4 -> 24.5 GB/s). Two sums rather than four (2026-12-04, Zen 4,
+// benchmarks/results/bench_stream_builds_two_sums.json, weights from memory: one row of x 1.05-1.10x faster in
+// bfloat16 and 1.02-1.06x in float32 at 1 and 2 threads, two rows 1.00-1.03x): the loads issued at the pace of two
+// chains of dependent sums leave the prefetcher ahead of them. One sum was faster still from memory (bfloat16
+// 1.11-1.17x), but 0.6-0.8x where the weights sat in the L3 (its chain of vdpbf16ps latencies then bounds it). No software prefetch: float32 prefetched W 2 KB ahead
 // from 2026-11-26 (then 73-76% -> 80-85% of x.sum() on one thread, noisy), but on the Zen 4 EPYC of 2026-11-29 it
 // cost 10-15% at one thread (8 weights 5632 x 2048, GB/s, median of 9-15 shuffled rounds, side by side: 21.6 / 21.0
 // / 20.5 with it, 25.3 / 23.8 / 22.8 without; 1 KB, 4 KB and 8 KB ahead or NTA between the two), 0-12% at two.
 #if defined(__AVX512F__)
 inline float dot_avx512(int64_t K, const float* w, const float* x) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   int64_t j = 0;
-  for (; j + 64 <= K; j += 64) {
+  for (; j + 32 <= K; j += 32) {
     s0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), s0);
     s1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(x + j + 16), s1);
-    s2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 32), _mm512_loadu_ps(x + j + 32), s2);
-    s3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 48), _mm512_loadu_ps(x + j + 48), s3);
   }
   for (; j + 16 <= K; j += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), s0);
   float tail = 0;
   for (; j < K; ++j) tail += w[j] * x[j];
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3))) + tail;
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) + tail;
 }
 #endif
 
@@ -99,18 +101,16 @@ inline float dot_avx512(int64_t K, const float* w, const float* x) {
 inline __m512bh load_bf16(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 inline float dot_avx512(int64_t K, const c10::BFloat16* w, const c10::BFloat16* x) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   int64_t j = 0;
-  for (; j + 128 <= K; j += 128) {
+  for (; j + 64 <= K; j += 64) {
     s0 = _mm512_dpbf16_ps(s0, load_bf16(w + j), load_bf16(x + j));
     s1 = _mm512_dpbf16_ps(s1, load_bf16(w + j + 32), load_bf16(x + j + 32));
-    s2 = _mm512_dpbf16_ps(s2, load_bf16(w + j + 64), load_bf16(x + j + 64));
-    s3 = _mm512_dpbf16_ps(s3, load_bf16(w + j + 96), load_bf16(x + j + 96));
   }
   for (; j + 32 <= K; j += 32) s0 = _mm512_dpbf16_ps(s0, load_bf16(w + j), load_bf16(x + j));
   float tail = 0;
   for (; j < K; ++j) tail += widen(w[j]) * widen(x[j]);
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3))) + tail;
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) + tail;
 }
 #endif
 
