@@ -581,6 +581,24 @@ def decode_batch_rows(s: Source) -> List[Row]:
     return rows
 
 
+def stream_build_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_stream_builds.py: the weight-streaming kernel (csrc/decode_linear.cpp's linear_rows) against
+    its build at a base revision, side by side, beside x.sum() over the same weights."""
+    rows = []
+    for name, case in (s.get("cases") or {}).items():
+        dtype, shape, rows_of_x, threads = name.split("_")
+        ratio_ = (s.get(f"cases.{name}.base_over_package.of_medians"), s.get(f"cases.{name}.base_over_package.of_bests"))
+        gb = {k: s.get(f"cases.{name}.gb_per_s.{k}") for k in ("package", "base", "sum")}
+        rows.append([
+            fill("x W^T streaming (decode_linear.cpp, linear_rows), {}, W {}, {} row(s) of x, {} thread(s), GB/s of W "
+                 "read: against the build at {}", dtype, shape, rows_of_x[4:], threads[7:], s.get("base")),
+            fill("**{:.1f} GB/s** ({:.2f}x faster) median; {:.2f}x best; outputs within {:.1g} (relative)",
+                 gb["package"], ratio_[0], ratio_[1], s.get(f"cases.{name}.relative_difference")),
+            fill("base {:.1f} GB/s; x.sum() {:.1f} GB/s", gb["base"], gb["sum"]),
+            "faster"])
+    return rows
+
+
 def compile_rows(s: Source) -> List[Row]:
     """benchmarks/bench_compile.py: decode ms/token with the forward compiled (inductor) vs eager, same tokens."""
     rows = []
@@ -766,6 +784,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_cpu_zen4_session69.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen4_session69.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_session70.json", decode_rows),
+    ("benchmarks/results/bench_stream_builds_two_sums.json", stream_build_rows),
     ("benchmarks/results/bench_cpu_zen5_session57.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen4.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_compile.json", decode_rows),

@@ -73,8 +73,8 @@ inline float dot_portable(int64_t K, const W* w, const float* x) {
 // Each row is streamed on its own with two vector sums in flight: one memory stream per core, which the hardware
 // prefetcher follows best (four rows side by side reached 70% of x.sum()'s read bandwidth on one thread here; one
 // row, 90%: measured 2026-11-26, bfloat16 14.4 -> 24.5 GB/s). Two sums rather than four (2026-12-04, Zen 4,
-// benchmarks/results/bench_stream_builds_two_sums.json, weights from memory: one row of x 1.05-1.10x faster in
-// bfloat16 and 1.02-1.06x in float32 at 1 and 2 threads, two rows 1.00-1.03x): the loads issued at the pace of two
+// benchmarks/results/bench_stream_builds_two_sums.json, weights from memory: one row of x 1.06-1.21x faster in
+// bfloat16 and 1.01-1.11x in float32 at 1 and 2 threads, two rows 0.97-1.11x): the loads issued at the pace of two
 // chains of dependent sums leave the prefetcher ahead of them. One sum was faster still from memory (bfloat16
 // 1.11-1.17x), but 0.6-0.8x where the weights sat in the L3 (its chain of vdpbf16ps latencies then bounds it). No software prefetch: float32 prefetched W 2 KB ahead
 // from 2026-11-26 (then 73-76% -> 80-85% of x.sum() on one thread, noisy), but on the Zen 4 EPYC of 2026-11-29 it
