@@ -785,6 +785,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen4_session69.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_session70.json", decode_rows),
     ("benchmarks/results/bench_stream_builds_two_sums.json", stream_build_rows),
+    ("benchmarks/results/bench_decode_zen4_session70_two_sums.json", decode_rows),
     ("benchmarks/results/bench_cpu_zen5_session57.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen4.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_compile.json", decode_rows),
