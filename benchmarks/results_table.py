@@ -485,32 +485,7 @@ def decode_rows(s: Source) -> List[Row]:
                 s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s); bound = bytes read per token / "
                              "read bandwidth ({:.1f} GB/s, same run)", dtype, th, s.get(f"{key}.peaks.read_gbs")),
                 "ours", "f_linear", "F.linear", "faster"))
-            if s.get(f"{key}.block_loop.decode_ms_per_token.median") is not None:  # runs from 2026-12-04
-                rows.append(decode_bound_row(
-                    s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): all blocks' decode steps "
-                                 "prepared, then run in one pass (_decode_in_one_pass); same tokens: {}", dtype, th,
-                                 s.get(f"{key}.block_loop.same_tokens_as_ours")),
-                    "ours", "block_loop", "block by block (each block's Python between the weight reads)", "faster"))
-            one_call = s.get(f"{key}.three_call_block.decode_ms_per_token.median") is not None  # runs from 12-01 pm
-            if one_call:
-                rows.append(decode_bound_row(
-                    s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): the blocks' decode step in "
-                                 "one call (block_decode_step); same tokens: {}", dtype, th,
-                                 s.get(f"{key}.three_call_block.same_tokens_as_ours")),
-                    "ours", "three_call_block", "three calls (norm_linears, the token step, swiglu_block)", "faster"))
-            if s.get(f"{key}.unfused_block.decode_ms_per_token.median") is not None:  # runs from 2026-12-01
-                rows.append(decode_bound_row(
-                    s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): the blocks' decode step in "
-                                 "{}; same tokens: {}", dtype, th, "one call (block_decode_step)" if one_call else
-                                 "three calls (norm_linears, the token step, swiglu_block)",
-                                 s.get(f"{key}.unfused_block.same_tokens_as_ours")),
-                    "ours", "unfused_block", "the blocks' ops one by one", "faster"))
-            if s.get(f"{key}.unfused_step.decode_ms_per_token.median") is not None:  # runs from 2026-11-29
-                rows.append(decode_bound_row(
-                    s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): the layers' decode step in "
-                                 "one call (fast_weight_token_step); same tokens: {}", dtype, th,
-                                 s.get(f"{key}.unfused_step.same_tokens_as_ours")),
-                    "ours", "unfused_step", "small ops one by one", "faster"))
+            rows += decode_variant_rows(s, key, dtype, th)
             rate = {v: s.get(f"{key}.{v}.prefill_tokens_per_s") for v in ("ours", "f_linear")}
             rows.append([
                 fill("prefill tok/s at {:,} tokens, whole 1.3B Delta Net, {}, {} thread(s); bound = FLOPs / {} "
@@ -531,6 +506,34 @@ def decode_rows(s: Source) -> List[Row]:
                          s.get(f"{key}.no_buffer_reuse.prefill_tokens_per_s"),
                          s.get(f"{key}.no_buffer_reuse.prefill_of_bound")),
                     "faster"])
+    return rows
+
+
+THREE_CALLS = "three calls (norm_linears, the token step, swiglu_block)"
+# bench_decode's decode-only variants: (variant, what ours does instead, the variant as the baseline column names it);
+# a file has the variants of its date (block_loop from 2026-12-04, three_call_block from 2026-12-01 pm, unfused_block
+# from 2026-12-01, unfused_step from 2026-11-29)
+DECODE_VARIANTS = (
+    ("block_loop", "all blocks' decode steps prepared, then run in one pass (_decode_in_one_pass)",
+     "block by block (each block's Python between the weight reads)"),
+    ("three_call_block", "the blocks' decode step in one call (block_decode_step)", THREE_CALLS),
+    ("unfused_block", "the blocks' decode step in {}", "the blocks' ops one by one"),
+    ("unfused_step", "the layers' decode step in one call (fast_weight_token_step)", "small ops one by one"),
+)
+
+
+def decode_variant_rows(s: Source, key: str, dtype: str, th: str) -> List[Row]:
+    """decode_rows' rows of ours against each decode-only variant the file has (DECODE_VARIANTS)."""
+    one_call = s.get(f"{key}.three_call_block.decode_ms_per_token.median") is not None
+    rows = []
+    for variant, ours, label in DECODE_VARIANTS:
+        if s.get(f"{key}.{variant}.decode_ms_per_token.median") is None:
+            continue
+        what = ours.format("one call (block_decode_step)" if one_call else THREE_CALLS)
+        rows.append(decode_bound_row(
+            s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): {}; same tokens: {}", dtype, th, what,
+                         s.get(f"{key}.{variant}.same_tokens_as_ours")),
+            "ours", variant, label, "faster"))
     return rows
 
 

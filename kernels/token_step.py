@@ -169,8 +169,18 @@ def prepare_block_decode_step(
     **options: Any,
 ) -> BlockDecodeCall:
     """:func:`block_decode_step`'s checks and allocations, without running it: its call (``BlockDecodeCall.run()``
-    computes what :func:`block_decode_step` returns). The arguments as :func:`block_decode_step` takes them; ``x``'s
-    values are read only when the call runs."""
+    computes what :func:`block_decode_step` returns); ``x``'s values are read only when the call runs.
+
+    Args:
+        x: ``[M, D]``; norm_weights: the block's two RMSNorm weights ``[D]``, `eps` their eps.
+        weights: the layer's projection weights ``[N_g, D]`` (q, k, v, then beta's where `has_beta`, the output
+            gate's where `has_gate`, the decay's where `decay_parameters` = ``(A_log [Hv], dt_bias [Hv])`` are given),
+            then ``o_proj`` ``[D, Hv * Dv]``, the feed-forward's gate and up ``[F, D]`` and down ``[D, F]``.
+        options: the layer's, as :func:`fast_weight_token_step` takes them (``LAYER_OPTIONS``: beta_scale, state,
+            conv_weights ``[C, 1, K]`` or ``[C, K]``, conv_states, ..., gate_activation).
+    Returns:
+        ``BlockDecodeCall(arguments, out [M, D], new_state [M, Hv, Dv, Dk] float32, new_conv_states)``.
+    """
     if not options.keys() <= LAYER_OPTIONS.keys():
         raise TypeError(f"block_decode_step() takes the options {sorted(LAYER_OPTIONS)}, got "
                         f"{sorted(options.keys() - LAYER_OPTIONS.keys())}")
@@ -201,37 +211,22 @@ def prepare_block_decode_step(
     return BlockDecodeCall(arguments, out, new_state, tuple(new_states))
 
 
-def block_decode_step(
-    x: torch.Tensor,
-    norm_weights: Tuple[torch.Tensor, torch.Tensor],
-    eps: Tuple[float, float],
-    weights: Sequence[torch.Tensor],
-    num_heads: int,
-    num_value_heads: int,
-    *,
-    has_beta: bool,
-    has_gate: bool,
-    decay_parameters: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    **options: Any,
-) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, ...]]:
+def block_decode_step(x: torch.Tensor, norm_weights: Tuple[torch.Tensor, torch.Tensor], eps: Tuple[float, float],
+                      weights: Sequence[torch.Tensor], *heads: int, **settings: Any
+                      ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, ...]]:
     """A decode step of a whole pre-norm block with RMSNorms and a SwiGLU feed-forward around a fast-weight layer, in
     one C++ call where ``block_ops_apply`` and ``token_step_applies`` (``csrc/decode_linear.cpp``,
     ``block_decode_step``): ``norm_linears`` into the layer's projections, the layer's token step on them (as
     :func:`fast_weight_token_step`), then ``swiglu_block``; the same values as those three calls.
 
     Args:
-        x: ``[M, D]``; norm_weights: the block's two RMSNorm weights ``[D]``, `eps` their eps.
-        weights: the layer's projection weights ``[N_g, D]`` (q, k, v, then beta's where `has_beta`, the output
-            gate's where `has_gate`, the decay's where `decay_parameters` = ``(A_log [Hv], dt_bias [Hv])`` are given),
-            then ``o_proj`` ``[D, Hv * Dv]``, the feed-forward's gate and up ``[F, D]`` and down ``[D, F]``.
-        options: the layer's, as :func:`fast_weight_token_step` takes them (``LAYER_OPTIONS``: beta_scale, state,
-            conv_weights ``[C, 1, K]`` or ``[C, K]``, conv_states, ..., gate_activation).
+        x, norm_weights, eps, weights, heads (`num_heads`, `num_value_heads`) and settings (`has_beta`, `has_gate`,
+            `decay_parameters` and the layer's options): as :func:`prepare_block_decode_step` takes them.
     Returns:
         ``(out [M, D], new state [M, Hv, Dv, Dk] float32, new conv states [M, C, K - 1] each)``; the inputs are not
         written.
     """
-    call = prepare_block_decode_step(x, norm_weights, eps, weights, num_heads, num_value_heads, has_beta=has_beta,
-                                     has_gate=has_gate, decay_parameters=decay_parameters, **options)
+    call = prepare_block_decode_step(x, norm_weights, eps, weights, *heads, **settings)
     call.run()
     return call.out, call.new_state, call.new_conv_states
 
