@@ -295,7 +295,8 @@ class FastWeightModel(FastWeightPreTrainedModel):
     def _blocks(self, hidden_states: torch.Tensor, cache: Optional[FastWeightCache], token_mask: Optional[torch.Tensor],
                 seq_len: int, output_hidden_states: bool) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]]]:
         """The blocks, each continuing from its cache state (detached) and writing back the new one, then the final
-        norm: ``(hidden_states [B, T, D], every block's input and the normed output, or None)``."""
+        norm: ``(hidden_states [B, T, D], every block's input and the normed output, or None)``. A decode step whose
+        blocks all allow it runs in one pass (``_decode_in_one_pass``), with the block loop's values."""
         all_hidden_states = () if output_hidden_states else None
         with reusing_cpu_buffers(hidden_states):  # a CPU forward over many positions: no fresh pages per layer
             decoded = self._decode_in_one_pass(hidden_states, cache, token_mask, seq_len)
