@@ -141,18 +141,24 @@ LAYER_OPTIONS = {"beta_scale": 1.0, "state": None, "conv_weights": (), "conv_sta
 
 class BlockDecodeCall(NamedTuple):
     """A block's decode step ready to run (:func:`prepare_block_decode_step`): the op's arguments, checked, and its
-    outputs, allocated and not yet computed; ``run()`` computes them (once: the op reads ``x`` and the states given and
-    writes only the outputs). A model may prepare the calls of all its blocks, each block's ``x`` the ``out`` of the
-    one before, and then run them in order."""
+    outputs but the new state, allocated and not yet computed; ``run()`` computes them (once: the op reads ``x`` and
+    the states given and writes only the outputs). A model may prepare the calls of all its blocks, each block's ``x``
+    the ``out`` of the one before, and then run them in order."""
 
-    arguments: tuple
-    out: torch.Tensor                   # [M, D]
-    new_state: torch.Tensor             # [M, Hv, Dv, Dk] float32
+    arguments: tuple                           # the op's, up to its new state and out
+    out: torch.Tensor                          # [M, D]
     new_conv_states: Tuple[torch.Tensor, ...]  # [M, C, K - 1] each
+    state_shape: Tuple[int, int, int, int]     # [M, Hv, Dv, Dk]
 
-    def run(self) -> None:
-        """Computes ``out``, ``new_state`` and ``new_conv_states`` (csrc/decode_linear.cpp's ``block_decode_step``)."""
-        dense._CPU_KERNEL.ops.block_decode_step(*self.arguments)
+    def run(self) -> torch.Tensor:
+        """Computes ``out`` and ``new_conv_states`` (csrc/decode_linear.cpp's ``block_decode_step``) and returns the
+        new state ``[M, Hv, Dv, Dk]`` float32, allocated as the call runs: where a model runs its blocks' calls in
+        turn and lets each old state go after its call, the next new state takes its memory (all of them allocated
+        before the calls, the heap grew by a whole model's states each step and glibc gave it back, faulted in again
+        at the next: 8-12 thousand page faults on every other step of the 1.3B's batch-2 bfloat16 decode)."""
+        new_state = self.out.new_empty(self.state_shape, dtype=torch.float32)
+        dense._CPU_KERNEL.ops.block_decode_step(*self.arguments, new_state, self.out)
+        return new_state
 
 
 def prepare_block_decode_step(
@@ -179,7 +185,7 @@ def prepare_block_decode_step(
         options: the layer's, as :func:`fast_weight_token_step` takes them (``LAYER_OPTIONS``: beta_scale, state,
             conv_weights ``[C, 1, K]`` or ``[C, K]``, conv_states, ..., gate_activation).
     Returns:
-        ``BlockDecodeCall(arguments, out [M, D], new_state [M, Hv, Dv, Dk] float32, new_conv_states)``.
+        ``BlockDecodeCall(arguments, out [M, D], new_conv_states, state_shape)``; its ``run()`` returns the new state.
     """
     if not options.keys() <= LAYER_OPTIONS.keys():
         raise TypeError(f"block_decode_step() takes the options {sorted(LAYER_OPTIONS)}, got "
@@ -196,8 +202,7 @@ def prepare_block_decode_step(
     beta_index, gate_index, decay_index = (3 + sum(optional[:i]) if optional[i] else -1 for i in range(3))
     A_log, dt_bias = decay_parameters or (None, None)
     states, new_states = _conv_outputs(x, layer["conv_weights"], layer["conv_states"])
-    new_state = x.new_empty(x.shape[0], num_value_heads, v_weight.shape[0] // num_value_heads,
-                            q_weight.shape[0] // num_heads, dtype=torch.float32)
+    state_shape = (x.shape[0], num_value_heads, v_weight.shape[0] // num_value_heads, q_weight.shape[0] // num_heads)
     out = torch.empty_like(x)
     arguments = (
         x, norm_weights[0], float(eps[0]), projections, _token_step_op_name(), beta_index, gate_index, decay_index,
@@ -206,9 +211,9 @@ def prepare_block_decode_step(
         -1.0 if layer["l2_eps"] is None else layer["l2_eps"], layer["query_scale"] or 0.0, layer["beta_scale"],
         layer["norm_eps"],
         GATE_ACTIVATION_CODES[layer["gate_activation"]] if has_gate else 0, o_weight, norm_weights[1], float(eps[1]),
-        gate_weight, up_weight, down_weight, new_states, new_state, out,
+        gate_weight, up_weight, down_weight, new_states,
     )
-    return BlockDecodeCall(arguments, out, new_state, tuple(new_states))
+    return BlockDecodeCall(arguments, out, tuple(new_states), state_shape)
 
 
 def block_decode_step(x: torch.Tensor, norm_weights: Tuple[torch.Tensor, torch.Tensor], eps: Tuple[float, float],
@@ -227,8 +232,8 @@ def block_decode_step(x: torch.Tensor, norm_weights: Tuple[torch.Tensor, torch.T
         written.
     """
     call = prepare_block_decode_step(x, norm_weights, eps, weights, *heads, **settings)
-    call.run()
-    return call.out, call.new_state, call.new_conv_states
+    new_state = call.run()
+    return call.out, new_state, call.new_conv_states
 
 
 def _token_step_op_name() -> str:

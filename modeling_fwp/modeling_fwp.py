@@ -134,26 +134,26 @@ class FastWeightBlock(GradientCheckpointingLayer):
         (``fwp_kernels.block_decode_step``): the first norm with the layer's projections, its token step, then
         ``o_proj``, the residual, the second norm and the feed-forward with its residual; the same values as
         ``forward``'s unfused path."""
-        call, out, new_state = self._prepared_decode_step(hidden_states, state, layer, eps, norm_weights, weights)
-        call.run()
-        return out, new_state
+        call, out, layer = self._prepared_decode_step(hidden_states, state, layer, eps, norm_weights, weights)
+        return out, layer.token_step_state(call.run(), call.new_conv_states)
 
     def prepare_decode_step(self, hidden_states: torch.Tensor, state=None, token_mask=None
-                            ) -> Optional[Tuple[BlockDecodeCall, torch.Tensor, dict]]:
+                            ) -> Optional[Tuple[BlockDecodeCall, torch.Tensor, nn.Module]]:
         """Where ``forward(hidden_states, state, token_mask)`` is a decode step that ``_decode_step`` computes
-        (``_decode_plan``), that step prepared and not run: ``(call, out [B, 1, D], new state)``, whose tensors
-        ``call.run()`` computes (``fwp_kernels.prepare_block_decode_step``); else None. Nothing reads
-        `hidden_states`' values before the call runs: it may be the ``out`` of the block before, not yet computed."""
+        (``_decode_plan``), that step prepared and not run: ``(call, out [B, 1, D], fast-weight layer)``; ``out`` is
+        computed by ``call.run()`` (``fwp_kernels.prepare_block_decode_step``), whose new state makes the block's with
+        ``layer.token_step_state(new_state, call.new_conv_states)``. Else None. Nothing reads `hidden_states`' values
+        before the call runs: it may be the ``out`` of the block before, not yet computed."""
         plan = self._decode_plan(hidden_states, state, token_mask)
         return None if plan is None else self._prepared_decode_step(hidden_states, state, *plan)
 
     @staticmethod
     def _prepared_decode_step(hidden_states: torch.Tensor, state, layer: nn.Module, eps: Tuple[float, float],
-                              norm_weights: list, weights: list) -> Tuple[BlockDecodeCall, torch.Tensor, dict]:
-        """The call of ``_decode_step`` (its arguments as there), prepared: ``(call, out [B, 1, D], new state)``."""
+                              norm_weights: list, weights: list) -> Tuple[BlockDecodeCall, torch.Tensor, nn.Module]:
+        """The call of ``_decode_step`` (its arguments as there), prepared: ``(call, out [B, 1, D], layer)``."""
         call = prepare_block_decode_step(hidden_states[:, 0], norm_weights, eps, weights,
                                          **layer.token_step_settings(state or {}))
-        return call, call.out[:, None], layer.token_step_state(call.new_state, call.new_conv_states)
+        return call, call.out[:, None], layer
 
 
 def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
@@ -323,8 +323,9 @@ class FastWeightModel(FastWeightPreTrainedModel):
                             ) -> Optional[Tuple[Tuple[torch.Tensor, ...], torch.Tensor]]:
         """A decode step through the blocks where every block is a plain ``FastWeightBlock`` whose step
         ``prepare_decode_step`` prepares: all of them prepared first (their checks and allocations; each block's input
-        the output of the one before, not yet computed), then their C++ calls one after the other, then the new states
-        into `cache`. The same calls and values as the block loop, but the Python between two blocks' weight reads ran
+        the output of the one before, not yet computed), then their C++ calls one after the other, each new state into
+        `cache` after its call (and its memory allocated as the call runs, the old state before it gone:
+        ``BlockDecodeCall.run``). The same calls and values as the block loop, but the Python between two blocks' weight reads ran
         2-3 times slower than alone (the weights streamed through the caches push its code and data out: the
         norm_linear_rows comment in csrc/decode_linear.cpp), and here it runs before them. Returns ``(every block's
         input, the last block's output)``, or None (nothing run, the cache untouched) where a block takes its own
@@ -344,10 +345,10 @@ class FastWeightModel(FastWeightPreTrainedModel):
             block_inputs.append(hidden_states)
             prepared.append(step)
             hidden_states = step[1]
-        for call, _, _ in prepared:
-            call.run()
-        if cache is not None:
-            for layer_idx, (_, _, new_state) in enumerate(prepared):
+        for layer_idx, (call, _, layer) in enumerate(prepared):
+            new_state = layer.token_step_state(call.run(), call.new_conv_states)
+            prepared[layer_idx] = None  # its arguments, the old state among them, go with the cache's reference
+            if cache is not None:
                 cache.set_state(layer_idx, new_state, seq_len)
         return tuple(block_inputs), hidden_states
 
