@@ -581,6 +581,9 @@ def decode_batch_rows(s: Source) -> List[Row]:
                 both("{m:.1f} ({b:.2f}x the bound {d:.1f}; {r:.2f}x faster)", True, m=ours,
                      b=pdiv(ours, (bound, bound)), d=(bound, bound), r=pdiv(one, ours)),
                 both("streaming for one row only (oneDNN for two) {m:.1f}", m=one), "not slower"])
+            for row in decode_variant_rows(s, key, dtype, th)[:1] if s.get(f"{key}.block_loop") else []:  # 12-04
+                rows.append([row[0].replace("decode ms/token", fill("decode ms per step of {} sequences",
+                                                                     s.get("batch_size")))] + row[1:])
     return rows
 
 
@@ -789,6 +792,8 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen4_session70.json", decode_rows),
     ("benchmarks/results/bench_stream_builds_two_sums.json", stream_build_rows),
     ("benchmarks/results/bench_decode_zen4_session70_two_sums.json", decode_rows),
+    ("benchmarks/results/bench_decode_batch2_zen4_session70.json", decode_batch_rows),
+    ("benchmarks/results/bench_decode_zen4_session70_final.json", decode_rows),
     ("benchmarks/results/bench_cpu_zen5_session57.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen4.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_compile.json", decode_rows),
