@@ -522,16 +522,17 @@ DECODE_VARIANTS = (
 )
 
 
-def decode_variant_rows(s: Source, key: str, dtype: str, th: str) -> List[Row]:
-    """decode_rows' rows of ours against each decode-only variant the file has (DECODE_VARIANTS)."""
+def decode_variant_rows(s: Source, key: str, dtype: str, th: str, variants: Sequence[tuple] = DECODE_VARIANTS,
+                        measure: str = "decode ms/token") -> List[Row]:
+    """Rows of ours against each of `variants` (DECODE_VARIANTS' entries) the file has, `measure` naming the time."""
     one_call = s.get(f"{key}.three_call_block.decode_ms_per_token.median") is not None
     rows = []
-    for variant, ours, label in DECODE_VARIANTS:
+    for variant, ours, label in variants:
         if s.get(f"{key}.{variant}.decode_ms_per_token.median") is None:
             continue
         what = ours.format("one call (block_decode_step)" if one_call else THREE_CALLS)
         rows.append(decode_bound_row(
-            s, key, fill("decode ms/token, whole 1.3B Delta Net, {}, {} thread(s): {}; same tokens: {}", dtype, th, what,
+            s, key, fill("{}, whole 1.3B Delta Net, {}, {} thread(s): {}; same tokens: {}", measure, dtype, th, what,
                          s.get(f"{key}.{variant}.same_tokens_as_ours")),
             "ours", variant, label, "faster"))
     return rows
@@ -581,9 +582,8 @@ def decode_batch_rows(s: Source) -> List[Row]:
                 both("{m:.1f} ({b:.2f}x the bound {d:.1f}; {r:.2f}x faster)", True, m=ours,
                      b=pdiv(ours, (bound, bound)), d=(bound, bound), r=pdiv(one, ours)),
                 both("streaming for one row only (oneDNN for two) {m:.1f}", m=one), "not slower"])
-            for row in decode_variant_rows(s, key, dtype, th)[:1] if s.get(f"{key}.block_loop") else []:  # 12-04
-                rows.append([row[0].replace("decode ms/token", fill("decode ms per step of {} sequences",
-                                                                     s.get("batch_size")))] + row[1:])
+            rows += decode_variant_rows(s, key, dtype, th, DECODE_VARIANTS[:1],  # block_loop, from 2026-12-04
+                                        fill("decode ms per step of {} sequences", s.get("batch_size")))
     return rows
 
 
@@ -591,9 +591,10 @@ def stream_build_rows(s: Source) -> List[Row]:
     """benchmarks/bench_stream_builds.py: the weight-streaming kernel (csrc/decode_linear.cpp's linear_rows) against
     its build at a base revision, side by side, beside x.sum() over the same weights."""
     rows = []
-    for name, case in (s.get("cases") or {}).items():
+    for name in s.get("cases") or {}:
         dtype, shape, rows_of_x, threads = name.split("_")
-        ratio_ = (s.get(f"cases.{name}.base_over_package.of_medians"), s.get(f"cases.{name}.base_over_package.of_bests"))
+        ratio_ = (s.get(f"cases.{name}.base_over_package.of_medians"),
+                  s.get(f"cases.{name}.base_over_package.of_bests"))
         gb = {k: s.get(f"cases.{name}.gb_per_s.{k}") for k in ("package", "base", "sum")}
         rows.append([
             fill("x W^T streaming (decode_linear.cpp, linear_rows), {}, W {}, {} row(s) of x, {} thread(s), GB/s of W "

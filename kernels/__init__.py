@@ -57,8 +57,8 @@ swiglu_block), where both apply::
 
 or prepared first and run later, a model's blocks one after the other (its outputs allocated, not yet computed)::
 
-    call = prepare_block_decode_step(x, ...)   # the same arguments -> BlockDecodeCall(arguments, out, new_state, ...)
-    call.run()
+    call = prepare_block_decode_step(x, ...)   # the same arguments -> BlockDecodeCall(arguments, out, ...)
+    new_state = call.run()                     # computes out and call.new_conv_states, returns the new state
 """
 import importlib
 import importlib.metadata

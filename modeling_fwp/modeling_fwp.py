@@ -156,6 +156,13 @@ class FastWeightBlock(GradientCheckpointingLayer):
         return call, call.out[:, None], layer
 
 
+def carried_state(cache: Optional[FastWeightCache], layer_idx: int) -> Optional[dict]:
+    """Block `layer_idx`'s state in `cache` (None without a cache or a state), detached: gradients stop at segment
+    boundaries."""
+    state = cache.get_state(layer_idx) if cache is not None else None
+    return None if state is None else {name: t.detach() for name, t in state.items()}
+
+
 def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """Vaswani et al. 2017 absolute encoding: ``positions [B, T] -> [B, T, dim]``."""
     inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, device=positions.device).float() / dim)
@@ -307,9 +314,7 @@ class FastWeightModel(FastWeightPreTrainedModel):
                 for layer_idx, block in enumerate(self.layers):
                     if output_hidden_states:
                         all_hidden_states += (hidden_states,)
-                    state = cache.get_state(layer_idx) if cache is not None else None
-                    if state is not None:
-                        state = {name: t.detach() for name, t in state.items()}
+                    state = carried_state(cache, layer_idx)
                     hidden_states, new_state = block(hidden_states, state=state, token_mask=token_mask)
                     if cache is not None:
                         cache.set_state(layer_idx, new_state, seq_len)
@@ -325,21 +330,18 @@ class FastWeightModel(FastWeightPreTrainedModel):
         ``prepare_decode_step`` prepares: all of them prepared first (their checks and allocations; each block's input
         the output of the one before, not yet computed), then their C++ calls one after the other, each new state into
         `cache` after its call (and its memory allocated as the call runs, the old state before it gone:
-        ``BlockDecodeCall.run``). The same calls and values as the block loop, but the Python between two blocks' weight reads ran
-        2-3 times slower than alone (the weights streamed through the caches push its code and data out: the
-        norm_linear_rows comment in csrc/decode_linear.cpp), and here it runs before them. Returns ``(every block's
-        input, the last block's output)``, or None (nothing run, the cache untouched) where a block takes its own
-        path."""
+        ``BlockDecodeCall.run``). The same calls and values as the block loop, but the Python between two blocks'
+        weight reads ran 2-3 times slower than alone (the weights streamed through the caches push its code and data
+        out: the norm_linear_rows comment in csrc/decode_linear.cpp), and here it runs before them. Returns ``(every
+        block's input, the last block's output)``, or None (nothing run, the cache untouched) where a block takes its
+        own path."""
         if hidden_states.shape[1] != 1 or token_mask is not None or global_module_hooks():
             return None
         prepared, block_inputs = [], []
         for layer_idx, block in enumerate(self.layers):
             if not unhooked(block, FastWeightBlock):  # its hooks and forward run in the block loop
                 return None
-            state = cache.get_state(layer_idx) if cache is not None else None
-            if state is not None:
-                state = {name: t.detach() for name, t in state.items()}
-            step = block.prepare_decode_step(hidden_states, state, token_mask)
+            step = block.prepare_decode_step(hidden_states, carried_state(cache, layer_idx), token_mask)
             if step is None:
                 return None
             block_inputs.append(hidden_states)

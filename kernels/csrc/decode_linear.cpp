@@ -76,8 +76,8 @@ inline float dot_portable(int64_t K, const W* w, const float* x) {
 // benchmarks/results/bench_stream_builds_two_sums.json, weights from memory: one row of x 1.06-1.21x faster in
 // bfloat16 and 1.01-1.11x in float32 at 1 and 2 threads, two rows 0.97-1.11x): the loads issued at the pace of two
 // chains of dependent sums leave the prefetcher ahead of them. One sum was faster still from memory (bfloat16
-// 1.11-1.17x), but 0.6-0.8x where the weights sat in the L3 (its chain of vdpbf16ps latencies then bounds it). No software prefetch: float32 prefetched W 2 KB ahead
-// from 2026-11-26 (then 73-76% -> 80-85% of x.sum() on one thread, noisy), but on the Zen 4 EPYC of 2026-11-29 it
+// 1.11-1.17x), but 0.6-0.8x where the weights sat in the L3 (its chain of vdpbf16ps latencies then bounds it).
+// No software prefetch: float32 prefetched W 2 KB ahead from 2026-11-26 (then 73-76% -> 80-85% of x.sum() on one thread, noisy), but on the Zen 4 EPYC of 2026-11-29 it
 // cost 10-15% at one thread (8 weights 5632 x 2048, GB/s, median of 9-15 shuffled rounds, side by side: 21.6 / 21.0
 // / 20.5 with it, 25.3 / 23.8 / 22.8 without; 1 KB, 4 KB and 8 KB ahead or NTA between the two), 0-12% at two.
 #if defined(__AVX512F__)
