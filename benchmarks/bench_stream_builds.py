@@ -69,14 +69,21 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-2,
                         help="largest relative difference of the builds' outputs (default 1e-2: a bfloat16 output "
                              "rounded the other way is 1/128 of itself)")
+    parser.add_argument("--base_cflags", default=None,
+                        help="the base build's compiler flags, one string (default: the package's)")
     parser.add_argument("--out", default=str(RESULTS), help="default: benchmarks/results/bench_stream_builds.json")
     args = parser.parse_args()
     record = RunRecord.start("python benchmarks/bench_stream_builds.py")
     if not dense._CPU_KERNEL.available():
         raise SystemExit(f"the package's C++ streaming kernel is not available: {dense._CPU_KERNEL.describe()}")
-    ops = {"base": base_ops(args.base, SOURCE, "fwp_dense", "linear_rows"), "package": dense._CPU_KERNEL.ops}
+    # the base is built with the package's flags unless told otherwise (before 2026-12-07 it took the chunk
+    # kernel's, which add -mprefer-vector-width=512: a difference of flags, not of source, was measured with it)
+    base_cflags = args.base_cflags.split() if args.base_cflags is not None else list(dense._CPU_KERNEL.extra_cflags)
+    ops = {"base": base_ops(args.base, SOURCE, "fwp_dense", "linear_rows", base_cflags),
+           "package": dense._CPU_KERNEL.ops}
     weight_bytes, repeats = (8e6, 2) if args.quick else (180e6, args.rounds)
-    results = {"base": args.base, "tolerance": args.tolerance, "quick": args.quick, "cases": {}}
+    results = {"base": args.base, "base_cflags": base_cflags, "package_cflags": list(dense._CPU_KERNEL.extra_cflags),
+               "tolerance": args.tolerance, "quick": args.quick, "cases": {}}
     threads_before = torch.get_num_threads()
     print(f"GB/s of the weights read (medians): x.sum(), base {args.base}, package; base / package time")
     for threads in (1, 2):

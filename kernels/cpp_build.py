@@ -71,6 +71,29 @@ def cpu_identity() -> str:
     return " | ".join(sorted(set(wanted)))
 
 
+def cpu_flags() -> Tuple[str, ...]:
+    """The instruction-set flags /proc/cpuinfo lists for the first CPU (``()`` where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return ()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return tuple(value.split())
+    return ()
+
+
+def widest_avx2_flags() -> Tuple[str, ...]:
+    """``("-mprefer-vector-width=256",)`` for a -march=native build on a CPU whose widest vectors are AVX2's (no
+    AVX-512), else ``()``: GCC's tuning for AMD's Zen 1 (-march=native there is znver1), which runs a 256-bit
+    operation as two halves, vectorises `omp simd` loops in 128 bits, twice the instructions. A kernel adds it where
+    it was measured faster (the decode's weight streaming: kernels/dense.py)."""
+    flags = cpu_flags()
+    wanted = NATIVE_ARCH_FLAG in native_arch_flags() and "avx2" in flags and "avx512f" not in flags
+    return ("-mprefer-vector-width=256",) if wanted else ()
+
+
 KERNEL_CFLAGS = OPENMP_CFLAGS + native_arch_flags()  # what every C++ kernel is built with
 
 

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .cpp_build import KERNEL_CFLAGS, register_cpu_kernel
+from .cpp_build import KERNEL_CFLAGS, register_cpu_kernel, widest_avx2_flags
 
 # Bytes of logits per row block of `linear_cross_entropy_input_gradient` outside autograd: under glibc's largest mmap
 # threshold (32 MB), so that every block reuses heap memory instead of faulting in fresh pages (128 rows of SmolLM2's
@@ -59,8 +59,14 @@ try:  # inside a saved model folder the C++ source travels as a string (transfor
     from .decode_linear_csrc import CPP_SOURCE as _EMBEDDED_SOURCE
 except ImportError:  # the installed package: the source is csrc/decode_linear.cpp
     _EMBEDDED_SOURCE = None
+# The streaming kernel's flags: every kernel's, in 256-bit vectors on an AVX2-only CPU. Side by side in one process
+# (2026-12-07, AMD EPYC family 23 model 1 (Zen 1, whose GCC tuning vectorises in 128 bits), 180 MB of weights,
+# medians of 11 rounds; benchmarks/results/bench_stream_builds_zen1_vector_width.json): 1.12-1.18x faster in float32
+# and 1.09-1.40x in bfloat16, one and two rows, 1 and 2 threads. (The recurrent FWPs' scans, D = 16, were 0.97-1.0x
+# with it: csrc/rfwp_scan.cpp keeps every kernel's flags.)
+DECODE_LINEAR_CFLAGS = KERNEL_CFLAGS + widest_avx2_flags()
 _CPU_KERNEL = register_cpu_kernel(
-    "decode_linear", _EMBEDDED_SOURCE, "fwp_dense", "linear_rows", KERNEL_CFLAGS, "oneDNN's or torch's matmul",
+    "decode_linear", _EMBEDDED_SOURCE, "fwp_dense", "linear_rows", DECODE_LINEAR_CFLAGS, "oneDNN's or torch's matmul",
 )
 # Rows of input up to which the weight-streaming kernel runs (decoding one or two sequences, assisted decoding's
 # one-token drafts); above, oneDNN's matmul, which reuses each weight block over the rows. Measured side by side

@@ -154,11 +154,13 @@ def test_streaming_linear_threads_write_every_row_once(dtype, threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,N,K", [(1, 37, 40), (1, 300, 129), (3, 43, 7)])  # N and K no multiples of 4 / 16
+# N and K no multiples of 4 / 16; K = 59: the AVX2 bfloat16 loop's 32-, 16- and one-entry steps, two rows of x
+@pytest.mark.parametrize("rows,N,K", [(1, 37, 40), (1, 300, 129), (3, 43, 7), (2, 19, 59)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_streaming_linear_matches_float64(dtype, rows, N, K, with_bias):
     """csrc/decode_linear.cpp: x W^T + b with float32 accumulation, against float64, for the four-row blocks and the
-    tail rows, several rows of x, with and without bias; bfloat16 output rounded once (within one bf16 step)."""
+    tail rows, several rows of x (each in the dot products' order: dot_operand), with and without bias; bfloat16
+    output rounded once (within one bf16 step)."""
     linear_rows = _streaming_kernel()
     x, weight, bias, _, _ = random_layer(dtype, N=rows, K=K, V=N, seed=rows + N)
     bias = bias if with_bias else None

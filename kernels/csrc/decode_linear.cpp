@@ -46,7 +46,7 @@
 #define FWP_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 #define FWP_TORCH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -77,9 +77,11 @@ inline float dot_portable(int64_t K, const W* w, const float* x) {
 // bfloat16 and 1.01-1.11x in float32 at 1 and 2 threads, two rows 0.97-1.11x): the loads issued at the pace of two
 // chains of dependent sums leave the prefetcher ahead of them. One sum was faster still from memory (bfloat16
 // 1.11-1.17x), but 0.6-0.8x where the weights sat in the L3 (its chain of vdpbf16ps latencies then bounds it).
-// No software prefetch: float32 prefetched W 2 KB ahead from 2026-11-26 (then 73-76% -> 80-85% of x.sum() on one thread, noisy), but on the Zen 4 EPYC of 2026-11-29 it
-// cost 10-15% at one thread (8 weights 5632 x 2048, GB/s, median of 9-15 shuffled rounds, side by side: 21.6 / 21.0
-// / 20.5 with it, 25.3 / 23.8 / 22.8 without; 1 KB, 4 KB and 8 KB ahead or NTA between the two), 0-12% at two.
+// No software prefetch in the AVX-512 loops (the AVX2 ones below have it: Zen 1's prefetcher needed it): float32
+// prefetched W 2 KB ahead from 2026-11-26 (then 73-76% -> 80-85% of x.sum() on one thread, noisy), but on the Zen 4
+// EPYC of 2026-11-29 it cost 10-15% at one thread (8 weights 5632 x 2048, GB/s, median of 9-15 shuffled rounds,
+// side by side: 21.6 / 21.0 / 20.5 with it, 25.3 / 23.8 / 22.8 without; 1 KB, 4 KB and 8 KB ahead or NTA between
+// the two), 0-12% at two.
 #if defined(__AVX512F__)
 inline float dot_avx512(int64_t K, const float* w, const float* x) {
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
@@ -114,6 +116,70 @@ inline float dot_avx512(int64_t K, const c10::BFloat16* w, const c10::BFloat16* 
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 with FMA (Zen 1-3, Intel's cores without AVX-512): two sums in flight for float32 as above, four for
+// bfloat16 (its loop issues more per weight), and W prefetched 1 KB ahead, unlike the AVX-512 loops. Side by side
+// in one process (2026-12-07, AMD EPYC family 23 model 1 (Zen 1), 180 MB of weights, medians of 11 rounds, both
+// builds with -mprefer-vector-width=256; benchmarks/results/bench_stream_builds_zen1_avx2.json) against the
+// vectorised dot_portable: float32 1.14-1.19x faster for one row of x and 1.27-1.44x for two, bfloat16 1.24-1.39x
+// and 1.30-1.54x, at 1 and 2 threads; one float32 row then reads at 1.01-1.04x x.sum()'s rate. Without the prefetch
+// (a run before it, bench_stream_builds_zen1_avx2_no_prefetch.json): 1.03-1.11x, 1.25-1.27x, 1.13-1.23x,
+// 1.26-1.48x; 512 B and 2 KB ahead as 1 KB within the noise. Decoding the 1.3B Delta Net shape (benchmarks/
+// bench_decode_builds.py, bench_decode_builds_zen1_avx2.json, against the build before these loops and the width
+// flag): float32 1.32x faster at 1 thread and 1.25x at 2, bfloat16 1.54x and 1.45x.
+constexpr int64_t kPrefetchBytes = 1024;
+
+inline float reduce_avx2(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+inline float dot_avx2(int64_t K, const float* w, const float* x) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= K; j += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + j) + kPrefetchBytes, _MM_HINT_T0);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), s1);
+  }
+  for (; j + 8 <= K; j += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), s0);
+  float tail = 0;
+  for (; j < K; ++j) tail += w[j] * x[j];
+  return reduce_avx2(_mm256_add_ps(s0, s1)) + tail;
+}
+
+// bfloat16 W: a bfloat16 is the upper half of a float32, so the 8 32-bit lanes of 16 weights hold two float32s
+// each, the even-numbered weight shifted down by 16 bits and the odd one under the low 16 bits: a shift and an AND
+// (no shuffles: Zen 1 runs two per cycle, four per 16 weights with unpacklo/hi, which bound the loop there). x comes
+// widened in the same order (dot_operand below: per block of 16, its 8 even entries, then its 8 odd ones).
+inline float dot_avx2(int64_t K, const c10::BFloat16* w, const float* x) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= K; j += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + j) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j + 16));
+    s0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_loadu_ps(x + j), s0);
+    s1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_loadu_ps(x + j + 8), s1);
+    s2 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), _mm256_loadu_ps(x + j + 16), s2);
+    s3 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b, high)), _mm256_loadu_ps(x + j + 24), s3);
+  }
+  for (; j + 16 <= K; j += 16) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j));
+    s0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_loadu_ps(x + j), s0);
+    s1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_loadu_ps(x + j + 8), s1);
+  }
+  float tail = 0;
+  for (; j < K; ++j) tail += widen(w[j]) * x[j];  // the last K % 16 entries of x in their own order
+  return reduce_avx2(_mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3))) + tail;
+}
+constexpr bool kSplitBfloat16Operand = true;
+#else
+constexpr bool kSplitBfloat16Operand = false;
+#endif
+
 // w . x for one row of W: `xs` is x widened to float32, `xw` x in W's dtype.
 template <typename W>
 inline float row_dot(int64_t K, const W* w, const float* xs, const W* xw) {
@@ -122,9 +188,29 @@ inline float row_dot(int64_t K, const W* w, const float* xs, const W* xw) {
 #endif
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<W, float>) return dot_avx512(K, w, xs);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return dot_avx2(K, w, xs);
 #endif
   (void)xw;
   return dot_portable<W>(K, w, xs);
+}
+
+// x [M, K] as row_dot reads it: widened to float32; where W is bfloat16 on an AVX2 build, each block of 16 entries
+// of a row in dot_avx2's order (its even entries, then its odd ones; the last K % 16 as they are). A few KB, once.
+at::Tensor dot_operand(const at::Tensor& x) {
+  at::Tensor xs = x.to(at::kFloat).contiguous();
+  if (!kSplitBfloat16Operand || x.scalar_type() != at::kBFloat16) return xs;
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor split = xs.clone();
+  const float* from = xs.data_ptr<float>();
+  float* to = split.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j + 16 <= K; j += 16)
+      for (int64_t i = 0; i < 8; ++i) {
+        to[m * K + j + i] = from[m * K + j + 2 * i];
+        to[m * K + j + 8 + i] = from[m * K + j + 2 * i + 1];
+      }
+  return split;
 }
 
 // Rows n0..n1 of the output for every row of x: xs [M, K] float32 (xw: the same in W's dtype), W [N, K], bias [N] or
@@ -206,7 +292,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == weight.scalar_type(),
                 "fwp_dense.linear_rows: bias must be [N] in the weight's dtype");
   }
-  const at::Tensor xs = x.to(at::kFloat).contiguous();  // a few KB: widened once
+  const at::Tensor xs = dot_operand(x);
   const int64_t grain = rows_per_task(K, weight.element_size());
   AT_DISPATCH_SWITCH(weight.scalar_type(), "linear_rows",
     AT_DISPATCH_CASE(at::kFloat, [&] {
@@ -258,7 +344,7 @@ void linear_rows_grouped(const at::Tensor& x, at::TensorList weights, const at::
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N,
               "fwp_dense.linear_rows_grouped: out must be [M, sum of the weights' rows]");
   check_cpu_contiguous("linear_rows_grouped", {&out}, x.scalar_type());
-  const at::Tensor xs = x.to(at::kFloat).contiguous();
+  const at::Tensor xs = dot_operand(x);
   AT_DISPATCH_SWITCH(x.scalar_type(), "linear_rows_grouped",
     AT_DISPATCH_CASE(at::kFloat, [&] { grouped_into<float>(weights, first_row, M, K, xs, x, out); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] { grouped_into<c10::BFloat16>(weights, first_row, M, K, xs, x, out); }));
@@ -285,7 +371,7 @@ void linear_rows_into(const at::Tensor& x, at::TensorList weights, at::TensorLis
   using W = c10::BFloat16;
   std::vector<W*> pointers;
   for (const at::Tensor& o : outs) pointers.push_back(o.data_ptr<W>());
-  stacked_rows<W>(weights, first_row, x.size(0), x.size(1), x.to(at::kFloat).contiguous(), x, pointers, ldo);
+  stacked_rows<W>(weights, first_row, x.size(0), x.size(1), dot_operand(x), x, pointers, ldo);
 }
 
 // short_conv_step's loop over the B x C channels (a few thousand: one thread), of width kWidth (0: `width`).
