@@ -30,7 +30,8 @@ versions, machine, load average before and after), for each thread count side by
    more than the cache), float32 and bfloat16: GB/s of the streaming kernel (``fwp_dense.linear_rows``,
    csrc/decode_linear.cpp), ``F.linear`` and oneDNN's matmul, beside ``x.sum()``'s read rate over the same weights.
 5. ``auto_table``: the chunk size with the least forward + (forward + backward) time per head width (64, 128), B*H = 8,
-   and the T = 1 decode step against the step loop: the rows of ``fwp_kernels.chunk._CPU_AUTO`` (printed as code);
+   and the T = 1 decode step against the step loop: the rows of ``fwp_kernels.chunk._CPU_AUTO`` (``_CPU_AUTO_AVX2``
+   on an AVX2-only build; printed as code);
    where the bfloat16 factors run in AMX tiles, the same for bf16 inputs (its ``bfloat16_tile_chunk_sizes``).
 6. ``products_by_length``: the delta rule's forward from T = 2 to 1,024 (D = 64 and 128), the C++ kernel's products
    forced to each kind: fp32 inputs through the BLAS and the micro-kernel, bf16 inputs with float32 and bfloat16
@@ -394,7 +395,8 @@ def print_side_by_side(results: dict) -> None:
         for name in row:
             print(f"  {shape + ' ' + name:<42}"
                   + "".join(f"{r['products_by_length'][shape][name]:>24.3f}" for r in runs.values()))
-    print("\nmode='auto' table (fwp_kernels/chunk.py _CPU_AUTO), from this run:")
+    table = "_CPU_AUTO_AVX2" if chunk.avx2_only_build() else "_CPU_AUTO"
+    print(f"\nmode='auto' table (fwp_kernels/chunk.py {table}), from this run:")
     for th, r in runs.items():
         widths = tuple((int(D[1:]), row["best_chunk_size"]) for D, row in r["auto_table"].items())
         tiles = tuple((int(D[1:]), row["best_chunk_size_bf16"]) for D, row in r["auto_table"].items()

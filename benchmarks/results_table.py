@@ -591,6 +591,8 @@ def stream_build_rows(s: Source) -> List[Row]:
     """benchmarks/bench_stream_builds.py: the weight-streaming kernel (csrc/decode_linear.cpp's linear_rows) against
     its build at a base revision, side by side, beside x.sum() over the same weights."""
     rows = []
+    base_flags, package_flags = s.get("base_cflags"), s.get("package_cflags")
+    flags = "" if base_flags == package_flags else f" built with {' '.join(base_flags)}"
     for name in s.get("cases") or {}:
         dtype, shape, rows_of_x, threads = name.split("_")
         ratio_ = (s.get(f"cases.{name}.base_over_package.of_medians"),
@@ -598,10 +600,30 @@ def stream_build_rows(s: Source) -> List[Row]:
         gb = {k: s.get(f"cases.{name}.gb_per_s.{k}") for k in ("package", "base", "sum")}
         rows.append([
             fill("x W^T streaming (decode_linear.cpp, linear_rows), {}, W {}, {} row(s) of x, {} thread(s), GB/s of W "
-                 "read: against the build at {}", dtype, shape, rows_of_x[4:], threads[7:], s.get("base")),
+                 "read: against the build at {}{}", dtype, shape, rows_of_x[4:], threads[7:], s.get("base"), flags),
             fill("**{:.1f} GB/s** ({:.2f}x faster) median; {:.2f}x best; outputs within {:.1g} (relative)",
                  gb["package"], ratio_[0], ratio_[1], s.get(f"cases.{name}.relative_difference")),
             fill("base {:.1f} GB/s; x.sum() {:.1f} GB/s", gb["base"], gb["sum"]),
+            "faster"])
+    return rows
+
+
+def decode_build_rows(s: Source) -> List[Row]:
+    """benchmarks/bench_decode_builds.py: decoding the 1.3B Delta Net shape with the package's csrc/decode_linear.cpp
+    against its build at a base revision (and the base's flags), the two in turn at every step."""
+    rows = []
+    for name in s.get("cases") or {}:
+        dtype, threads = name.split("_threads")
+        key = f"cases.{name}"
+        difference = s.get(f"{key}.largest_relative_difference")
+        rows.append([
+            fill("decode ms/token, whole 1.3B Delta Net shape (random weights), {}, {} thread(s): decode_linear.cpp "
+                 "against its build at {} ({})", dtype, threads, s.get("base"), " ".join(s.get("base_cflags") or [])),
+            fill("**{:.1f} ({:.2f}x faster)** median; {:.1f} best; per-step ratio {:.2f}x (median){}",
+                 s.get(f"{key}.ms.package.median"), s.get(f"{key}.base_over_package.of_medians"),
+                 s.get(f"{key}.ms.package.best"), s.get(f"{key}.per_step_ratio_median"),
+                 "" if difference is None else f"; logits within {difference:.2g} (relative) of the base's"),
+            fill("base {:.1f} median; {:.1f} best", s.get(f"{key}.ms.base.median"), s.get(f"{key}.ms.base.best")),
             "faster"])
     return rows
 
@@ -795,6 +817,10 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_decode_zen4_session70_two_sums.json", decode_rows),
     ("benchmarks/results/bench_decode_batch2_zen4_session70.json", decode_batch_rows),
     ("benchmarks/results/bench_decode_zen4_session70_final.json", decode_rows),
+    ("benchmarks/results/bench_stream_builds_zen1_vector_width.json", stream_build_rows),
+    ("benchmarks/results/bench_stream_builds_zen1_avx2_no_prefetch.json", stream_build_rows),
+    ("benchmarks/results/bench_stream_builds_zen1_avx2.json", stream_build_rows),
+    ("benchmarks/results/bench_decode_builds_zen1_avx2.json", decode_build_rows),
     ("benchmarks/results/bench_cpu_zen5_session57.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen4.json", decode_rows),
     ("benchmarks/results/bench_decode_zen4_compile.json", decode_rows),

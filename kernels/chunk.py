@@ -41,7 +41,7 @@ from typing import Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .cpp_build import KERNEL_CFLAGS, NATIVE_ARCH_FLAG, register_cpu_kernel
+from .cpp_build import KERNEL_CFLAGS, NATIVE_ARCH_FLAG, avx2_only_build, register_cpu_kernel
 from .dispatch import (
     KernelFinder,
     Recurrence,
@@ -558,6 +558,19 @@ _CPU_AUTO = {
     2: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 32)),
                      bfloat16_tile_chunk_sizes=((64, 32), (128, 32))),
 }
+# AVX2-only builds (the float32 micro-kernel in 8-lane registers, cpp_build.avx2_only_build): 16 for width 128 too.
+# bench_cpu's auto_table, T = 2048, B*H = 8, fp32, forward / forward + backward ms, C = 16 vs 32: a Zen 1 EPYC
+# (bench_cpu_zen1.json, 2026-12-07) 1 thread 50.1 / 214.0 vs 55.0 / 234.6, 2 threads 28.4 / 118.6 vs 31.2 / 125.4;
+# a Zen 3 EPYC (bench_cpu_zen3.json) 37.2 / 162.4 vs 40.8 / 166.0 and 18.3 / 90.6 vs 21.3 / 86.7 (the one row that
+# picked 32, by 1% of the sum). The 1.3B Delta Net's shape on the Zen 1 (B 1, H 16, T 2048, D 128; by hand,
+# interleaved, medians of 5-7): delta rule C = 16 / 32 forward 103.2 / 115.5 ms at 1 thread and 50.4 / 55.3 at 2,
+# forward + backward 462.2 / 499.4 and 213.9 / 228.6; the gated rule 106.8 / 114.8, 60.4 / 60.3, 462.8 / 474.7,
+# 258.7 / 264.6.
+_CPU_AUTO_AVX2 = {
+    threads: CpuAutoChoice(recurrent_max_t=0, chunk_sizes=((64, 16), (128, 16))) for threads in (1, 2)
+}
+# the table of this build (one per process: the build is the running CPU's, -march=native)
+_CPU_AUTO_TABLE = _CPU_AUTO_AVX2 if avx2_only_build() else _CPU_AUTO
 # CPU without the C++ kernel: the PyTorch chunked kernel's fixed cost (~40 tensor ops) equals about 3 steps of the loop
 # (same benchmark). CUDA, measured on an H100 (benchmarks/results/gpu_check_h100/run3_bench_gpu.json, auto_crossover:
 # delta rule, bf16, B 1, H 16, D 128, forward ms, step loop / Triton chunk): T = 1 0.38 / 1.70, 2 0.57 / 1.40,
@@ -576,7 +589,8 @@ def _torch_threads() -> int:
 def cpu_auto_choice(threads: Optional[int] = None) -> CpuAutoChoice:
     """The row of the measured table for `threads` (default: torch's current intra-op thread count)."""
     threads = _torch_threads() if threads is None else threads
-    return _CPU_AUTO.get(threads, _CPU_AUTO[max(_CPU_AUTO)] if threads > max(_CPU_AUTO) else _CPU_AUTO[1])
+    table = _CPU_AUTO_TABLE
+    return table.get(threads, table[max(table)] if threads > max(table) else table[1])
 
 
 def _recurrent_max_t(device: torch.device) -> int:

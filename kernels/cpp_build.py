@@ -84,14 +84,20 @@ def cpu_flags() -> Tuple[str, ...]:
     return ()
 
 
-def widest_avx2_flags() -> Tuple[str, ...]:
-    """``("-mprefer-vector-width=256",)`` for a -march=native build on a CPU whose widest vectors are AVX2's (no
-    AVX-512), else ``()``: GCC's tuning for AMD's Zen 1 (-march=native there is znver1), which runs a 256-bit
-    operation as two halves, vectorises `omp simd` loops in 128 bits, twice the instructions. A kernel adds it where
-    it was measured faster (the decode's weight streaming: kernels/dense.py)."""
+def avx2_only_build() -> bool:
+    """Whether the kernels are built for a CPU whose widest vectors are AVX2's (-march=native on x86-64, AVX2 and
+    FMA, no AVX-512F): the chunk kernel's float32 micro-kernel then runs in 8-lane registers."""
     flags = cpu_flags()
-    wanted = NATIVE_ARCH_FLAG in native_arch_flags() and "avx2" in flags and "avx512f" not in flags
-    return ("-mprefer-vector-width=256",) if wanted else ()
+    return (NATIVE_ARCH_FLAG in native_arch_flags() and "avx2" in flags and "fma" in flags
+            and "avx512f" not in flags)
+
+
+def widest_avx2_flags() -> Tuple[str, ...]:
+    """``("-mprefer-vector-width=256",)`` for an :func:`avx2_only_build`, else ``()``: GCC's tuning for AMD's Zen 1
+    (-march=native there is znver1), which runs a 256-bit operation as two halves, vectorises `omp simd` loops in 128
+    bits, twice the instructions. A kernel adds it where it was measured faster (the decode's weight streaming:
+    kernels/dense.py)."""
+    return ("-mprefer-vector-width=256",) if avx2_only_build() else ()
 
 
 KERNEL_CFLAGS = OPENMP_CFLAGS + native_arch_flags()  # what every C++ kernel is built with

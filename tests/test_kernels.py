@@ -668,9 +668,31 @@ def test_auto_chunk_size_from_the_measured_table(monkeypatch):
             assert chunk.auto_chunk_size(cpu, width, 64, chunk.BFLOAT16_PRODUCTS) == size
             if width > max((w for w, _ in row.bfloat16_tile_chunk_sizes), default=0):
                 assert chunk.auto_chunk_size(cpu, width, 64, chunk.TILE_BFLOAT16_PRODUCTS) == size
-    assert chunk.cpu_auto_choice(8) == chunk._CPU_AUTO[max(chunk._CPU_AUTO)]
+    assert chunk.cpu_auto_choice(8) == chunk._CPU_AUTO_TABLE[max(chunk._CPU_AUTO_TABLE)]
     monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: False)
     assert chunk.auto_chunk_size(cpu, 64, 64) == 64
+
+
+def test_auto_table_of_an_avx2_build_takes_chunks_of_16_at_width_128(monkeypatch):
+    """An AVX2-only build (the micro-kernel in 8-lane registers) runs its own rows, which differ from the AVX-512
+    rows at width 128 (16 instead of 32); the build kind follows the CPU's flags."""
+    from fwp_kernels import chunk, cpp_build
+
+    assert chunk._CPU_AUTO_TABLE is (chunk._CPU_AUTO_AVX2 if cpp_build.avx2_only_build() else chunk._CPU_AUTO)
+    monkeypatch.setattr(cpp_build, "native_arch_flags", lambda: (cpp_build.NATIVE_ARCH_FLAG,))
+    for flags, avx2_only in ((("fma", "avx2"), True), (("fma", "avx2", "avx512f"), False), (("avx2",), False)):
+        monkeypatch.setattr(cpp_build, "cpu_flags", lambda flags=flags: flags)
+        assert cpp_build.avx2_only_build() is avx2_only
+        assert cpp_build.widest_avx2_flags() == (("-mprefer-vector-width=256",) if avx2_only else ())
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: ("fma", "avx2"))
+    monkeypatch.setattr(cpp_build, "native_arch_flags", lambda: ())  # not x86-64: no -march=native build
+    assert not cpp_build.avx2_only_build()
+    for threads in (1, 2):
+        assert dict(chunk._CPU_AUTO_AVX2[threads].chunk_sizes) == {64: 16, 128: 16}
+        assert dict(chunk._CPU_AUTO[threads].chunk_sizes) == {64: 16, 128: 32}
+    monkeypatch.setattr(chunk, "_CPU_AUTO_TABLE", chunk._CPU_AUTO_AVX2)
+    monkeypatch.setattr(chunk, "cpu_kernel_available", lambda: True)
+    assert chunk.auto_chunk_size(torch.device("cpu"), 128, 64) == 16
 
 
 @pytest.mark.parametrize("rule", ["delta", "gated"])
