@@ -2,6 +2,7 @@
 
     python benchmarks/bench_stream_builds.py --base 3b09d45
     python benchmarks/bench_stream_builds.py --base HEAD --quick      # small weights, seconds: checks that it runs
+    python benchmarks/bench_stream_builds.py --base HEAD --base_cflags "-O3 -fopenmp -march=native"   # flags only
 
 For a change to the weight-streaming kernel (``linear_rows``: x W^T for the one or two rows of a decode step, which
 every projection of a decode step runs, and the fused block ops' passes with it): float32 and bfloat16 weights of the
@@ -11,7 +12,8 @@ round reads the weights once with ``w.sum()`` (the read bound beside it), then o
 (``bench_kernels.timings``, round-robin: the machine's load and the VM's bandwidth drift hit all alike). Prints GB/s
 of the weights read (medians) and the base / package ratio of median times; the builds' outputs are compared (their
 largest difference relative to the base's largest entry: a change of the sums' order moves the last bits; over
-``--tolerance`` the script stops). Writes benchmarks/results/bench_stream_builds.json (``--out``; ``RunRecord``).
+``--tolerance`` the script stops). The base is built with the package's flags for the file unless ``--base_cflags``
+says otherwise. Writes benchmarks/results/bench_stream_builds.json (``--out``; ``RunRecord``).
 """
 from __future__ import annotations
 
