@@ -822,6 +822,7 @@ README_ROWS: Sequence[Tuple[str, Callable[[Source], List[Row]]]] = (
     ("benchmarks/results/bench_stream_builds_zen1_avx2.json", stream_build_rows),
     ("benchmarks/results/bench_decode_builds_zen1_avx2.json", decode_build_rows),
     ("benchmarks/results/bench_cpu_zen1.json", cpu_limit_rows),
+    ("benchmarks/results/bench_cpu_zen1_avx2_table.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen1.json", decode_rows),
     ("benchmarks/results/bench_cpu_zen5_session57.json", cpu_limit_rows),
     ("benchmarks/results/bench_decode_zen4.json", decode_rows),
