@@ -91,13 +91,12 @@ def main() -> None:
     record = RunRecord.start("python benchmarks/bench_decode_builds.py")
     if not dense._CPU_KERNEL.available():
         raise SystemExit(f"the package's C++ decode_linear kernel is not available: {dense._CPU_KERNEL.describe()}")
-    base_cflags = None if args.base_cflags is None else args.base_cflags.split()
-    ops = {"base": base_ops(args.base, SOURCE, "fwp_dense", "linear_rows",
-                            base_cflags or dense._CPU_KERNEL.extra_cflags),
+    base_cflags = args.base_cflags.split() if args.base_cflags is not None else list(dense._CPU_KERNEL.extra_cflags)
+    ops = {"base": base_ops(args.base, SOURCE, "fwp_dense", "linear_rows", base_cflags),
            "package": dense._CPU_KERNEL.ops}
     steps = 2 if args.quick else args.steps
-    results = {"base": args.base, "tolerance": args.tolerance,
-               "base_cflags": base_cflags or list(dense._CPU_KERNEL.extra_cflags), "package_cflags": list(dense._CPU_KERNEL.extra_cflags), "quick": args.quick, "steps": steps, "cases": {}}
+    results = {"base": args.base, "tolerance": args.tolerance, "base_cflags": base_cflags,
+               "package_cflags": list(dense._CPU_KERNEL.extra_cflags), "quick": args.quick, "steps": steps, "cases": {}}
     threads_before = torch.get_num_threads()
     print(f"ms per token, median (best); base {args.base} / package: ratio of medians, median of per-step ratios")
     for dtype in args.dtypes:

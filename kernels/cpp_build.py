@@ -20,6 +20,7 @@ its source with :func:`register_cpu_kernel` and asks ``kernel.available()`` befo
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -59,29 +60,28 @@ def native_arch_flags() -> Tuple[str, ...]:
     return (NATIVE_ARCH_FLAG,) if platform.machine().lower() in ("x86_64", "amd64") else ()
 
 
-def cpu_identity() -> str:
-    """The building CPU's model and instruction-set flags (Linux: /proc/cpuinfo), what a -march=native build
-    depends on; the platform's processor string elsewhere."""
+@functools.lru_cache(maxsize=None)
+def _cpuinfo() -> Optional[Tuple[Tuple[str, str], ...]]:
+    """/proc/cpuinfo's ``(key, value)`` lines, stripped, read once per process (None where it cannot be read)."""
     try:
         lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
     except OSError:
+        return None
+    return tuple((key.strip(), value.strip()) for key, _, value in (line.partition(":") for line in lines))
+
+
+def cpu_identity() -> str:
+    """The building CPU's model and instruction-set flags (Linux: /proc/cpuinfo), what a -march=native build
+    depends on; the platform's processor string elsewhere."""
+    info = _cpuinfo()
+    if info is None:
         return platform.processor() or platform.machine()
-    wanted = [line.split(":", 1)[1].strip() for line in lines
-              if line.split(":", 1)[0].strip() in ("model name", "flags")]
-    return " | ".join(sorted(set(wanted)))
+    return " | ".join(sorted({value for key, value in info if key in ("model name", "flags")}))
 
 
 def cpu_flags() -> Tuple[str, ...]:
     """The instruction-set flags /proc/cpuinfo lists for the first CPU (``()`` where it cannot be read)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return ()
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return tuple(value.split())
-    return ()
+    return next((tuple(value.split()) for key, value in _cpuinfo() or () if key == "flags"), ())
 
 
 def avx2_only_build() -> bool:
